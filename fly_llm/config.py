@@ -1,0 +1,75 @@
+"""Validated settings shared by the engine, the daemon and the clients (no torch here)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Settings(BaseModel):
+    """Base: unknown fields are errors, so a typo never passes silently."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class FLyConfig(_Settings):
+    """Speculation settings (DESIGN.md §1). `loose=False` is exact, lossless SPD."""
+
+    k: int = Field(15, ge=1, le=64, description="Upper bound on draft tokens per round.")
+    window: int = Field(6, ge=0, le=64, description="Deferred window W; 0 accepts any gated mismatch.")
+    entropy_threshold: float = Field(
+        0.3, ge=0.0, le=20.0, description="Entropy gate θ in nats; <= 0.01 disables the gate."
+    )
+    entropy_measure: Literal["topk", "full"] = Field(
+        "topk", description="'topk': -Σ p log p over the top-k of the full softmax; 'full': full-vocab entropy / log V."
+    )
+    entropy_top_k: int = Field(3, ge=1, le=1000)
+    loose: bool = Field(True, description="FLy's loose acceptance on; off = exact speculative decoding.")
+    ngram: bool = Field(True, description="Run the n-gram prompt-lookup stage in the draft cascade.")
+    max_ngram: int = Field(4, ge=1, le=16)
+    ngram_tokens: int = Field(6, ge=1, le=64, description="Tokens one n-gram proposal copies.")
+    draft_model: bool = Field(True, description="Use the draft model stage when one is loaded.")
+    adaptive: bool = Field(True, description="Adapt K and the stages per request from acceptance history.")
+
+
+class FLyOverrides(_Settings):
+    """Per-request overrides of the daemon's FLyConfig; None keeps the daemon's value."""
+
+    k: int | None = Field(None, ge=1, le=64)
+    window: int | None = Field(None, ge=0, le=64)
+    entropy_threshold: float | None = Field(None, ge=0.0, le=20.0)
+    loose: bool | None = None
+
+    def apply(self, base: FLyConfig) -> FLyConfig:
+        """Return `base` with the fields set here replaced."""
+        return base.model_copy(update=self.model_dump(exclude_none=True))
+
+
+class SamplingParams(_Settings):
+    """How one request is decoded. temperature 0 is greedy."""
+
+    max_tokens: int = Field(256, ge=1, le=1_000_000)
+    temperature: float = Field(0.0, ge=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, stop: list[str]) -> list[str]:
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+
+class ModelSpec(_Settings):
+    """Which models to load and where. target None = the embedded default pair."""
+
+    target: str | None = Field(None, description="HF id, local directory or .gguf file; None = embedded default.")
+    draft: str | None = Field(
+        None, description="HF id, local dir or .gguf; None = the default pair's draft; 'none' = n-gram only."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', …")
+    device_map: str | None = Field(None, description="Passed to accelerate, e.g. 'auto' to spread over GPUs.")

@@ -1,0 +1,76 @@
+"""Speculation counters per request and in total (pure Python: no torch, importable by clients).
+
+Invariant per request: emitted == accepted_native + accepted_loose + rounds - trimmed,
+where each round emits its kept draft prefix plus one target token (correction or bonus),
+and `trimmed` counts tokens cut at the end (max_tokens, EOS, stop strings).
+Plain-decoding rounds (K = 0) count as rounds with nothing drafted.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, computed_field
+
+
+class RequestStats(BaseModel):
+    """Counters for one request, or summed over many (`merge`)."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted_native: int = 0
+    accepted_loose: int = 0
+    emitted: int = 0
+    trimmed: int = 0
+    draft_model_rounds: int = 0
+    drafted_by_position: list[int] = Field(default_factory=list)
+    accepted_by_position: list[int] = Field(default_factory=list)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def mat(self) -> float:
+        """Mean accepted tokens: tokens emitted per target forward (round)."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def loose_rate(self) -> float:
+        """Share of accepted draft tokens that FLy accepted loosely."""
+        accepted = self.accepted_native + self.accepted_loose
+        return self.accepted_loose / accepted if accepted else 0.0
+
+    def record_round(self, drafted: int, native: list[bool], loose: list[bool], accepted: int,
+                     used_draft_model: bool) -> None:
+        """Count one verification round: `accepted` kept draft tokens plus one target token."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.draft_model_rounds += int(used_draft_model)
+        n_loose = sum(loose[:accepted])
+        self.accepted_loose += n_loose
+        self.accepted_native += accepted - n_loose
+        self.emitted += accepted + 1
+        _grow(self.drafted_by_position, drafted)
+        _grow(self.accepted_by_position, accepted)
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+        for i in range(accepted):
+            self.accepted_by_position[i] += 1
+
+    def record_trim(self, n: int) -> None:
+        """Count tokens cut from the end of a round (they were counted as emitted)."""
+        self.trimmed += n
+        self.emitted -= n
+
+    def merge(self, other: "RequestStats") -> None:
+        """Add another request's counters to these."""
+        for name in ("rounds", "drafted", "accepted_native", "accepted_loose", "emitted", "trimmed",
+                     "draft_model_rounds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
+                             (self.accepted_by_position, other.accepted_by_position)):
+            _grow(mine, len(theirs))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+
+def _grow(counts: list[int], n: int) -> None:
+    if len(counts) < n:
+        counts.extend([0] * (n - len(counts)))

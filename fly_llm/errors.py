@@ -1,0 +1,84 @@
+"""One exception hierarchy for the engine, daemon, client and adapters.
+
+Every error has a stable `code` (DESIGN.md §4) that travels on the wire.
+"""
+
+from __future__ import annotations
+
+
+class FLyError(Exception):
+    """Base of every fly-llm error; `code` is stable and machine-readable."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or self.__class__.__doc__ or self.code)
+        self.message = message or (self.__class__.__doc__ or self.code)
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}"
+
+
+class BadRequest(FLyError, ValueError):
+    """The request is malformed or has out-of-range values."""
+
+    code = "BAD_REQUEST"
+
+
+class TooLong(BadRequest):
+    """The prompt (plus max_tokens) does not fit the context window or the limits."""
+
+    code = "TOO_LONG"
+
+
+class Busy(FLyError):
+    """The daemon's admission queue is full; try again later."""
+
+    code = "BUSY"
+
+
+class Timeout(FLyError, TimeoutError):
+    """The request's deadline passed before it finished."""
+
+    code = "TIMEOUT"
+
+
+class Cancelled(FLyError):
+    """The request was cancelled (by the client, or because the daemon is stopping)."""
+
+    code = "CANCELLED"
+
+
+class NotReady(FLyError):
+    """The daemon is still loading models or is draining."""
+
+    code = "NOT_READY"
+
+
+class Internal(FLyError):
+    """An unexpected error inside the daemon."""
+
+    code = "INTERNAL"
+
+
+class FLyUnavailable(FLyError, ConnectionError):
+    """No daemon answered at the endpoint within the timeout."""
+
+    code = "UNAVAILABLE"
+
+
+class ModelError(FLyError):
+    """Models could not be loaded: missing, corrupted, checksum or vocabulary mismatch."""
+
+    code = "MODEL_ERROR"
+
+
+_BY_CODE: dict[str, type[FLyError]] = {
+    cls.code: cls
+    for cls in (BadRequest, TooLong, Busy, Timeout, Cancelled, NotReady, Internal, FLyUnavailable, ModelError)
+}
+
+
+def error_from_code(code: str, message: str) -> FLyError:
+    """Rebuild the exception for a wire error code (unknown codes become Internal)."""
+    return _BY_CODE.get(code, Internal)(message)

@@ -1,0 +1,238 @@
+"""Wire messages between clients and the daemon (DESIGN.md §4): pydantic models as JSON, never pickle.
+
+Every frame is one JSON object with the protocol version `v`, a message `kind` and a request `id`
+chosen by the client. One DEALER socket carries many concurrent requests; replies carry the id of
+the request they answer. Requests: generate, cancel, heartbeat, info, health, status, tokenize.
+Replies: chunk (streamed text), result, error, info, health, status, tokenize.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from fly_llm.config import FLyConfig, FLyOverrides, SamplingParams
+from fly_llm.decoding.stats import RequestStats
+from fly_llm.errors import BadRequest
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+"""Default cap on one frame; the daemon may configure a smaller one."""
+
+RequestId = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    v: Literal[1] = PROTOCOL_VERSION
+    id: RequestId
+
+
+class ChatMessage(BaseModel):
+    """One chat turn; the daemon renders a list of them with the target's chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+# ---- requests (client → daemon) ----
+
+class GenerateRequest(_Message):
+    """Generate from a prompt string or from chat messages (exactly one of them)."""
+
+    kind: Literal["generate"] = "generate"
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    fly: FLyOverrides = Field(default_factory=FLyOverrides)
+    stream: bool = False
+    timeout_s: float | None = Field(None, gt=0, le=86_400, description="Deadline from admission.")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "GenerateRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+
+class CancelRequest(_Message):
+    """Cancel the in-flight request whose id is `id`."""
+
+    kind: Literal["cancel"] = "cancel"
+
+
+class HeartbeatRequest(_Message):
+    """The client is still waiting for the requests in `ids` (sent while streams are open)."""
+
+    kind: Literal["heartbeat"] = "heartbeat"
+    ids: list[RequestId] = Field(default_factory=list, max_length=4096)
+
+
+class InfoRequest(_Message):
+    kind: Literal["info"] = "info"
+
+
+class HealthRequest(_Message):
+    kind: Literal["health"] = "health"
+
+
+class StatusRequest(_Message):
+    kind: Literal["status"] = "status"
+
+
+class TokenizeRequest(_Message):
+    """Count/encode text (or chat messages through the chat template) with the daemon's tokenizer."""
+
+    kind: Literal["tokenize"] = "tokenize"
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.text is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'text' or 'messages'")
+        return self
+
+
+Request = Annotated[
+    Union[GenerateRequest, CancelRequest, HeartbeatRequest, InfoRequest, HealthRequest, StatusRequest,
+          TokenizeRequest],
+    Field(discriminator="kind"),
+]
+
+# ---- replies (daemon → client) ----
+
+FinishReason = Literal["stop", "length"]
+"""'stop': EOS or a stop string; 'length': max_tokens reached."""
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TokenChunk(_Message):
+    """New text of a streamed request (stop strings already held back / removed)."""
+
+    kind: Literal["chunk"] = "chunk"
+    text: str
+    token_ids: list[int] = Field(default_factory=list)
+
+
+class GenerateResult(_Message):
+    """The final answer to a generate request (streamed or not)."""
+
+    kind: Literal["result"] = "result"
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    stats: RequestStats = Field(default_factory=RequestStats)
+    model: str = ""
+    time_to_first_token_s: float | None = None
+    elapsed_s: float = 0.0
+
+
+class ErrorReply(_Message):
+    """A request failed; `code` is one of fly_llm.errors' stable codes."""
+
+    kind: Literal["error"] = "error"
+    code: str
+    message: str
+
+
+class InfoReply(_Message):
+    kind: Literal["info"] = "info"
+    version: str
+    protocol: int = PROTOCOL_VERSION
+    target: str
+    draft: str | None
+    context_window: int
+    max_tokens_limit: int
+    max_prompt_tokens: int
+    device: str
+    dtype: str
+    fly_defaults: FLyConfig
+    sampling_defaults: SamplingParams
+
+
+HealthState = Literal["loading", "ready", "draining", "failed"]
+
+
+class HealthReply(_Message):
+    kind: Literal["health"] = "health"
+    state: HealthState
+    detail: str = ""
+
+
+class StatusReply(_Message):
+    """What `fly-daemon status` prints: state, models, load and acceptance so far."""
+
+    kind: Literal["status"] = "status"
+    state: HealthState
+    pid: int
+    uptime_s: float
+    target: str | None = None
+    draft: str | None = None
+    queue_depth: int = 0
+    active: int = 0
+    max_batch_size_seen: int = 0
+    requests_total: int = 0
+    tokens_generated: int = 0
+    tokens_per_s: float = 0.0
+    stats: RequestStats = Field(default_factory=RequestStats)
+
+
+class TokenizeReply(_Message):
+    kind: Literal["tokenize"] = "tokenize"
+    token_ids: list[int]
+    count: int
+
+
+Reply = Annotated[
+    Union[TokenChunk, GenerateResult, ErrorReply, InfoReply, HealthReply, StatusReply, TokenizeReply],
+    Field(discriminator="kind"),
+]
+
+_REQUEST = TypeAdapter(Request)
+_REPLY = TypeAdapter(Reply)
+
+
+def encode(message: BaseModel) -> bytes:
+    """Serialise one message to a JSON frame."""
+    return message.model_dump_json().encode()
+
+
+def decode_request(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> GenerateRequest | CancelRequest | \
+        HeartbeatRequest | InfoRequest | HealthRequest | StatusRequest | TokenizeRequest:
+    """Parse a client frame; raises BadRequest (never anything else) on any malformed input."""
+    if len(frame) > max_bytes:
+        raise BadRequest(f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
+    try:
+        return _REQUEST.validate_json(frame)
+    except ValidationError as exc:
+        raise BadRequest(_describe(exc)) from None
+
+
+def decode_reply(frame: bytes) -> TokenChunk | GenerateResult | ErrorReply | InfoReply | HealthReply | \
+        StatusReply | TokenizeReply:
+    """Parse a daemon frame; raises BadRequest if the daemon sent something unreadable."""
+    try:
+        return _REPLY.validate_json(frame)
+    except ValidationError as exc:
+        raise BadRequest(f"unreadable reply from daemon: {_describe(exc)}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ())) or "frame"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)

@@ -1,0 +1,13 @@
+"""Shared fixtures: tiny model pairs built locally (see tiny_models.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tmp_path_factory):
+    """(target_dir, draft_dir) of a tiny Llama pair saved to disk, shared by the session."""
+    from tiny_models import save_tiny_pair
+
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny_llama"), "llama")

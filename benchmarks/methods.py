@@ -1,0 +1,195 @@
+"""The decoding methods compared by fly-bench, and running one prompt with one of them.
+
+All methods decode greedily from the same prompt token ids with the same models in the same
+process: Hugging Face `generate` (target only, assisted generation with the draft, prompt lookup)
+and our FLyEngine with per-request FLyConfig variants (exact SPD, FLy defaults, ablations).
+Tokens per target forward (MAT) is counted the same way for every method, by a forward hook on
+the target's decoder.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.decoding.stats import RequestStats
+
+PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclass(frozen=True)
+class Method:
+    """A named way to decode: HF `generate` with extra kwargs, or FLyEngine with a FLyConfig."""
+
+    name: str
+    description: str
+    kind: Literal["hf", "engine"]
+    hf_kwargs: dict[str, Any] = field(default_factory=dict)
+    fly: FLyConfig | None = None
+
+    def settings(self) -> dict[str, Any]:
+        """JSON-ready description of what this method runs."""
+        if self.kind == "engine":
+            return {"engine": "FLyEngine", "fly": self.fly.model_dump()}
+        return {"engine": "transformers.generate",
+                **{k: ("<draft model>" if k == "assistant_model" else v) for k, v in self.hf_kwargs.items()}}
+
+
+def _fly_variants() -> list[Method]:
+    base = FLyConfig()
+    variants = [
+        Method("spd", "our exact speculative decoding (cascade on, FLy off)", "engine",
+               fly=base.model_copy(update={"loose": False})),
+        Method("fly", "FLy with the default settings", "engine", fly=base),
+    ]
+    ablations = [(f"fly-w{w}", f"FLy, deferred window W={w}", {"window": w}) for w in (0, 4, 6)] + [
+        ("fly-no-gate", "FLy, entropy gate off", {"entropy_threshold": 0.0}),
+        ("fly-model-only", "FLy, cascade off: draft model only, no n-gram stage", {"ngram": False}),
+        ("fly-ngram-only", "FLy, n-gram stage only, no draft model", {"draft_model": False}),
+    ]
+    for name, description, update in ablations:
+        config = base.model_copy(update=update)
+        if config != base:  # an ablation equal to the defaults is method "fly" itself
+            variants.append(Method(name, description, "engine", fly=config))
+    return variants
+
+
+HF_METHODS = ["target", "assisted", "lookup"]
+MAIN_METHODS = HF_METHODS + ["spd", "fly"]
+
+
+def all_methods() -> dict[str, Method]:
+    """Every method by name: (a)–(e) first, then the ablations."""
+    methods = [
+        Method("target", "target only, greedy (HF generate)", "hf"),
+        Method("assisted", "HF assisted generation with the same draft", "hf",
+               {"assistant_model": "draft"}),
+        Method("lookup", f"HF prompt-lookup decoding ({PROMPT_LOOKUP_TOKENS} tokens)", "hf",
+               {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
+        *_fly_variants(),
+    ]
+    return {m.name: m for m in methods}
+
+
+@dataclass
+class Run:
+    """One prompt decoded by one method."""
+
+    token_ids: list[int]
+    seconds: float
+    ttft: float
+    target_forwards: int
+    stats: RequestStats | None = None
+
+
+class _FirstToken(BaseStreamer):
+    """Streamer that records when `generate` hands out its first new token."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.at is None:  # call 1 is the prompt
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        """Nothing to flush."""
+
+
+class Runner:
+    """Runs methods on prompt token ids with one loaded target/draft pair (and engine, lazily)."""
+
+    def __init__(self, target: torch.nn.Module, tokenizer: Any, draft: torch.nn.Module | None,
+                 max_tokens: int) -> None:
+        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        self.max_tokens = max_tokens
+        self.eos_ids = _eos_ids(target, tokenizer)
+        self._engine = None
+        self._forwards = 0
+        target.get_decoder().register_forward_hook(self._count_forward)
+
+    def _count_forward(self, *_: Any) -> None:
+        self._forwards += 1
+
+    def needs_draft(self, method: Method) -> bool:
+        """Whether `method` can only run with a draft model."""
+        if method.kind == "hf":
+            return "assistant_model" in method.hf_kwargs
+        return not method.fly.ngram
+
+    @property
+    def engine(self):
+        """The FLyEngine over the same models, built on first use."""
+        if self._engine is None:
+            from fly_llm.decoding.engine import FLyEngine
+
+            self._engine = FLyEngine(self.target, self.tokenizer, self.draft, FLyConfig())
+        return self._engine
+
+    def run(self, method: Method, prompt_ids: list[int], max_tokens: int | None = None) -> Run:
+        """Decode `prompt_ids` greedily with `method`; time it and count target forwards."""
+        max_tokens = max_tokens or self.max_tokens
+        self._forwards = 0
+        with torch.inference_mode():
+            if method.kind == "hf":
+                run = self._run_hf(method, prompt_ids, max_tokens)
+            else:
+                run = self._run_engine(method, prompt_ids, max_tokens)
+        run.target_forwards = self._forwards
+        run.token_ids = self._strip_eos(run.token_ids)
+        return run
+
+    def _run_hf(self, method: Method, prompt_ids: list[int], max_tokens: int) -> Run:
+        kwargs = dict(method.hf_kwargs)
+        if "assistant_model" in kwargs:
+            kwargs["assistant_model"] = self.draft
+        streamer = _FirstToken()
+        input_ids = torch.tensor([prompt_ids], device=self.target.device)
+        start = time.perf_counter()
+        out = self.target.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+            max_new_tokens=max_tokens, eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0],
+            streamer=streamer, **kwargs)
+        seconds = time.perf_counter() - start
+        ttft = (streamer.at or time.perf_counter()) - start
+        return Run(out[0, len(prompt_ids):].tolist(), seconds, ttft, 0)
+
+    def _run_engine(self, method: Method, prompt_ids: list[int], max_tokens: int) -> Run:
+        engine = self.engine
+        request_id = f"bench-{time.perf_counter_ns()}"
+        tokens: list[int] = []
+        ttft: float | None = None
+        stats = RequestStats()
+        start = time.perf_counter()
+        engine.add_request(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens), fly=method.fly)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id != request_id:
+                    continue
+                if out.new_token_ids and ttft is None:
+                    ttft = time.perf_counter() - start
+                tokens.extend(out.new_token_ids)
+                stats = out.stats
+        seconds = time.perf_counter() - start
+        return Run(tokens, seconds, ttft if ttft is not None else seconds, 0, stats.model_copy(deep=True))
+
+    def _strip_eos(self, ids: list[int]) -> list[int]:
+        while ids and ids[-1] in self.eos_ids:
+            ids = ids[:-1]
+        return ids
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+    """End-of-sequence ids: the model's generation config's, plus the tokenizer's."""
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids = [configured] if isinstance(configured, int) else list(configured or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,186 @@
+"""Turning per-item runs into figures: the summary per (dataset, method), JSON, Markdown and plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fly_llm.decoding.stats import RequestStats
+
+REFERENCE = "target"
+METRIC_NAMES = {"humaneval": "pass@1", "gsm8k": "exact match"}
+
+
+@dataclass
+class ItemResult:
+    """One item decoded by one method, scored."""
+
+    item_id: str
+    tokens: int
+    seconds: float
+    ttft_s: float
+    target_forwards: int
+    passed: bool
+    token_ids: list[int]
+    text: str
+    stats: dict[str, Any] | None = None
+
+
+def summarize(dataset: str, method: str, items: list[ItemResult],
+              reference: list[ItemResult] | None) -> dict[str, Any]:
+    """Every figure for one method on one dataset; `reference` is target-only on the same items."""
+    tokens = sum(r.tokens for r in items)
+    seconds = sum(r.seconds for r in items)
+    forwards = sum(r.target_forwards for r in items)
+    metric = _mean([r.passed for r in items])
+    stats = _merged_stats(items)
+    summary: dict[str, Any] = {
+        "dataset": dataset, "method": method, "items": len(items), "tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "ttft_s": _mean([r.ttft_s for r in items]),
+        "target_forwards": forwards,
+        "mat": tokens / forwards if forwards else 0.0,
+        "loose_rate": stats.loose_rate if stats else 0.0,
+        "acceptance_by_position": _acceptance_by_position(stats),
+        "engine_stats": stats.model_dump() if stats else None,
+        "metric_name": METRIC_NAMES.get(dataset, "score"),
+        "metric": metric,
+        "speedup": None, "retention": None, "flipped": None, "agreement": None,
+    }
+    if reference is not None:
+        by_id = {r.item_id: r for r in reference}
+        ref_speed = _tokens_per_s(reference)
+        ref_metric = _mean([r.passed for r in reference])
+        summary["speedup"] = summary["tokens_per_s"] / ref_speed if ref_speed else None
+        summary["retention"] = metric / ref_metric if ref_metric else None
+        summary["flipped"] = _mean([r.passed != by_id[r.item_id].passed for r in items])
+        summary["agreement"] = _mean([r.token_ids == by_id[r.item_id].token_ids for r in items])
+    summary["per_item"] = [asdict(r) for r in items]
+    return summary
+
+
+def _mean(values: list[float | bool]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _tokens_per_s(items: list[ItemResult]) -> float:
+    seconds = sum(r.seconds for r in items)
+    return sum(r.tokens for r in items) / seconds if seconds else 0.0
+
+
+def _merged_stats(items: list[ItemResult]) -> RequestStats | None:
+    if not any(r.stats for r in items):
+        return None
+    total = RequestStats()
+    for r in items:
+        if r.stats:
+            total.merge(RequestStats.model_validate(
+                {k: v for k, v in r.stats.items() if k in RequestStats.model_fields}))
+    return total
+
+
+def _acceptance_by_position(stats: RequestStats | None) -> list[float] | None:
+    """Share of drafted tokens accepted, per draft position (1-based position i at index i-1)."""
+    if stats is None:
+        return None
+    return [a / d if d else 0.0 for a, d in zip(stats.accepted_by_position, stats.drafted_by_position)]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The results as Markdown: one table per dataset, then the command and environment."""
+    env = report["environment"]
+    lines = [
+        "# fly-bench results", "",
+        f"`{report['command']}`", "",
+        f"Target `{env['target']}`, draft `{env['draft']}`, {env['dtype']} on {env['device']} "
+        f"({env['threads']} threads, {env['cpu']}); greedy, chat template, max {report['settings']['max_tokens']} "
+        f"new tokens; commit `{env['git_commit']}`; {report['created']}.", "",
+    ]
+    for dataset in report["settings"]["datasets"]:
+        rows = [s for s in report["results"] if s["dataset"] == dataset]
+        if not rows:
+            continue
+        lines += [
+            f"## {dataset} ({rows[0]['items']} items, {rows[0]['metric_name']})", "",
+            "| method | tok/s | speedup | MAT | loose rate | TTFT s | metric | retention | flipped vs target "
+            "| identical to target |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for s in rows:
+            lines.append(
+                f"| {s['method']} | {s['tokens_per_s']:.2f} | {_fmt(s['speedup'], '.2f')}× | {s['mat']:.2f} "
+                f"| {s['loose_rate']:.1%} | {s['ttft_s']:.2f} | {s['metric']:.1%} | {_fmt(s['retention'], '.1%')} "
+                f"| {_fmt(s['flipped'], '.0%')} | {_fmt(s['agreement'], '.0%')} |")
+        lines.append("")
+    lines += ["Methods:", ""]
+    lines += [f"- `{name}`: {m['description']}" for name, m in report["methods"].items()]
+    lines += ["", "MAT = generated tokens per target forward pass (prefill included). Speedup, retention "
+              "(metric / target's metric), flipped (share of items whose pass/fail differs) and identical "
+              "(share of items with the target's exact tokens) compare with `target` on the same items.", ""]
+    return "\n".join(lines)
+
+
+def write(report: dict[str, Any], out: Path) -> list[Path]:
+    """Write results.json, results.md and the PNG plots under `out`; return the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / "results.json", out / "results.md"
+    json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    md_path.write_text(markdown(report), encoding="utf-8")
+    return [json_path, md_path, *plot(report, out)]
+
+
+def plot(report: dict[str, Any], out: Path) -> list[Path]:
+    """PNG plots: speedup, MAT and quality retention per method and dataset; acceptance by position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    datasets = [d for d in report["settings"]["datasets"] if any(s["dataset"] == d for s in results)]
+    methods = list(dict.fromkeys(s["method"] for s in results))
+    paths = []
+    for key, title, ylabel, ref_line in (
+        ("speedup", "Speedup vs target-only greedy", "× target-only tok/s", 1.0),
+        ("mat", "Tokens per target forward (MAT)", "tokens", 1.0),
+        ("retention", "Quality retention vs target-only", "metric / target's metric", 1.0),
+    ):
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(methods) * max(1, len(datasets))), 4))
+        width = 0.8 / max(1, len(datasets))
+        for j, dataset in enumerate(datasets):
+            by_method = {s["method"]: s for s in results if s["dataset"] == dataset}
+            values = [by_method[m][key] if m in by_method and by_method[m][key] is not None else 0.0
+                      for m in methods]
+            xs = [i + (j - (len(datasets) - 1) / 2) * width for i in range(len(methods))]
+            bars = ax.bar(xs, values, width, label=dataset)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.axhline(ref_line, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
+        ax.set(title=title, ylabel=ylabel)
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out / f"{key}.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in results:
+        if s["acceptance_by_position"]:
+            rates = s["acceptance_by_position"]
+            ax.plot(range(1, len(rates) + 1), rates, marker=".", label=f"{s['method']} / {s['dataset']}")
+    ax.set(title="Acceptance by draft position (engine methods)", xlabel="draft position",
+           ylabel="accepted / drafted", ylim=(0, 1.05))
+    if ax.lines:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "acceptance.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths

@@ -21,6 +21,8 @@ MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Default cap on one frame; the daemon may configure a smaller one."""
 
 RequestId = Annotated[str, Field(min_length=1, max_length=128)]
+UNKNOWN_ID = "-"
+"""The id of an ErrorReply to a frame whose own id could not be read."""
 
 
 class _Message(BaseModel):
@@ -68,7 +70,11 @@ class CancelRequest(_Message):
 
 
 class HeartbeatRequest(_Message):
-    """The client is still waiting for the requests in `ids` (sent while streams are open)."""
+    """The client is still waiting for the requests in `ids` (sent while requests are open).
+
+    The daemon answers each heartbeat with a HealthReply carrying the heartbeat's own `id`, so a
+    client learns that the daemon is alive even while a long request produces nothing yet.
+    """
 
     kind: Literal["heartbeat"] = "heartbeat"
     ids: list[RequestId] = Field(default_factory=list, max_length=4096)

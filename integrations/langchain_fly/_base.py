@@ -1,0 +1,143 @@
+"""What FLyLLM and ChatFLy share: the declared fields, the daemon clients, options and metadata.
+
+Built only on `fly_llm.client` (no torch): the models run in the fly daemon, these classes talk to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.language_models import LangSmithParams
+from langchain_core.messages.ai import UsageMetadata
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
+from typing_extensions import Self
+
+from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
+from fly_llm.config import FLyOverrides, SamplingParams
+from fly_llm.protocol import GenerateResult
+
+OPTION_NAMES = ("temperature", "top_p", "max_tokens", "seed", "k", "window", "entropy_threshold", "loose")
+"""Request options a call may override as keyword arguments (`invoke(..., max_tokens=20)`)."""
+
+
+def merge_stops(instance: list[str] | None, call: list[str] | None) -> list[str]:
+    """The stop strings of one call: the instance's, then the call's, without repeats.
+
+    `stop=[]` in the call means no stop strings at all (it clears the instance's list).
+    """
+    if call is not None and not call:
+        return []
+    return list(dict.fromkeys([*(instance or []), *(call or [])]))
+
+
+class FLyBase(BaseModel):
+    """Fields and daemon plumbing shared by `FLyLLM` and `ChatFLy` (a mixin, listed first).
+
+    Every option left at None uses the daemon's default.
+    """
+
+    endpoint: str = Field(default_factory=default_endpoint)
+    """ZeroMQ endpoint of the fly daemon; default `$FLY_ENDPOINT`, else the local ipc socket."""
+    model: str | None = None
+    """Informational: the daemon serves one model pair; answers report the served target's name."""
+    temperature: float | None = None
+    """Sampling temperature; 0 is greedy."""
+    top_p: float | None = None
+    """Nucleus sampling mass."""
+    max_tokens: int | None = None
+    """Most tokens to generate per request."""
+    stop: list[str] | None = None
+    """Stop strings; merged with the call's `stop` (a call's `stop=[]` clears them)."""
+    seed: int | None = None
+    """Seed for reproducible sampling."""
+    timeout: float | None = None
+    """Seconds to wait for the daemon per request (None: the client's default, 120 s)."""
+    max_retries: int = 2
+    """Retries when the daemon is busy or does not answer."""
+    streaming: bool = False
+    """Generate through the streaming path even on `invoke` (token callbacks fire)."""
+    k: int | None = None
+    """FLy: most draft tokens per round."""
+    window: int | None = None
+    """FLy: deferred window W (0 accepts any mismatch that passes the entropy gate)."""
+    entropy_threshold: float | None = None
+    """FLy: entropy gate θ in nats (<= 0.01 disables the gate)."""
+    loose: bool | None = None
+    """FLy: loose acceptance on; False is exact (lossless) speculative decoding."""
+
+    _client: FLyClient = PrivateAttr()
+    _async_client: AsyncFLyClient = PrivateAttr()
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """Serialisable with `langchain_core.load.dumpd` (the clients are rebuilt on load)."""
+        return True
+
+    @model_validator(mode="after")
+    def _make_clients(self) -> Self:
+        """Create the daemon clients (they connect lazily, on the first request)."""
+        settings: dict[str, Any] = {"endpoint": self.endpoint, "max_retries": self.max_retries}
+        if self.timeout is not None:
+            settings["timeout"] = self.timeout
+        self._client = FLyClient(**settings)
+        self._async_client = AsyncFLyClient(**settings)
+        return self
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        """What tells two configurations apart (tracing, caching)."""
+        options = {name: getattr(self, name) for name in OPTION_NAMES}
+        return {"endpoint": self.endpoint, "model": self.model, "stop": self.stop, **options}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        """Standard tracing parameters, with provider `fly`."""
+        params = super()._get_ls_params(stop=stop, **kwargs)  # type: ignore[misc]
+        params["ls_provider"] = "fly"
+        params["ls_model_name"] = kwargs.get("model") or self.model or "fly"
+        if stops := merge_stops(self.stop, stop):
+            params["ls_stop"] = stops
+        return params
+
+    def _request_options(self, stop: list[str] | None,
+                         kwargs: dict[str, Any]) -> tuple[SamplingParams, FLyOverrides, float | None]:
+        """(sampling, FLy overrides, timeout) for one call: call kwargs override the fields."""
+        requested = kwargs.get("model")
+        if requested is not None and requested != self.model:
+            raise ValueError(
+                f"{type(self).__name__} cannot switch models per call: the daemon at {self.endpoint} serves "
+                f"one model pair. Start a daemon with `fly-daemon start --target {requested}` and point "
+                f"`endpoint` at it.")
+        unknown = set(kwargs) - {*OPTION_NAMES, "model", "stream", "timeout"}
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; accepted: {', '.join(OPTION_NAMES)}, timeout")
+        options = {name: kwargs.get(name, getattr(self, name)) for name in OPTION_NAMES}
+        sampling, fly = build_options(stop=merge_stops(self.stop, stop), **options)
+        return sampling, fly, kwargs.get("timeout", self.timeout)
+
+    def _model_name(self, result: GenerateResult) -> str:
+        return result.model or self.model or "fly"
+
+    def _response_metadata(self, result: GenerateResult) -> dict[str, Any]:
+        """model_name, finish_reason and the FLy counters of one finished request."""
+        stats = result.stats
+        return {
+            "model_name": self._model_name(result),
+            "finish_reason": result.finish_reason,
+            "fly_stats": {
+                "mat": stats.mat,
+                "accepted_loose": stats.accepted_loose,
+                "accepted_native": stats.accepted_native,
+                "loose_rate": stats.loose_rate,
+                "rounds": stats.rounds,
+                "drafted": stats.drafted,
+            },
+            "time_to_first_token_s": result.time_to_first_token_s,
+            "elapsed_s": result.elapsed_s,
+        }
+
+
+def usage_metadata(result: GenerateResult) -> UsageMetadata:
+    """LangChain's usage record for one finished request."""
+    usage = result.usage
+    return UsageMetadata(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                         total_tokens=usage.total_tokens)

@@ -25,7 +25,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from fly_llm.client import AsyncFLyClient, FLyClient, build_options
+from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
 from fly_llm.protocol import GenerateResult, InfoReply, TokenChunk
 
 _OPTIONS = ("temperature", "top_p", "max_tokens", "stop", "seed", "k", "window", "entropy_threshold", "loose")
@@ -55,18 +55,21 @@ class FLyLLM(LLM):
     `chat`/`stream_chat` render the messages with the target model's chat template (this is what
     query engines use: `is_chat_model=True`); `complete`/`stream_complete` send the prompt as raw
     text. Option fields left at None take the daemon's defaults; every call may override them as
-    keyword arguments, e.g. `llm.complete(prompt, max_tokens=32, stop=["\\n\\n"])`.
+    keyword arguments, e.g. `llm.complete(prompt, max_tokens=32, stop=["\\n\\n"])` (a call's value
+    replaces the field's, `stop` included); unknown keywords are a TypeError.
     """
 
-    endpoint: str | None = Field(
-        default=None, description="Daemon endpoint; None = $FLY_ENDPOINT or the default ipc socket."
+    endpoint: str = Field(
+        default_factory=default_endpoint, description="Daemon endpoint; default $FLY_ENDPOINT, else the local ipc socket."
     )
     temperature: float | None = Field(default=None, ge=0.0, description="Sampling temperature; 0 is greedy.")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate per call.")
     stop: list[str] | None = Field(default=None, description="Stop strings (not included in the output).")
     seed: int | None = Field(default=None, ge=0, description="Seed for reproducible sampling.")
-    timeout: float = Field(default=120.0, gt=0, description="Seconds to wait for the daemon per request.")
+    timeout: float | None = Field(
+        default=None, gt=0, description="Seconds to wait for the daemon per request (None: the client's 120 s)."
+    )
     max_retries: int = Field(default=2, ge=0, description="Retries when the daemon is busy or unreachable.")
     k: int | None = Field(default=None, ge=1, description="FLy: most draft tokens per round.")
     window: int | None = Field(default=None, ge=0, description="FLy: deferred window W (0 = accept any gated mismatch).")
@@ -83,17 +86,23 @@ class FLyLLM(LLM):
 
     @property
     def client(self) -> FLyClient:
-        """The synchronous client, created on first use."""
+        """The synchronous client, created on first use (it connects lazily)."""
         if self._client is None:
-            self._client = FLyClient(self.endpoint, timeout=self.timeout, max_retries=self.max_retries)
+            self._client = FLyClient(**self._client_settings())
         return self._client
 
     @property
     def async_client(self) -> AsyncFLyClient:
-        """The asynchronous client, created on first use."""
+        """The asynchronous client, created on first use (a socket per event loop)."""
         if self._async_client is None:
-            self._async_client = AsyncFLyClient(self.endpoint, timeout=self.timeout, max_retries=self.max_retries)
+            self._async_client = AsyncFLyClient(**self._client_settings())
         return self._async_client
+
+    def _client_settings(self) -> dict[str, Any]:
+        settings: dict[str, Any] = {"endpoint": self.endpoint, "max_retries": self.max_retries}
+        if self.timeout is not None:
+            settings["timeout"] = self.timeout
+        return settings
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -115,9 +124,12 @@ class FLyLLM(LLM):
         return payload
 
     def _request(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Sampling and FLy options for one call: the fields, overridden by the call's keywords."""
+        """Sampling, FLy options and timeout of one call: the fields, overridden by the call's keywords."""
+        unknown = set(kwargs) - {*_OPTIONS, "timeout"}
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; accepted: {', '.join(_OPTIONS)}, timeout")
         sampling, fly = build_options(**{name: kwargs.get(name, getattr(self, name)) for name in _OPTIONS})
-        return {"sampling": sampling, "fly": fly}
+        return {"sampling": sampling, "fly": fly, "timeout": kwargs.get("timeout", self.timeout)}
 
     def _prompt(self, prompt: str, formatted: bool) -> str:
         return prompt if formatted else self.completion_to_prompt(prompt)

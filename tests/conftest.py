@@ -11,3 +11,13 @@ def tiny_pair_dirs(tmp_path_factory):
     from tiny_models import save_tiny_pair
 
     return save_tiny_pair(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_daemon(tiny_pair_dirs, tmp_path_factory):
+    """Endpoint (ipc://…) of a fly-daemon subprocess serving the tiny pair in float32; stopped at the end."""
+    from daemon_process import start_daemon
+
+    daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("tiny_daemon"), "d", "--max-batch-size", "32")
+    yield daemon.endpoint
+    daemon.stop()

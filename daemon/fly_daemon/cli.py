@@ -1,0 +1,303 @@
+"""`fly-daemon start | stop | status | generate`: run and use the daemon from a shell, like ollama.
+
+    fly-daemon start                  # the embedded default pair, detached; prints where and when ready
+    fly-daemon start --foreground --target DIR --draft DIR --endpoint ipc:///tmp/fly.sock
+    fly-daemon status                 # state, models, uptime, queue, batch, throughput, acceptance
+    fly-daemon generate "def fib(n):" # streams to the terminal
+    fly-daemon stop                   # graceful: running requests finish within --drain-timeout
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fly_llm.client import FLyClient, build_options, default_endpoint
+from fly_llm.config import FLyConfig, ModelSpec
+from fly_llm.errors import FLyError, FLyUnavailable
+from fly_llm.protocol import MAX_FRAME_BYTES, GenerateResult
+
+from fly_daemon.runtime import AlreadyRunning, check_endpoint, daemon_files, running_pid
+from fly_daemon.scheduler import Limits
+
+_LIMIT_DEFAULTS = Limits()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `fly-daemon` command."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fly-daemon", description="FLy speculative decoding, served locally.")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    start = sub.add_parser("start", help="start the daemon (detached unless --foreground)")
+    _endpoint_arg(start)
+    models = start.add_argument_group("models")
+    models.add_argument("--target", help="HF id, local directory or .gguf (default: the embedded pair)")
+    models.add_argument("--draft", help="HF id, local directory, .gguf, or 'none' for n-gram drafting only")
+    models.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
+    models.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'cuda:1', …")
+    models.add_argument("--device-map", help="passed to accelerate, e.g. 'auto' to spread over GPUs")
+    fly = start.add_argument_group("FLy (defaults for every request; requests may override k, window, θ, loose)")
+    fly.add_argument("--k", type=int, help="upper bound on draft tokens per round")
+    fly.add_argument("--window", type=int, help="deferred window W (0: accept any gated mismatch)")
+    fly.add_argument("--entropy-threshold", type=float, help="entropy gate θ in nats (<= 0.01: off)")
+    fly.add_argument("--no-loose", action="store_true", help="exact speculative decoding (lossless)")
+    fly.add_argument("--no-ngram", action="store_true", help="no n-gram prompt-lookup stage")
+    serve = start.add_argument_group("serving")
+    serve.add_argument("--queue-size", type=int, default=_LIMIT_DEFAULTS.queue_size)
+    serve.add_argument("--max-batch-size", type=int, default=_LIMIT_DEFAULTS.max_batch_size)
+    serve.add_argument("--max-batch-tokens", type=int, default=_LIMIT_DEFAULTS.max_batch_tokens,
+                       help="cap on the sum of prompt + max_tokens over the running batch")
+    serve.add_argument("--max-tokens-limit", type=int, default=_LIMIT_DEFAULTS.max_tokens,
+                       help="largest max_tokens a request may ask for")
+    serve.add_argument("--max-prompt-tokens", type=int, help="default: the context window - 1")
+    serve.add_argument("--max-frame-bytes", type=int, default=MAX_FRAME_BYTES)
+    serve.add_argument("--heartbeat-timeout", type=float, default=_LIMIT_DEFAULTS.heartbeat_timeout_s,
+                       help="cancel a request whose client sent no heartbeat for this long (0: never)")
+    serve.add_argument("--drain-timeout", type=float, default=_LIMIT_DEFAULTS.drain_timeout_s,
+                       help="on stop, running requests get this long to finish")
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    serve.add_argument("--curve-secret-key", type=Path, help="server certificate (zmq.auth) for a tcp bind")
+    serve.add_argument("--curve-clients", type=Path, help="directory of allowed client public certificates")
+    start.add_argument("--foreground", action="store_true", help="stay attached; log to the terminal")
+    start.add_argument("--wait", type=float, default=900.0, help="detached: seconds to wait for 'ready'")
+    start.add_argument("-v", "--verbose", action="store_true")
+    start.set_defaults(func=_start)
+
+    stop = sub.add_parser("stop", help="stop the daemon gracefully")
+    _endpoint_arg(stop)
+    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to exit")
+    stop.set_defaults(func=_stop)
+
+    status = sub.add_parser("status", help="state, models, load and acceptance of the daemon")
+    _endpoint_arg(status)
+    status.add_argument("--json", action="store_true", help="print the raw status reply")
+    status.set_defaults(func=_status)
+
+    gen = sub.add_parser("generate", help="stream a completion to the terminal")
+    _endpoint_arg(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--max-tokens", type=int)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--k", type=int)
+    gen.add_argument("--window", type=int)
+    gen.add_argument("--entropy-threshold", type=float)
+    gen.add_argument("--no-loose", action="store_true")
+    gen.add_argument("--timeout", type=float, default=600.0)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def _endpoint_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--endpoint", help="ipc:///path.sock or tcp://127.0.0.1:PORT (default: $FLY_ENDPOINT "
+                                           "or an ipc socket in the private runtime directory)")
+
+
+# ---- start ----
+
+def _start(args: argparse.Namespace) -> int:
+    endpoint = args.endpoint or default_endpoint()
+    try:
+        check_endpoint(endpoint)
+    except ValueError as exc:
+        print(f"fly-daemon: {exc}", file=sys.stderr)
+        return 2
+    pid = running_pid(endpoint)
+    if pid is not None:
+        print(f"fly-daemon: already running at {endpoint} (pid {pid}); `fly-daemon stop` first", file=sys.stderr)
+        return 1
+    return _serve(args, endpoint) if args.foreground else _detach(args, endpoint)
+
+
+def _serve(args: argparse.Namespace, endpoint: str) -> int:
+    """Run the daemon in this process until stopped."""
+    from fly_daemon.metrics import Metrics
+    from fly_daemon.server import CurveKeys, Server
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s fly-daemon: %(message)s", datefmt="%H:%M:%S")
+    spec = ModelSpec(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
+                     device_map=args.device_map)
+    fly = _fly_config(args)
+    limits = Limits(queue_size=args.queue_size, max_batch_size=args.max_batch_size,
+                    max_batch_tokens=args.max_batch_tokens, max_tokens=args.max_tokens_limit,
+                    max_prompt_tokens=args.max_prompt_tokens, heartbeat_timeout_s=args.heartbeat_timeout,
+                    drain_timeout_s=args.drain_timeout)
+    curve = None
+    if args.curve_secret_key or args.curve_clients:
+        if not (args.curve_secret_key and args.curve_clients):
+            print("fly-daemon: CURVE needs both --curve-secret-key and --curve-clients", file=sys.stderr)
+            return 2
+        curve = CurveKeys(args.curve_secret_key, args.curve_clients)
+
+    def load_engine():
+        from fly_llm.decoding.engine import FLyEngine
+
+        logging.getLogger("fly_daemon").info("loading models: target=%s draft=%s (%s, %s)",
+                                             spec.target or "embedded default", spec.draft or "default",
+                                             spec.dtype, spec.device)
+        return FLyEngine.from_pretrained(spec.target, spec.draft, fly, dtype=spec.dtype, device=spec.device,
+                                         device_map=spec.device_map)
+
+    metrics = Metrics()
+    try:
+        server = Server(endpoint, load_engine, limits, metrics=metrics, max_frame_bytes=args.max_frame_bytes,
+                        curve=curve)
+    except ValueError as exc:
+        print(f"fly-daemon: {exc}", file=sys.stderr)
+        return 2
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+        logging.getLogger("fly_daemon").info("metrics on http://127.0.0.1:%d/metrics", args.metrics_port)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.request_stop())
+    try:
+        return server.serve()
+    except AlreadyRunning as exc:
+        print(f"fly-daemon: {exc}", file=sys.stderr)
+        return 1
+
+
+def _fly_config(args: argparse.Namespace) -> FLyConfig:
+    values = {"k": args.k, "window": args.window, "entropy_threshold": args.entropy_threshold}
+    config = FLyConfig(**{k: v for k, v in values.items() if v is not None})
+    if args.no_loose:
+        config.loose = False
+    if args.no_ngram:
+        config.ngram = False
+    return config
+
+
+def _detach(args: argparse.Namespace, endpoint: str) -> int:
+    """Start `start --foreground` in a new session with its output in the log file; wait for ready."""
+    _, logfile = daemon_files(endpoint)
+    argv = [a for a in args.argv if a != "--foreground"]
+    with open(logfile, "ab") as log:
+        child = subprocess.Popen([sys.executable, "-m", "fly_daemon.cli", *argv, "--foreground",
+                                  "--endpoint", endpoint], stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    print(f"fly-daemon: started (pid {child.pid}) on {endpoint}; log: {logfile}")
+    client = FLyClient(endpoint, timeout=2.0, max_retries=0)
+    deadline = time.monotonic() + args.wait
+    shown = ""
+    try:
+        while time.monotonic() < deadline:
+            if child.poll() is not None:
+                print(f"fly-daemon: exited with status {child.returncode}; last lines of {logfile}:\n"
+                      + _tail(logfile), file=sys.stderr)
+                return 1
+            try:
+                health = client.health()
+            except FLyUnavailable:
+                time.sleep(0.5)
+                continue
+            if health.state == "ready":
+                print(f"fly-daemon: ready on {endpoint}")
+                return 0
+            if health.state == "failed":
+                print(f"fly-daemon: {health.detail}", file=sys.stderr)
+                return 1
+            if health.detail != shown:
+                print(f"fly-daemon: {health.state}: {health.detail}")
+                shown = health.detail
+            time.sleep(0.5)
+    finally:
+        client.close()
+    print(f"fly-daemon: not ready after {args.wait:.0f} s; still starting, see {logfile}")
+    return 0
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# ---- stop / status / generate ----
+
+def _stop(args: argparse.Namespace) -> int:
+    endpoint = args.endpoint or default_endpoint()
+    pid = running_pid(endpoint)
+    if pid is None:
+        print(f"fly-daemon: not running at {endpoint}", file=sys.stderr)
+        return 1
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        if running_pid(endpoint) is None:
+            print(f"fly-daemon: stopped (pid {pid})")
+            return 0
+        time.sleep(0.2)
+    print(f"fly-daemon: pid {pid} did not stop within {args.timeout:.0f} s", file=sys.stderr)
+    return 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    endpoint = args.endpoint or default_endpoint()
+    with FLyClient(endpoint, timeout=3.0, max_retries=0) as client:
+        try:
+            st = client.status()
+        except FLyUnavailable:
+            print(f"fly-daemon: not running at {endpoint}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(st.model_dump_json(indent=2))
+        return 0
+    s = st.stats
+    print(f"state      {st.state} (pid {st.pid}, up {_duration(st.uptime_s)}) on {endpoint}\n"
+          f"models     target {st.target}  draft {st.draft}\n"
+          f"load       {st.queue_depth} queued, {st.active} running, largest batch {st.max_batch_size_seen}\n"
+          f"served     {st.requests_total} requests, {st.tokens_generated} tokens, "
+          f"{st.tokens_per_s:.1f} tokens/s while busy\n"
+          f"accepted   MAT {s.mat:.2f} tokens/round, {s.accepted_native + s.accepted_loose} of {s.drafted} "
+          f"drafted ({s.loose_rate:.0%} loosely)")
+    return 0
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _generate(args: argparse.Namespace) -> int:
+    endpoint = args.endpoint or default_endpoint()
+    sampling, fly = build_options(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                                  k=args.k, window=args.window, entropy_threshold=args.entropy_threshold,
+                                  loose=False if args.no_loose else None)
+    source = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    with FLyClient(endpoint, timeout=args.timeout) as client:
+        try:
+            for item in client.stream(**source, sampling=sampling, fly=fly):
+                if isinstance(item, GenerateResult):
+                    rate = item.usage.completion_tokens / item.elapsed_s if item.elapsed_s else 0.0
+                    print(f"\n[{item.usage.completion_tokens} tokens, {rate:.1f} tokens/s, "
+                          f"MAT {item.stats.mat:.2f}, finish: {item.finish_reason}]", file=sys.stderr)
+                else:
+                    print(item.text, end="", flush=True)
+        except FLyError as exc:
+            print(f"\nfly-daemon: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

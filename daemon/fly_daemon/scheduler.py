@@ -1,0 +1,361 @@
+"""Continuous batching of generate requests into one FLyEngine (runs in the daemon's model thread).
+
+The socket thread calls `submit`, `cancel`, `touch`, `client_gone`, `tokenize` and `drain` (all
+thread-safe and quick); the model thread runs `run()`: it loads the models, then loops — drop
+what was cancelled, timed out or abandoned, join waiting requests to the batch while it has room,
+run one engine step, and hand each request's new text to `emit` (which the server sends on).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import count
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
+
+from fly_llm.decoding.stats import RequestStats
+from fly_llm.errors import BadRequest, Busy, Cancelled, FLyError, Internal, NotReady, Timeout, TooLong
+from fly_llm.protocol import (
+    ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest, Usage,
+)
+
+from fly_daemon.metrics import Metrics
+
+if TYPE_CHECKING:
+    from fly_llm.decoding.engine import FLyEngine, RequestOutput
+
+log = logging.getLogger("fly_daemon")
+
+Envelope = tuple[bytes, ...]
+"""The ROUTER routing frames of one client socket."""
+Emit = Callable[[Envelope, BaseModel], None]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the scheduler admits: queue and batch sizes, token caps, heartbeat and drain deadlines."""
+
+    queue_size: int = 256
+    max_batch_size: int = 16
+    max_batch_tokens: int = 65_536
+    max_tokens: int = 4096
+    max_prompt_tokens: int | None = None
+    heartbeat_timeout_s: float = 5.0
+    drain_timeout_s: float = 10.0
+
+
+@dataclass(eq=False)
+class Job:
+    """One generate request from submission to its final reply."""
+
+    envelope: Envelope
+    request: GenerateRequest
+    engine_id: str
+    submitted: float
+    last_seen: float
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    unsent_ids: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    in_engine: bool = False
+    kill: FLyError | None = None
+
+    @property
+    def key(self) -> tuple[Envelope, str]:
+        return self.envelope, self.request.id
+
+    @property
+    def budget(self) -> int:
+        """Tokens this request may occupy in the batch (prompt + max new tokens)."""
+        return self.prompt_tokens + self.request.sampling.max_tokens
+
+
+class Scheduler:
+    """Bounded admission queue and continuous batching into one engine, built by `load_engine`."""
+
+    def __init__(self, load_engine: Callable[[], "FLyEngine"], emit: Emit, limits: Limits = Limits(),
+                 metrics: Metrics | None = None) -> None:
+        self.limits = limits
+        self.metrics = metrics or Metrics()
+        self.engine: FLyEngine | None = None
+        self.state: HealthState = "loading"
+        self.detail = "loading models"
+        self.started = time.time()
+        self.requests_total = 0
+        self.tokens_generated = 0
+        self.max_batch_size_seen = 0
+        self.stats = RequestStats()
+        self._busy_s = 0.0
+        self._load_engine = load_engine
+        self._emit = emit
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._jobs: dict[tuple[Envelope, str], Job] = {}
+        self._waiting: deque[Job] = deque()
+        self._tokenize: deque[tuple[Envelope, TokenizeRequest]] = deque()
+        self._ids = count()
+        self._drain_deadline: float | None = None
+
+    # ---- called from the socket thread ----
+
+    def submit(self, envelope: Envelope, request: GenerateRequest) -> None:
+        """Queue a request; raises NotReady, TooLong, BadRequest (duplicate id) or Busy (queue full)."""
+        if self.state != "ready":
+            raise NotReady(f"the daemon is {self.state}")
+        if request.sampling.max_tokens > self.limits.max_tokens:
+            raise TooLong(f"max_tokens {request.sampling.max_tokens} exceeds the daemon's limit "
+                          f"{self.limits.max_tokens}")
+        now = time.monotonic()
+        with self._lock:
+            if (envelope, request.id) in self._jobs:
+                raise BadRequest(f"request id {request.id!r} is already in flight")
+            if len(self._waiting) >= self.limits.queue_size:
+                raise Busy(f"admission queue full ({self.limits.queue_size} waiting)")
+            job = Job(envelope, request, f"r{next(self._ids)}", now, now)
+            self._jobs[job.key] = job
+            self._waiting.append(job)
+        self._wake.set()
+
+    def cancel(self, envelope: Envelope, request_id: str, error: FLyError | None = None) -> bool:
+        """Cancel a client's request; False if it has none with that id."""
+        with self._lock:
+            job = self._jobs.get((envelope, request_id))
+            if job is None:
+                return False
+            job.kill = error or Cancelled(f"request {request_id} cancelled by the client")
+        self._wake.set()
+        return True
+
+    def client_gone(self, envelope: Envelope) -> None:
+        """A client socket can no longer be reached: cancel all of its requests."""
+        with self._lock:
+            for job in self._jobs.values():
+                if job.envelope == envelope and job.kill is None:
+                    job.kill = Cancelled("the client went away")
+        self._wake.set()
+
+    def touch(self, request_ids: list[str]) -> None:
+        """A heartbeat: the client still waits for these requests."""
+        wanted, now = set(request_ids), time.monotonic()
+        with self._lock:
+            for job in self._jobs.values():
+                if job.request.id in wanted:
+                    job.last_seen = now
+
+    def tokenize(self, envelope: Envelope, request: TokenizeRequest) -> None:
+        """Queue a tokenize request (answered between engine steps, by the model thread)."""
+        if self.engine is None:
+            raise NotReady(f"the daemon is {self.state}")
+        with self._lock:
+            if len(self._tokenize) >= self.limits.queue_size:
+                raise Busy("too many tokenize requests waiting")
+            self._tokenize.append((envelope, request))
+        self._wake.set()
+
+    def drain(self, force: bool = False) -> None:
+        """Stop admitting; finish running requests within the drain timeout (at once if `force`), cancel the rest."""
+        if self.state in ("loading", "ready"):
+            self.state, self.detail = "draining", "stopping"
+            self._drain_deadline = time.monotonic() + self.limits.drain_timeout_s
+        if force and self.state == "draining":
+            self._drain_deadline = time.monotonic()
+        self._wake.set()
+
+    def snapshot(self) -> dict:
+        """Counters for the status reply."""
+        with self._lock:
+            waiting, active = len(self._waiting), len(self._jobs) - len(self._waiting)
+        return dict(queue_depth=waiting, active=active, max_batch_size_seen=self.max_batch_size_seen,
+                    requests_total=self.requests_total, tokens_generated=self.tokens_generated,
+                    tokens_per_s=self.tokens_generated / self._busy_s if self._busy_s else 0.0,
+                    stats=self.stats)
+
+    # ---- the model thread ----
+
+    def run(self) -> None:
+        """Load the engine, then serve until drained (the body of the model thread)."""
+        try:
+            self.engine = self._load_engine()
+        except Exception as exc:  # noqa: BLE001 - any load failure ends the daemon with its message
+            log.exception("loading models failed")
+            self.state, self.detail = "failed", f"loading models failed: {exc}"
+            return
+        if self.state == "loading":
+            self.state, self.detail = "ready", ""
+        log.info("ready: target=%s draft=%s", self.engine.target_name, self.engine.draft_name)
+        while True:
+            self._answer_tokenize()
+            self._reap()
+            self._admit()
+            if self.engine.has_unfinished():
+                self._step()
+            elif self.state == "draining" and not self._jobs:
+                return
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def _reap(self) -> None:
+        """End jobs that were cancelled, passed their deadline, lost their client, or must drain."""
+        now = time.monotonic()
+        draining = self.state == "draining"
+        drain_over = draining and self._drain_deadline is not None and now > self._drain_deadline
+        ended: list[Job] = []
+        with self._lock:
+            for job in self._jobs.values():
+                timeout = job.request.timeout_s
+                if job.kill is None:
+                    if timeout is not None and now - job.submitted > timeout:
+                        job.kill = Timeout(f"request {job.request.id} passed its deadline of {timeout} s")
+                    elif self.limits.heartbeat_timeout_s and now - job.last_seen > self.limits.heartbeat_timeout_s:
+                        job.kill = Cancelled(f"no heartbeat from the client for {self.limits.heartbeat_timeout_s} s")
+                    elif drain_over or (draining and not job.in_engine):
+                        job.kill = Cancelled("the daemon is stopping")
+                if job.kill is not None:
+                    ended.append(job)
+            for job in ended:
+                del self._jobs[job.key]
+                if not job.in_engine:
+                    self._waiting.remove(job)
+        for job in ended:
+            if job.in_engine:
+                self.engine.abort_request(job.engine_id)
+            self._fail(job, job.kill)
+
+    def _admit(self) -> None:
+        """Join waiting requests to the batch while it has room (always at least one)."""
+        while True:
+            with self._lock:
+                if not self._waiting or self.state != "ready":
+                    return
+                active = [j for j in self._jobs.values() if j.in_engine]
+                if len(active) >= self.limits.max_batch_size:
+                    return
+                job = self._waiting[0]
+            try:
+                if not job.prompt_tokens:
+                    self._encode(job)
+                if active and sum(j.budget for j in active) + job.budget > self.limits.max_batch_tokens:
+                    return
+                self.engine.add_request(job.engine_id, job.prompt_ids, job.request.sampling,
+                                        job.request.fly.apply(self.engine.config))
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the model thread
+                if not isinstance(exc, FLyError):
+                    log.exception("admitting request %s failed", job.request.id)
+                self._drop_waiting(job)
+                self._fail(job, exc if isinstance(exc, FLyError) else Internal(f"admitting the request failed: {exc}"))
+                continue
+            with self._lock:
+                self._waiting.popleft()
+                job.in_engine = True
+            job.prompt_ids = []
+
+    def _encode(self, job: Job) -> None:
+        request = job.request
+        messages = [m.model_dump() for m in request.messages] if request.messages is not None else None
+        try:
+            job.prompt_ids = self.engine.encode(prompt=request.prompt, messages=messages)
+        except FLyError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects these messages
+            raise BadRequest(f"cannot encode the prompt: {exc}") from None
+        job.prompt_tokens = len(job.prompt_ids)
+        if not job.prompt_ids:
+            raise BadRequest("the prompt encodes to no tokens")
+        cap = self.limits.max_prompt_tokens or self.engine.context_window - 1
+        if job.prompt_tokens > cap:
+            raise TooLong(f"prompt of {job.prompt_tokens} tokens exceeds the limit of {cap}")
+
+    def _drop_waiting(self, job: Job) -> None:
+        with self._lock:
+            self._jobs.pop(job.key, None)
+            if job in self._waiting:
+                self._waiting.remove(job)
+
+    def _step(self) -> None:
+        with self._lock:
+            by_engine_id = {j.engine_id: j for j in self._jobs.values() if j.in_engine}
+        batch = len(by_engine_id)
+        self.max_batch_size_seen = max(self.max_batch_size_seen, batch)
+        self.metrics.batch_size.observe(batch)
+        self.metrics.active.set(batch)
+        self.metrics.queue_depth.set(len(self._waiting))
+        start = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, the daemon keeps serving
+            log.exception("engine step failed")
+            for job in by_engine_id.values():
+                self.engine.abort_request(job.engine_id)
+                self._drop_waiting(job)
+                self._fail(job, Internal(f"engine step failed: {exc}"))
+            return
+        now = time.monotonic()
+        self._busy_s += now - start
+        for out in outputs:
+            job = by_engine_id.get(out.request_id)
+            if job is not None:
+                self._deliver(job, out, now)
+        self.stats = self.engine.stats.model_copy(deep=True)
+        self.metrics.mat.set(self.stats.mat)
+
+    def _deliver(self, job: Job, out: "RequestOutput", now: float) -> None:
+        if out.new_token_ids:
+            if job.first_token_at is None:
+                job.first_token_at = now
+                self.metrics.ttft.observe(now - job.submitted)
+            elif job.last_token_at is not None:
+                self.metrics.itl.observe((now - job.last_token_at) / len(out.new_token_ids))
+            job.last_token_at = now
+            self.tokens_generated += len(out.new_token_ids)
+            self.metrics.completion_tokens.inc(len(out.new_token_ids))
+        job.token_ids += out.new_token_ids
+        job.unsent_ids += out.new_token_ids
+        job.text.append(out.new_text)
+        rid = job.request.id
+        if job.request.stream and out.new_text:
+            self._emit(job.envelope, TokenChunk(id=rid, text=out.new_text, token_ids=job.unsent_ids))
+            job.unsent_ids = []
+        if not out.finished:
+            return
+        self._drop_waiting(job)
+        self.requests_total += 1
+        self.metrics.finished("ok", out.prompt_tokens, out.stats)
+        self._emit(job.envelope, GenerateResult(
+            id=rid, text="".join(job.text), token_ids=job.token_ids, finish_reason=out.finish_reason or "stop",
+            usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=len(job.token_ids),
+                        total_tokens=out.prompt_tokens + len(job.token_ids)),
+            stats=out.stats, model=self.engine.target_name,
+            time_to_first_token_s=None if job.first_token_at is None else job.first_token_at - job.submitted,
+            elapsed_s=now - job.submitted))
+
+    def _fail(self, job: Job, error: FLyError) -> None:
+        self.requests_total += 1
+        self.metrics.finished(error.code, job.prompt_tokens)
+        self._emit(job.envelope, ErrorReply(id=job.request.id, code=error.code, message=error.message))
+
+    def _answer_tokenize(self) -> None:
+        while True:
+            with self._lock:
+                if not self._tokenize:
+                    return
+                envelope, request = self._tokenize.popleft()
+            messages = [m.model_dump() for m in request.messages] if request.messages is not None else None
+            try:
+                ids = self.engine.encode(prompt=request.text, messages=messages)
+            except FLyError as exc:
+                self._emit(envelope, ErrorReply(id=request.id, code=exc.code, message=exc.message))
+                continue
+            except Exception as exc:  # noqa: BLE001 - e.g. a chat template error on odd input
+                self._emit(envelope, ErrorReply(id=request.id, code=BadRequest.code, message=str(exc)))
+                continue
+            self._emit(envelope, TokenizeReply(id=request.id, token_ids=ids, count=len(ids)))

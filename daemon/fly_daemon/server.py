@@ -1,0 +1,262 @@
+"""The daemon's socket loop: a ZeroMQ ROUTER in front, the scheduler's model thread behind.
+
+The loop never waits on the model: it parses frames, answers health/info/status itself, hands
+generate/cancel/heartbeat/tokenize to the scheduler, and forwards what the model thread emits
+(over an inproc PUSH/PULL pair) to the clients. A malformed frame gets an ErrorReply and changes
+nothing else. A client whose socket is gone (ROUTER_MANDATORY send fails) loses its requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import zmq
+import zmq.auth
+from pydantic import BaseModel
+from zmq.auth.thread import ThreadAuthenticator
+
+import fly_llm
+from fly_llm.config import SamplingParams
+from fly_llm.errors import BadRequest, FLyError, NotReady
+from fly_llm.protocol import (
+    MAX_FRAME_BYTES, UNKNOWN_ID, CancelRequest, ErrorReply, GenerateRequest, HealthReply, HealthRequest,
+    HeartbeatRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenizeRequest, decode_request, encode,
+)
+
+from fly_daemon.metrics import Metrics
+from fly_daemon.runtime import PidLock, check_endpoint, ipc_path, is_loopback
+from fly_daemon.scheduler import Envelope, Limits, Scheduler
+
+if TYPE_CHECKING:
+    from fly_llm.decoding.engine import FLyEngine
+
+log = logging.getLogger("fly_daemon")
+
+_POLL_MS = 100
+_MAX_READS_PER_POLL = 1000
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE encryption for a tcp endpoint: the server's secret certificate and the allowed clients' dir."""
+
+    server_secret_file: Path
+    clients_dir: Path
+
+
+class Server:
+    """Binds the endpoint, runs a Scheduler on `load_engine` in the model thread, serves until drained."""
+
+    def __init__(self, endpoint: str, load_engine: Callable[[], "FLyEngine"], limits: Limits = Limits(), *,
+                 metrics: Metrics | None = None, max_frame_bytes: int = MAX_FRAME_BYTES,
+                 curve: CurveKeys | None = None) -> None:
+        check_endpoint(endpoint)
+        if not is_loopback(endpoint) and curve is None:
+            raise ValueError(f"refusing to bind {endpoint} (not loopback) without CURVE keys "
+                             "(--curve-secret-key and --curve-clients)")
+        self.endpoint = endpoint
+        self.scheduler = Scheduler(load_engine, self.emit, limits, metrics)
+        self.max_frame_bytes = max_frame_bytes
+        self.started = time.time()
+        self._curve = curve
+        self._ctx = zmq.Context()
+        self._outbox = f"inproc://fly-outbox-{id(self)}"
+        self._local = threading.local()
+        self._stop_requests = 0
+        self._lock = PidLock(endpoint)
+
+    # ---- lifecycle ----
+
+    def request_stop(self) -> None:
+        """Begin a graceful stop (signal-safe); a second request cancels running work at once."""
+        self._stop_requests += 1
+
+    def emit(self, envelope: Envelope, message: BaseModel) -> None:
+        """Send `message` to a client from any thread (the model thread's replies go through here)."""
+        push = getattr(self._local, "push", None)
+        if push is None:
+            push = self._ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.connect(self._outbox)
+            self._local.push = push
+        push.send_multipart([*envelope, encode(message)])
+
+    def serve(self) -> int:
+        """Bind, load models, serve until stopped; return the exit status (1 if models failed to load)."""
+        self._lock.acquire()
+        router = pull = None
+        auth = None
+        try:
+            pull = self._ctx.socket(zmq.PULL)
+            pull.setsockopt(zmq.RCVHWM, 0)
+            pull.bind(self._outbox)
+            router, auth = self._bind()
+            log.info("listening on %s (pid %d)", self.endpoint, os.getpid())
+            model_thread = threading.Thread(target=self.scheduler.run, name="fly-model", daemon=True)
+            model_thread.start()
+            self._loop(router, pull, model_thread)
+            return 1 if self.scheduler.state == "failed" else 0
+        finally:
+            for sock in (router, pull):
+                if sock is not None:
+                    sock.close(linger=1000)
+            if auth is not None:
+                auth.stop()
+            sock_path = ipc_path(self.endpoint)
+            if sock_path is not None:
+                sock_path.unlink(missing_ok=True)
+            self._lock.release()
+            log.info("stopped")
+
+    def _bind(self) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)  # beyond this zmq drops the peer
+        router.setsockopt(zmq.LINGER, 1000)
+        auth = None
+        if self._curve is not None:
+            auth = ThreadAuthenticator(self._ctx)
+            auth.start()
+            auth.configure_curve(domain="*", location=str(self._curve.clients_dir))
+            public, secret = zmq.auth.load_certificate(self._curve.server_secret_file)
+            if secret is None:
+                raise ValueError(f"{self._curve.server_secret_file} holds no secret key")
+            router.curve_publickey, router.curve_secretkey, router.curve_server = public, secret, True
+        sock_path = ipc_path(self.endpoint)
+        if sock_path is not None:
+            sock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if sock_path.exists():  # we hold the endpoint's lock, so this socket is a crashed daemon's
+                log.warning("removing stale socket %s", sock_path)
+                sock_path.unlink()
+        router.bind(self.endpoint)
+        if sock_path is not None:
+            sock_path.chmod(0o600)
+        return router, auth
+
+    def _loop(self, router: zmq.Socket, pull: zmq.Socket, model_thread: threading.Thread) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        stops_seen = 0
+        while True:
+            events = dict(poller.poll(_POLL_MS))
+            if pull in events:
+                self._forward(router, pull)
+            if router in events:
+                for _ in range(_MAX_READS_PER_POLL):
+                    try:
+                        frames = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle(router, frames)
+            if self._stop_requests > stops_seen:
+                stops_seen = self._stop_requests
+                if self.scheduler.engine is None:
+                    log.info("stop requested while loading: exiting")
+                    return
+                log.info("draining: no new requests; running ones get %.0f s",
+                         self.scheduler.limits.drain_timeout_s)
+                self.scheduler.drain(force=stops_seen > 1)
+            if not model_thread.is_alive():
+                self._forward(router, pull)
+                return
+
+    # ---- replies to clients ----
+
+    def _forward(self, router: zmq.Socket, pull: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._send(router, tuple(frames[:-1]), frames[-1])
+
+    def _send(self, router: zmq.Socket, envelope: Envelope, payload: bytes) -> None:
+        try:
+            router.send_multipart([*envelope, payload], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError) as exc:  # gone (EHOSTUNREACH) or not reading (queue full)
+            log.info("client unreachable (%s): cancelling its requests", exc)
+            self.scheduler.client_gone(envelope)
+
+    def _reply(self, router: zmq.Socket, envelope: Envelope, message: BaseModel) -> None:
+        self._send(router, envelope, encode(message))
+
+    def _error(self, router: zmq.Socket, envelope: Envelope, rid: str, error: FLyError) -> None:
+        self._reply(router, envelope, ErrorReply(id=rid, code=error.code, message=error.message))
+
+    # ---- requests from clients ----
+
+    def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
+        """Answer one incoming message; malformed input gets BAD_REQUEST and nothing else happens."""
+        if len(frames) == 2 or (len(frames) == 3 and frames[1] == b""):  # DEALER, or REQ with its delimiter
+            envelope, payload = tuple(frames[:-1]), frames[-1]
+        else:
+            self._error(router, (frames[0],), UNKNOWN_ID, BadRequest("expected exactly one frame per message"))
+            return
+        try:
+            message = decode_request(payload, self.max_frame_bytes)
+        except BadRequest as exc:
+            self._error(router, envelope, self._readable_id(payload), exc)
+            return
+        try:
+            self._dispatch(router, envelope, message)
+        except FLyError as exc:
+            self._error(router, envelope, message.id, exc)
+
+    def _dispatch(self, router: zmq.Socket, envelope: Envelope, message: BaseModel) -> None:
+        scheduler = self.scheduler
+        if isinstance(message, GenerateRequest):
+            scheduler.submit(envelope, message)
+        elif isinstance(message, CancelRequest):
+            if not scheduler.cancel(envelope, message.id):
+                raise BadRequest(f"no request {message.id!r} in flight to cancel")
+        elif isinstance(message, HeartbeatRequest):
+            scheduler.touch(message.ids)
+            self._reply(router, envelope, HealthReply(id=message.id, state=scheduler.state,
+                                                      detail=scheduler.detail))
+        elif isinstance(message, HealthRequest):
+            self._reply(router, envelope, HealthReply(id=message.id, state=scheduler.state,
+                                                      detail=scheduler.detail))
+        elif isinstance(message, InfoRequest):
+            self._reply(router, envelope, self._info(message.id))
+        elif isinstance(message, StatusRequest):
+            self._reply(router, envelope, self._status(message.id))
+        elif isinstance(message, TokenizeRequest):
+            scheduler.tokenize(envelope, message)
+
+    def _readable_id(self, payload: bytes) -> str:
+        """The request id of a malformed frame if one can be read cheaply, else UNKNOWN_ID."""
+        if len(payload) > self.max_frame_bytes:
+            return UNKNOWN_ID
+        try:
+            rid = json.loads(payload).get("id")
+        except Exception:  # noqa: BLE001 - any unreadable frame
+            return UNKNOWN_ID
+        return rid if isinstance(rid, str) and 0 < len(rid) <= 128 else UNKNOWN_ID
+
+    def _info(self, rid: str) -> InfoReply:
+        engine = self.scheduler.engine
+        if engine is None:
+            raise NotReady(f"the daemon is {self.scheduler.state}")
+        limits = self.scheduler.limits
+        return InfoReply(
+            id=rid, version=fly_llm.__version__, target=engine.target_name, draft=engine.draft_name,
+            context_window=engine.context_window, max_tokens_limit=limits.max_tokens,
+            max_prompt_tokens=limits.max_prompt_tokens or engine.context_window - 1,
+            device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+            fly_defaults=engine.config, sampling_defaults=SamplingParams())
+
+    def _status(self, rid: str) -> StatusReply:
+        engine = self.scheduler.engine
+        return StatusReply(
+            id=rid, state=self.scheduler.state, pid=os.getpid(), uptime_s=time.time() - self.started,
+            target=engine.target_name if engine else None, draft=engine.draft_name if engine else None,
+            **self.scheduler.snapshot())

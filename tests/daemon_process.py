@@ -1,0 +1,78 @@
+"""Run a fly-daemon in a subprocess for tests (tiny models, float32, cpu, an ipc socket)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fly_llm.client import FLyClient
+from fly_llm.errors import FLyUnavailable
+
+
+class DaemonProcess:
+    """A `fly-daemon start --foreground` subprocess; its output goes to `log`."""
+
+    def __init__(self, target: Path, draft: Path, endpoint: str, log: Path, *extra: str) -> None:
+        self.endpoint = endpoint
+        self.log = log
+        env = dict(os.environ, FLY_RUNTIME_DIR=str(log.parent), PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        cmd = [sys.executable, "-m", "fly_daemon.cli", "start", "--foreground", "--target", str(target),
+               "--draft", str(draft), "--endpoint", endpoint, "--dtype", "float32", "--device", "cpu", *extra]
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Wait until the daemon reports 'ready'; raise with its log if it exits or never gets there."""
+        deadline = time.monotonic() + timeout
+        with FLyClient(self.endpoint, timeout=2.0, max_retries=0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.output()}")
+                try:
+                    if client.health().state == "ready":
+                        return
+                except FLyUnavailable:
+                    pass
+                time.sleep(0.2)
+        raise RuntimeError(f"daemon not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        """Everything the daemon logged so far."""
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait; SIGKILL if it does not exit in time. Returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL (a crash)."""
+        self.proc.kill()
+        self.proc.wait()
+
+
+def start_daemon(target: Path, draft: Path, workdir: Path, name: str = "d", *extra: str) -> DaemonProcess:
+    """Start a daemon on an ipc socket under `workdir` and wait for it to be ready."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    daemon = DaemonProcess(target, draft, f"ipc://{workdir / (name + '.sock')}", workdir / f"{name}.log", *extra)
+    try:
+        daemon.wait_ready()
+    except BaseException:
+        daemon.kill()
+        raise
+    return daemon

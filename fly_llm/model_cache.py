@@ -1,0 +1,177 @@
+"""A safetensors cache of GGUF models: convert once (slow), load fast afterwards.
+
+Layout: `<root>/<key>/` is an ordinary Hugging Face model directory (config, generation config,
+bfloat16 safetensors, tokenizer) plus `fly-manifest.json`. It is built in `<root>/.tmp-<key>-*`
+and renamed into place only when complete, so a crash leaves nothing that loads. The manifest
+(written last) records every file's size and sha256 — of the whole file below 64 MiB, of its
+first and last MiB above — and is checked on every load: a few MiB of reading, so a truncated,
+half-copied or overwritten cache is rebuilt instead of loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import platformdirs
+import torch
+from filelock import FileLock
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers.utils import logging as hf_logging
+
+from fly_llm.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "fly-manifest.json"
+MANIFEST_FORMAT = 1
+CACHE_DTYPE = torch.bfloat16  # the Qwen checkpoints' own dtype; far finer than the Q4_K_M quantisation
+_FULL_HASH_BELOW = 64 << 20
+_EDGE = 1 << 20
+
+
+def cache_root(cache_dir: Path | str | None = None) -> Path:
+    """`cache_dir`, else `$FLY_CACHE_DIR`, else the user cache dir (`$XDG_CACHE_HOME/fly-llm`)."""
+    root = cache_dir or os.environ.get("FLY_CACHE_DIR") or platformdirs.user_cache_dir("fly-llm")
+    return Path(root).expanduser()
+
+
+def _file_digest(path: Path, size: int) -> str:
+    """sha256 of the file if small, else of its first and last MiB (cheap enough for every load)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size < _FULL_HASH_BELOW:
+            digest.update(f.read())
+        else:
+            digest.update(f.read(_EDGE))
+            f.seek(size - _EDGE)
+            digest.update(f.read(_EDGE))
+    return digest.hexdigest()
+
+
+def write_manifest(model_dir: Path, source: dict) -> None:
+    """Record size and digest of every file in `model_dir` (call last, when the dir is complete)."""
+    files = {}
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+        size = path.stat().st_size
+        files[path.relative_to(model_dir).as_posix()] = {"size": size, "sha256": _file_digest(path, size)}
+    manifest = {"format": MANIFEST_FORMAT, "source": source, "files": files}
+    (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def cache_problem(model_dir: Path) -> str | None:
+    """Why `model_dir` is not a usable cache (None if it is): missing, unfinished or corrupted."""
+    try:
+        manifest = json.loads((model_dir / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest (never finished)" if model_dir.exists() else "not built yet"
+    except (OSError, ValueError) as exc:
+        return f"unreadable manifest ({exc})"
+    if manifest.get("format") != MANIFEST_FORMAT or not manifest.get("files"):
+        return "unknown manifest format"
+    for name, entry in manifest["files"].items():
+        path = model_dir / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != entry["size"]:
+            return f"{name} has {size} bytes, expected {entry['size']}"
+        if _file_digest(path, size) != entry["sha256"]:
+            return f"{name} has changed (checksum)"
+    return None
+
+
+@contextmanager
+def hf_progress(enabled: bool) -> Iterator[None]:
+    """Show or hide transformers' own progress bars for the duration."""
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def convert_gguf(gguf: Path, out: Path, *, name: str, progress: bool = True,
+                 before_save: Callable[[], None] | None = None) -> None:
+    """Dequantise a GGUF file and save it to `out` as a safetensors model directory.
+
+    transformers 5 refuses `save_pretrained` on a GGUF-loaded model, so the weights are moved
+    (not copied) into a plain model built from the same config and saved from there.
+    `before_save` runs once the weights are in memory (e.g. to delete a temporary GGUF).
+    """
+    steps = tqdm(total=3, desc=f"Converting {name}", unit="step", disable=not progress)
+    with hf_progress(progress):
+        steps.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        steps.update()
+        steps.set_postfix_str("weights")
+        # dequantize=True: plain dense weights even where a packed-GGUF matmul kernel is installed.
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=CACHE_DTYPE,
+                                                      quantization_config=GgufConfig(dequantize=True))
+        steps.update()
+    if before_save is not None:
+        before_save()
+    steps.set_postfix_str("saving")
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = CACHE_DTYPE
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=CACHE_DTYPE)
+    plain.load_state_dict(loaded.state_dict(), assign=True, strict=True)
+    plain.generation_config = loaded.generation_config
+    del loaded
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    steps.update()
+    steps.close()
+
+
+def cached_conversion(root: Path, key: str, make_gguf: Callable[[Path], Path], *, progress: bool = True,
+                      source: dict | None = None) -> Path:
+    """Return `<root>/<key>`, converting the GGUF that `make_gguf(workdir)` returns if needed.
+
+    A GGUF that `make_gguf` writes inside `workdir` is deleted as soon as its weights are in
+    memory (it is only an intermediate); a GGUF elsewhere (the user's) is never touched.
+    One process builds a given key at a time (file lock); the others wait and reuse it.
+    """
+    final = root / key
+    if cache_problem(final) is None:
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f".{key}.lock")):
+        problem = cache_problem(final)
+        if problem is None:  # another process built it while we waited
+            return final
+        for stale in root.glob(f".tmp-{key}-*"):  # left by a crashed build (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():
+            log.warning("rebuilding the model cache %s: %s", final, problem)
+            shutil.rmtree(final)
+        workdir = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+        try:
+            gguf = make_gguf(workdir)
+            intermediate = workdir in gguf.parents
+            staged = workdir / "model"
+            try:
+                convert_gguf(gguf, staged, name=key, progress=progress,
+                             before_save=(lambda: gguf.unlink()) if intermediate else None)
+            except ModelError:
+                raise
+            except Exception as exc:
+                raise ModelError(f"could not convert the GGUF model {key}: {exc}") from exc
+            write_manifest(staged, source or {"key": key})
+            os.replace(staged, final)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return final

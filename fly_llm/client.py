@@ -27,13 +27,14 @@ from typing import Any
 import zmq
 import zmq.asyncio
 import zmq.auth
+from pydantic import ValidationError
 
 from fly_llm.config import FLyOverrides, SamplingParams
 from fly_llm.errors import BadRequest, Busy, FLyUnavailable, Timeout, error_from_code
 from fly_llm.protocol import (
     CancelRequest, ChatMessage, ErrorReply, GenerateRequest, GenerateResult, HealthReply, HealthRequest,
     HeartbeatRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenChunk, TokenizeReply,
-    TokenizeRequest, decode_reply, encode,
+    TokenizeRequest, _describe, decode_reply, encode,
 )
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -85,19 +86,32 @@ def build_options(*, temperature: float | None = None, top_p: float | None = Non
     sampling = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "stop": stop,
                 "seed": seed}
     fly = {"k": k, "window": window, "entropy_threshold": entropy_threshold, "loose": loose}
-    return (SamplingParams(**{n: v for n, v in sampling.items() if v is not None}),
-            FLyOverrides(**{n: v for n, v in fly.items() if v is not None}))
+    with _checked():
+        return (SamplingParams(**{n: v for n, v in sampling.items() if v is not None}),
+                FLyOverrides(**{n: v for n, v in fly.items() if v is not None}))
 
 
-def _messages(messages: Messages) -> list[ChatMessage]:
+@contextmanager
+def _checked() -> Iterator[None]:
+    """Turn pydantic's ValidationError into BadRequest, so callers see one error hierarchy."""
+    try:
+        yield
+    except ValidationError as exc:
+        raise BadRequest(_describe(exc)) from None
+
+
+def _messages(messages: Messages | None) -> list[ChatMessage] | None:
+    if messages is None:
+        return None
     return [m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m) for m in messages]
 
 
 def _generate_request(prompt: str | None, messages: Messages | None, sampling: SamplingParams | None,
                       fly: FLyOverrides | None, stream: bool, timeout: float) -> GenerateRequest:
-    return GenerateRequest(
-        id=uuid.uuid4().hex, prompt=prompt, messages=_messages(messages) if messages is not None else None,
-        sampling=sampling or SamplingParams(), fly=fly or FLyOverrides(), stream=stream, timeout_s=timeout)
+    with _checked():
+        return GenerateRequest(
+            id=uuid.uuid4().hex, prompt=prompt, messages=_messages(messages), sampling=sampling or SamplingParams(),
+            fly=fly or FLyOverrides(), stream=stream, timeout_s=timeout)
 
 
 def _new_socket(context: zmq.Context, endpoint: str) -> zmq.Socket:
@@ -133,15 +147,15 @@ class _Heartbeat:
     """Tells the daemon once a second which requests this client still waits for, and notes when it answered.
 
     Runs in its own daemon thread with its own socket while requests are open (so a consumer that
-    is slow to read a stream does not lose it); the thread ends after a while with nothing open.
+    is slow to read a stream does not lose it); the thread ends after a while with nothing open,
+    or on `close`, and a later `add` starts a fresh one.
     """
 
     def __init__(self, endpoint: str) -> None:
         self._endpoint = endpoint
         self._ids: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._stop: threading.Event | None = None
         self.last_heard = 0.0
 
     def add(self, ids: Iterable[str]) -> None:
@@ -149,9 +163,9 @@ class _Heartbeat:
         with self._lock:
             for rid in ids:
                 self._ids[rid] = self._ids.get(rid, 0) + 1
-            if self._thread is None and not self._stop.is_set():
-                self._thread = threading.Thread(target=self._run, name="fly-heartbeat", daemon=True)
-                self._thread.start()
+            if self._stop is None:
+                self._stop = threading.Event()
+                threading.Thread(target=self._run, args=(self._stop,), name="fly-heartbeat", daemon=True).start()
 
     def discard(self, ids: Iterable[str]) -> None:
         """Stop heartbeating for `ids`."""
@@ -171,28 +185,31 @@ class _Heartbeat:
             raise FLyUnavailable(f"no answer from a fly-daemon at {self._endpoint} for {window:.1f} s")
 
     def close(self) -> None:
-        """Stop the thread (a later `add` does not restart it)."""
-        self._stop.set()
+        """Stop the thread."""
+        with self._lock:
+            if self._stop is not None:
+                self._stop.set()
+                self._stop = None
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         sock = _new_socket(zmq.Context.instance(), self._endpoint)
         idle = 0
         try:
-            while not self._stop.is_set():
+            while not stop.is_set():
                 with self._lock:
                     ids = list(self._ids)
                     idle = 0 if ids else idle + 1
-                    if idle > 30:
-                        self._thread = None
+                    if idle > 30 and self._stop is stop:
+                        self._stop = None
                         return
                 for start in range(0, len(ids), 4096):
+                    beat = HeartbeatRequest(id=f"hb-{uuid.uuid4().hex}", ids=ids[start:start + 4096])
                     try:
-                        sock.send(encode(HeartbeatRequest(id=f"hb-{uuid.uuid4().hex}", ids=ids[start:start + 4096])),
-                                  zmq.NOBLOCK)
+                        sock.send(encode(beat), zmq.NOBLOCK)
                     except zmq.Again:
                         pass
                 deadline = time.monotonic() + HEARTBEAT_INTERVAL_S
-                while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+                while (left := deadline - time.monotonic()) > 0 and not stop.is_set():
                     if sock.poll(int(left * 1000) + 1):
                         sock.recv()
                         self.heard()
@@ -292,8 +309,9 @@ class FLyClient:
 
     def tokenize(self, text: str | None = None, messages: Messages | None = None) -> TokenizeReply:
         """Token ids of `text` (or of `messages` through the chat template) with the daemon's tokenizer."""
-        return self._rpc(TokenizeRequest(id=uuid.uuid4().hex, text=text,
-                                         messages=_messages(messages) if messages is not None else None))
+        with _checked():
+            request = TokenizeRequest(id=uuid.uuid4().hex, text=text, messages=_messages(messages))
+        return self._rpc(request)
 
     def close(self) -> None:
         """Close every socket of this client (call when no thread uses it any more)."""
@@ -543,8 +561,9 @@ class AsyncFLyClient:
 
     async def tokenize(self, text: str | None = None, messages: Messages | None = None) -> TokenizeReply:
         """Token ids of `text` (or of `messages` through the chat template) with the daemon's tokenizer."""
-        return await self._rpc(TokenizeRequest(id=uuid.uuid4().hex, text=text,
-                                               messages=_messages(messages) if messages is not None else None))
+        with _checked():
+            request = TokenizeRequest(id=uuid.uuid4().hex, text=text, messages=_messages(messages))
+        return await self._rpc(request)
 
     def close(self) -> None:
         """Close every socket of this client."""

@@ -10,7 +10,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fly_llm.config import FLyConfig
-from fly_llm.decoding.verify import PAD_TOKEN, RowRules, RowSampling, Verdict, target_entropy, verify
+from fly_llm.decoding.verify import (
+    PAD_TOKEN, RowRules, RowSampling, Verdict, _distributions, target_entropy, verify,
+)
 
 VOCAB = 8
 
@@ -119,7 +121,8 @@ def test_window_zero_accepts_every_mismatch_that_passes_the_gate():
     assert int(v.accepted[0]) == 6
     assert v.loose[0].tolist() == [True, True, True, False, False, True]
     # ... except where the target is confident.
-    v = run([with_mismatches(0, 1, 2, 5)], [round_logits(TARGET, confident={2})], [6], rules(FLyConfig(window=0)))
+    sure_at_2 = round_logits(TARGET, confident={2})
+    v = run([with_mismatches(0, 1, 2, 5)], [sure_at_2], [6], rules(FLyConfig(window=0)))
     assert int(v.accepted[0]) == 2
     assert emitted(v) == [0, 0, 3]
 
@@ -137,13 +140,20 @@ def test_ragged_draft_lengths_including_plain_decoding():
 
 
 def test_rows_follow_their_own_rules_in_one_batch():
-    configs = [FLyConfig(loose=False), FLyConfig(window=3), FLyConfig(window=4), FLyConfig(window=3, entropy_threshold=0)]
-    drafts = [with_mismatches(1, 4)] * 4
-    logits = [round_logits(TARGET, confident={1})] * 3 + [round_logits(TARGET, confident={1})]
-    batched = run(drafts, logits, [6] * 4, rules(*configs))
-    assert batched.accepted.tolist() == [1, 1, 1, 4]
-    for row, config in enumerate(configs):
-        alone = run(drafts[row:row + 1], logits[row:row + 1], [6], rules(config))
+    flat, confident = round_logits(TARGET), round_logits(TARGET, confident={1})
+    cases = [  # (rule, logits, kept draft tokens) for the draft with mismatches at 1 and 4
+        (FLyConfig(loose=False), flat, 1),
+        (FLyConfig(window=3), flat, 4),  # 1 loosely accepted, 4 strict
+        (FLyConfig(window=4), flat, 1),  # 1 needs native 2..4
+        (FLyConfig(window=3), confident, 1),  # the gate rejects 1
+        (FLyConfig(window=3, entropy_threshold=0.0), confident, 4),
+        (FLyConfig(window=0), flat, 6),
+    ]
+    drafts = [with_mismatches(1, 4)] * len(cases)
+    batched = run(drafts, [z for _, z, _ in cases], [6] * len(cases), rules(*[c for c, _, _ in cases]))
+    assert batched.accepted.tolist() == [kept for _, _, kept in cases]
+    for row, (config, logits, _) in enumerate(cases):
+        alone = run(drafts[:1], [logits], [6], rules(config))
         assert emitted(batched, row) == emitted(alone)
         assert batched.loose[row].tolist() == alone.loose[0].tolist()
 
@@ -197,8 +207,8 @@ def reference(draft, logits, length, config: FLyConfig):
     accept = []
     for i in range(length):
         in_window = i < length - config.window and all(native[i + 1:i + config.window])
-        gate_open = (config.entropy_threshold <= 0.01
-                     or _entropy(logits[i], config.entropy_measure, config.entropy_top_k) >= config.entropy_threshold)
+        entropy = _entropy(logits[i], config.entropy_measure, config.entropy_top_k)
+        gate_open = config.entropy_threshold <= 0.01 or entropy >= config.entropy_threshold
         accept.append(native[i] or (config.loose and in_window and gate_open))
     r = next((i for i, ok in enumerate(accept) if not ok), length)
     loose = [i < r and accept[i] and not native[i] for i in range(k)]
@@ -235,8 +245,8 @@ def rounds(draw):
 def test_matches_the_per_row_reference(case):
     drafts, logits, lengths, configs = case
     for row, config in zip(logits, configs):  # keep clear of entropies that sit on the threshold
-        assume(all(abs(_entropy(z, config.entropy_measure, config.entropy_top_k) - config.entropy_threshold) > 1e-9
-                   for z in row))
+        entropies = [_entropy(z, config.entropy_measure, config.entropy_top_k) for z in row]
+        assume(all(abs(h - config.entropy_threshold) > 1e-9 for h in entropies))
     k = len(drafts[0])
     v = verify(torch.tensor(drafts, dtype=torch.long).reshape(len(drafts), k),
                torch.tensor(logits, dtype=torch.float64), torch.tensor(lengths), rules(*configs))
@@ -267,7 +277,8 @@ def test_same_seed_same_result_whatever_the_batch():
         others = torch.randn(2, 7, VOCAB, dtype=torch.float64)
         wide = torch.cat([mine, torch.randn(2, VOCAB, dtype=torch.float64)])
         batched = run([[0] * 6, draft + [3, 3], [1] * 6], [others[0], wide, others[1]], [6, 4, 6],
-                      rules(FLyConfig(), FLyConfig(window=2), FLyConfig()), sampling_for([1.0, 0.9, 0.0], [seed + 1, seed, None]))
+                      rules(FLyConfig(), FLyConfig(window=2), FLyConfig()),
+                      sampling_for([1.0, 0.9, 0.0], [seed + 1, seed, None]))
         assert emitted(batched, 1) == emitted(alone)
         assert batched.native[1, :4].tolist() == alone.native[0].tolist()
         assert batched.loose[1, :4].tolist() == alone.loose[0].tolist()
@@ -276,7 +287,8 @@ def test_same_seed_same_result_whatever_the_batch():
 def test_greedy_rows_stay_greedy_in_a_sampling_batch():
     drafts, logits = [with_mismatches(1), with_mismatches(3)], [round_logits(TARGET)] * 2
     greedy = run(drafts, logits, [6, 6], rules(FLyConfig(window=3), FLyConfig(window=3)))
-    mixed = run(drafts, logits, [6, 6], rules(FLyConfig(window=3), FLyConfig(window=3)), sampling_for([0.0, 1.0], [None, 7]))
+    mixed = run(drafts, logits, [6, 6], rules(FLyConfig(window=3), FLyConfig(window=3)),
+                sampling_for([0.0, 1.0], [None, 7]))
     assert emitted(mixed, 0) == emitted(greedy, 0)
     assert mixed.loose[0].tolist() == greedy.loose[0].tolist()
 
@@ -316,17 +328,30 @@ def total_variation(samples: list[int], expected: list[float]) -> float:
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
 def test_exact_sampling_preserves_the_target_distribution(temperature, top_p):
     # V=5, K=2, 20k independent rounds in one batch: the first emitted token must follow p_0,
-    # and the second one, given the first draft token was kept, must follow p_1.
+    # and the second one, given the first draft token was kept, must follow p_1 (the biased
+    # 'sample without removing the rejected draft' variant is off by a total variation of ~0.23).
     n = 20_000
     logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 0.2], [0.0, 1.2, 0.4, 0.4, -1.0], [0.3, 0.0, 0.0, 0.9, 0.1]],
                           dtype=torch.float64)
-    draft = [4, 2]  # moderately likely under p_0 and p_1, so both branches of the test run
+    draft = [0, 2]  # kept about a third of the time, so both branches of the test run
     torch.manual_seed(1234)
-    v = verify(torch.tensor([draft] * n), logits.expand(n, -1, -1), torch.full((n,), 2), rules(*[FLyConfig(loose=False)] * n),
+    v = verify(torch.tensor([draft] * n), logits.expand(n, -1, -1), torch.full((n,), 2),
+               rules(*[FLyConfig(loose=False)] * n),
                RowSampling(torch.full((n,), temperature), torch.full((n,), top_p), [None] * n))
     first = v.tokens[:, 0].tolist()
-    assert total_variation(first, target_distribution(logits[0], temperature, top_p)) < 0.015
+    assert total_variation(first, target_distribution(logits[0], temperature, top_p)) < 0.025
     kept = v.accepted >= 1
-    assert 0.1 < kept.float().mean() < 0.9
+    assert 0.2 < kept.float().mean() < 0.6
     second = v.tokens[kept, 1].tolist()
-    assert total_variation(second, target_distribution(logits[1], temperature, top_p)) < 0.025
+    assert total_variation(second, target_distribution(logits[1], temperature, top_p)) < 0.04
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 8.0])  # nucleus: most of the vocabulary ... a few tokens
+def test_top_p_nucleus_matches_a_sorted_cumulative_sum(scale):
+    torch.manual_seed(5)
+    logits = torch.randn(2, 3, 1000, dtype=torch.float64) * scale
+    probs = _distributions(logits.clone(), [0.7, 1.3], [0.9, 0.5])
+    for row, (temperature, top_p) in enumerate([(0.7, 0.9), (1.3, 0.5)]):
+        for position in range(3):
+            expected = target_distribution(logits[row, position], temperature, top_p)
+            assert probs[row, position].tolist() == pytest.approx(expected, abs=1e-12)

@@ -107,7 +107,7 @@ def verify(
     lengths = draft_lengths.to(device=device, dtype=torch.long)
     positions = torch.arange(k, device=device)
     valid = positions < lengths[:, None]
-    drafts = torch.where(valid, draft_tokens.to(device), 0)
+    drafts = torch.where(valid, draft_tokens.to(device=device, dtype=torch.long), 0)
 
     target_choice = logits.argmax(-1)  # [B, K+1]
     native = valid & (target_choice[:, :k] == drafts)
@@ -121,7 +121,8 @@ def verify(
 
     emitted = target_choice.gather(1, accepted[:, None]).squeeze(1)
     if sampled is not None:
-        emitted[sampled.rows] = sampled.emit(accepted[sampled.rows], drafts[sampled.rows], lengths[sampled.rows])
+        rows = sampled.rows
+        emitted[rows] = sampled.emit(accepted[rows], drafts[rows], lengths[rows])
     columns = torch.arange(k + 1, device=device)
     tokens = torch.cat([drafts, drafts.new_zeros(batch, 1)], 1)
     tokens = torch.where(columns < accepted[:, None], tokens, PAD_TOKEN)
@@ -137,9 +138,8 @@ def target_entropy(logits: torch.Tensor, measure: str = "topk", top_k: int = 3) 
     in nats. "full": the full-vocabulary entropy divided by log V (0..1).
     """
     vocab = logits.shape[-1]
-    log_norm = torch.logsumexp(logits, -1, keepdim=True)
     if measure == "topk":
-        top_log_probs = logits.topk(min(top_k, vocab), -1).values - log_norm
+        top_log_probs = logits.topk(min(top_k, vocab), -1).values - torch.logsumexp(logits, -1, keepdim=True)
         return torch.special.entr(top_log_probs.exp()).sum(-1)
     if measure == "full":
         return torch.special.entr(torch.softmax(logits, -1)).sum(-1) / (math.log(vocab) if vocab > 1 else 1.0)
@@ -188,7 +188,8 @@ class _SampledRows:
         device, (_, k) = logits.device, drafts.shape
         rows = torch.tensor(picked, device=device)
         top_ps = sampling.top_p.tolist()
-        probs = _distributions(logits[rows], [temperatures[b] for b in picked], [top_ps[b] for b in picked])
+        probs = _distributions(logits.index_select(0, rows), [temperatures[b] for b in picked],
+                               [top_ps[b] for b in picked])
         uniforms, noise = [], []
         for b in picked:  # each row's stream: its uniforms, then its noise
             generator = sampling.generators[b]
@@ -212,21 +213,32 @@ class _SampledRows:
 
 
 def _distributions(logits: torch.Tensor, temperatures: list[float], top_ps: list[float]) -> torch.Tensor:
-    """softmax(logits / T) per row, restricted to the top-p nucleus for rows with top_p < 1."""
-    temperature = torch.tensor(temperatures, device=logits.device, dtype=logits.dtype)
-    probs = torch.softmax(logits / temperature[:, None, None], -1)
-    nucleus_rows = [i for i, top_p in enumerate(top_ps) if top_p < 1.0]
-    if nucleus_rows:
-        index = torch.tensor(nucleus_rows, device=logits.device)
-        top_p = torch.tensor([top_ps[i] for i in nucleus_rows], device=logits.device, dtype=probs.dtype)
-        probs[index] = _top_p(probs[index], top_p)
+    """softmax(logits / T) per row, restricted to the top-p nucleus for rows with top_p < 1.
+
+    `logits` [S, K+1, V] must be a copy owned by the caller: it is scaled in place.
+    """
+    logits.div_(torch.tensor(temperatures, device=logits.device, dtype=logits.dtype)[:, None, None])
+    probs = torch.softmax(logits, -1)
+    if min(top_ps) < 1.0:
+        _keep_nucleus_(probs, torch.tensor(top_ps, device=logits.device, dtype=probs.dtype)[:, None, None])
     return probs
 
 
-def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalised."""
-    sorted_probs, order = probs.sort(-1, descending=True)
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None, None], 0.0)
-    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return kept / kept.sum(-1, keepdim=True)
+def _keep_nucleus_(probs: torch.Tensor, top_p: torch.Tensor) -> None:
+    """In place: keep the smallest set of most likely tokens whose mass reaches top_p, renormalised.
+
+    Tokens tied with the least likely kept one all stay. The nucleus is found with topk over
+    a prefix of the sorted vocabulary that grows until it covers top_p, not a full sort
+    (one small host read per growth step).
+    """
+    vocab = probs.shape[-1]
+    width = min(vocab, 64)
+    while True:
+        top = probs.topk(width, -1).values
+        if width == vocab or bool(((top.sum(-1, keepdim=True) >= top_p) | (top_p >= 1.0)).all()):
+            break
+        width = min(vocab, width * 8)
+    kept = ((top.cumsum(-1) - top) < top_p).sum(-1, keepdim=True)  # >= 1
+    edge = torch.where(top_p >= 1.0, 0.0, top.gather(-1, kept - 1))
+    probs.masked_fill_(probs < edge, 0.0)
+    probs.div_(probs.sum(-1, keepdim=True))

@@ -1,0 +1,118 @@
+"""Malformed input over a raw socket: each frame answered with its code, other clients keep being served."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pytest
+import zmq
+
+from fly_llm.client import FLyClient, build_options
+from fly_llm.protocol import MAX_FRAME_BYTES, UNKNOWN_ID, ErrorReply, decode_reply
+
+GOOD = {"v": 1, "id": "g1", "kind": "generate", "prompt": "def add(a, b):", "sampling": {"max_tokens": 4}}
+
+
+def _frame(**changes) -> bytes:
+    return json.dumps({**GOOD, **changes}).encode()
+
+
+CASES = [
+    ("random bytes", bytes(random.Random(0).randrange(256) for _ in range(200)), UNKNOWN_ID, "BAD_REQUEST"),
+    ("invalid json", b'{"v": 1, "id": "j1", "kind": ', UNKNOWN_ID, "BAD_REQUEST"),
+    ("not an object", b"[1, 2, 3]", UNKNOWN_ID, "BAD_REQUEST"),
+    ("wrong type", _frame(id="t1", prompt=123), "t1", "BAD_REQUEST"),
+    ("wrong sampling type", _frame(id="t2", sampling={"max_tokens": "many"}), "t2", "BAD_REQUEST"),
+    ("unknown kind", _frame(id="k1", kind="explode"), "k1", "BAD_REQUEST"),
+    ("wrong protocol version", _frame(id="v2", v=2), "v2", "BAD_REQUEST"),
+    ("unknown field", _frame(id="f1", temperature=0.5), "f1", "BAD_REQUEST"),
+    ("negative max_tokens", _frame(id="m1", sampling={"max_tokens": -5}), "m1", "BAD_REQUEST"),
+    ("huge max_tokens", _frame(id="m2", sampling={"max_tokens": 10**12}), "m2", "BAD_REQUEST"),
+    ("max_tokens over the daemon's limit", _frame(id="m3", sampling={"max_tokens": 100_000}), "m3", "TOO_LONG"),
+    ("empty prompt", _frame(id="e1", prompt=""), "e1", "BAD_REQUEST"),
+    ("prompt and messages", _frame(id="e2", messages=[{"role": "user", "content": "x"}]), "e2", "BAD_REQUEST"),
+    ("prompt too long", _frame(id="l1", prompt="a b " * 1000), "l1", "TOO_LONG"),
+    ("bad override", _frame(id="o1", fly={"k": 0}), "o1", "BAD_REQUEST"),
+    ("unknown id to cancel", json.dumps({"v": 1, "id": "nope", "kind": "cancel"}).encode(), "nope", "BAD_REQUEST"),
+    ("oversized frame", _frame(id="big", prompt="x" * (MAX_FRAME_BYTES + 10)), UNKNOWN_ID, "BAD_REQUEST"),
+]
+
+
+@pytest.fixture
+def raw(tiny_daemon):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(tiny_daemon)
+    yield sock
+    sock.close()
+
+
+def _reply(sock: zmq.Socket, timeout_s: float = 20.0):
+    assert sock.poll(int(timeout_s * 1000)), "no reply from the daemon"
+    return decode_reply(sock.recv())
+
+
+@pytest.mark.parametrize("name,frame,rid,code", CASES, ids=[c[0] for c in CASES])
+def test_bad_frame_gets_its_error_code(raw, name, frame, rid, code):
+    raw.send(frame)
+    reply = _reply(raw)
+    assert isinstance(reply, ErrorReply), reply
+    assert (reply.id, reply.code) == (rid, code), reply.message
+
+
+def test_multipart_message_is_refused(raw):
+    raw.send_multipart([b"{}", b"{}"])
+    reply = _reply(raw)
+    assert isinstance(reply, ErrorReply) and reply.code == "BAD_REQUEST"
+
+
+def test_others_are_served_while_bad_frames_arrive(tiny_daemon, raw):
+    sampling, fly = build_options(max_tokens=40, loose=False)
+    with FLyClient(tiny_daemon, timeout=60) as client:
+        expected = client.generate("The quick brown fox", sampling, fly)
+        results: list = []
+
+        def stream() -> None:
+            results.append(list(client.stream("The quick brown fox", sampling=sampling, fly=fly)))
+
+        worker = threading.Thread(target=stream)
+        worker.start()
+        for _, frame, rid, code in CASES * 2:
+            raw.send(frame)
+            assert _reply(raw).code == code
+        worker.join(60)
+        assert results and results[0][-1].token_ids == expected.token_ids
+        assert "".join(c.text for c in results[0][:-1]) == expected.text
+
+
+def test_fuzzed_frames_leave_the_daemon_healthy(tiny_daemon, raw):
+    """Random mutations of valid frames (bounded: 300 frames or 60 s); every one gets exactly one answer."""
+    rng = random.Random(1234)
+    seeds = [_frame(), json.dumps({"v": 1, "id": "h", "kind": "health"}).encode(),
+             json.dumps({"v": 1, "id": "t", "kind": "tokenize", "text": "hello"}).encode(),
+             json.dumps({"v": 1, "id": "c", "kind": "cancel"}).encode(),
+             json.dumps({"v": 1, "id": "b", "kind": "heartbeat", "ids": ["x"]}).encode()]
+    alphabet = b'{}[]":,0123456789-.eE truefalsnul\\\x00\xff'
+    deadline = time.monotonic() + 60
+    for i in range(300):
+        if time.monotonic() > deadline:
+            break
+        frame = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 4)):
+            pos = rng.randrange(len(frame))
+            op = rng.randrange(3)
+            if op == 0:
+                frame[pos] = rng.choice(alphabet)
+            elif op == 1:
+                del frame[pos]
+            else:
+                frame.insert(pos, rng.choice(alphabet))
+        raw.send(bytes(frame))
+        while (reply := _reply(raw)).kind == "chunk":
+            pass
+    with FLyClient(tiny_daemon, timeout=30) as client:
+        assert client.health().state == "ready"
+        assert client.generate("def add(a, b):", *build_options(max_tokens=4)).usage.completion_tokens > 0

@@ -19,14 +19,7 @@ def _alone_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 def _prefill(model, tokens: list[int]) -> BatchKV:
-    kv = BatchKV(torch.device("cpu"))
-    kv.lengths = [0]
-    kv.mask = torch.zeros(1, 0, dtype=torch.long)
-    if tokens:
-        mask, pos = kv.inputs(len(tokens))
-        model(torch.tensor([tokens]), cache=kv.cache, attention_mask=mask, position_ids=pos, use_cache=True)
-        kv.advance(len(tokens))
-    return kv
+    return BatchKV.prefill(model, tokens, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -170,6 +170,29 @@ class BatchKV:
             layer.gather_columns(order)
         self.mask = torch.gather(self.mask, 1, order)
 
+    @classmethod
+    def prefill(cls, model, tokens: list[int], device: torch.device) -> "BatchKV":
+        """A single-row BatchKV holding `tokens`, computed alone (ready for `add_row`)."""
+        kv = cls(device)
+        kv.lengths = [0]
+        kv.mask = torch.zeros(1, 0, dtype=torch.long, device=device)
+        if tokens:
+            kv.forward(model, torch.tensor([tokens], device=device), logits_to_keep=1)
+        return kv
+
+    def forward(self, model, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+        """Run `model` on input_ids [B, q] appended to every row; return its logits.
+
+        All q columns count as kept until `truncate`; pad a ragged batch on the right so the
+        padding never precedes a real token.
+        """
+        q = input_ids.shape[1]
+        mask, positions = self.inputs(q)
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                    use_cache=True, logits_to_keep=logits_to_keep)
+        self.advance(q)
+        return out.logits
+
     def remove_rows(self, keep: list[int]) -> None:
         """Keep only the rows at the given indices (in that order)."""
         index = torch.tensor(keep, dtype=torch.long, device=self.device)

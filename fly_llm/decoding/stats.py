@@ -21,6 +21,8 @@ class RequestStats(BaseModel):
     emitted: int = 0
     trimmed: int = 0
     draft_model_rounds: int = 0
+    ngram_rounds: int = 0
+    plain_rounds: int = 0
     drafted_by_position: list[int] = Field(default_factory=list)
     accepted_by_position: list[int] = Field(default_factory=list)
 
@@ -38,11 +40,17 @@ class RequestStats(BaseModel):
         return self.accepted_loose / accepted if accepted else 0.0
 
     def record_round(self, drafted: int, native: list[bool], loose: list[bool], accepted: int,
-                     used_draft_model: bool) -> None:
-        """Count one verification round: `accepted` kept draft tokens plus one target token."""
+                     used_draft_model: bool, used_ngram: bool = False) -> None:
+        """Count one verification round: `accepted` kept draft tokens plus one target token.
+
+        The stages the round used are counted too: draft_model_rounds, ngram_rounds (the n-gram
+        stage proposed; with the model too in a cascade round) and plain_rounds (nothing drafted).
+        """
         self.rounds += 1
         self.drafted += drafted
         self.draft_model_rounds += int(used_draft_model)
+        self.ngram_rounds += int(used_ngram)
+        self.plain_rounds += int(drafted == 0)
         n_loose = sum(loose[:accepted])
         self.accepted_loose += n_loose
         self.accepted_native += accepted - n_loose
@@ -62,7 +70,7 @@ class RequestStats(BaseModel):
     def merge(self, other: "RequestStats") -> None:
         """Add another request's counters to these."""
         for name in ("rounds", "drafted", "accepted_native", "accepted_loose", "emitted", "trimmed",
-                     "draft_model_rounds"):
+                     "draft_model_rounds", "ngram_rounds", "plain_rounds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):

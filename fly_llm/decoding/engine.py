@@ -1,0 +1,318 @@
+"""FLyEngine: batched speculative decoding with FLy's loose acceptance (DESIGN.md §1–3).
+
+One `step()` is one round for every row of the batch:
+
+1. new requests are prefilled alone and spliced into the batch (continuous batching);
+2. the policy picks each row's draft length and stages; the cascade drafts;
+3. ONE target forward scores [last token, drafts…] for all rows (ragged: right-padded);
+4. `verify` applies the FLy rule (or exact / rejection sampling) per row;
+5. both KV caches are rolled back to each row's emitted length; emitted tokens are checked
+   against EOS, max_tokens and stop strings; finished rows leave the batch.
+
+Invariant per row: the target cache holds the row's context minus its last token, which is fed
+first in the next round, so each round's forward is uniform: K+1 columns per row.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.decoding.cache import BatchKV
+from fly_llm.decoding.drafters import Cascade, DraftPlan, ModelStage, NgramStage
+from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
+from fly_llm.decoding.stats import RequestStats
+from fly_llm.decoding.text import Detokenizer, StopChecker
+from fly_llm.decoding.verify import RowRules, RowSampling, verify
+from fly_llm.errors import BadRequest, TooLong
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class RequestOutput:
+    """What one request got from one step()."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    stats: RequestStats
+    prompt_tokens: int
+
+
+@dataclass
+class Generation:
+    """A finished request."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: RequestStats
+
+
+@dataclass
+class _Request:
+    id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    fly: FLyConfig
+    max_new: int
+    detok: Detokenizer
+    stops: StopChecker
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)  # prompt + output: the row's context
+    output: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    policy: PolicyState = field(default_factory=PolicyState)
+    finish_reason: FinishReason | None = None
+
+
+class FLyEngine:
+    """Speculative decoding over a target, an optional draft model and their shared tokenizer.
+
+    All calls must come from one thread. `config` holds the defaults; each request may bring its
+    own FLyConfig (k, window, θ, loose, stages) as long as the entropy measure is the engine's.
+    """
+
+    def __init__(self, target, tokenizer, draft=None, config: FLyConfig | None = None, *,
+                 context_window: int | None = None, policy: AdaptivePolicy | None = None) -> None:
+        self.target = target.eval()
+        self.draft = draft.eval() if draft is not None else None
+        self.tokenizer = tokenizer
+        self.config = config or FLyConfig()
+        self.context_window = context_window or int(getattr(target.config, "max_position_embeddings", 4096))
+        self.device = next(target.parameters()).device
+        self.dtype = next(target.parameters()).dtype
+        self.target_name = str(getattr(target.config, "_name_or_path", "") or type(target).__name__)
+        self.draft_name = (str(getattr(draft.config, "_name_or_path", "") or type(draft).__name__)
+                           if draft is not None else None)
+        self.stats = RequestStats()
+        self.policy = policy or AdaptivePolicy()
+        self._eos = _eos_ids(tokenizer, target)
+        self._kv = BatchKV(self.device)
+        self._cascade = Cascade(NgramStage(self.config.max_ngram, self.config.ngram_tokens),
+                                ModelStage(self.draft, self.device) if self.draft is not None else None)
+        self._rows: list[_Request] = []
+        self._waiting: list[_Request] = []
+        self._local_ids = 0
+
+    @classmethod
+    def from_pretrained(cls, target: str | None = None, draft: str | None = None, config: FLyConfig | None = None,
+                        *, dtype: str = "auto", device: str = "auto", device_map: str | None = None) -> "FLyEngine":
+        """Load a target/draft pair (HF id, local dir, GGUF; None = the embedded default pair)."""
+        from fly_llm.models import load_models
+
+        loaded = load_models(ModelSpec(target=target, draft=draft, dtype=dtype, device=device, device_map=device_map))
+        engine = cls(loaded.target, loaded.tokenizer, loaded.draft, config, context_window=loaded.context_window)
+        engine.target_name, engine.draft_name = loaded.target_name, loaded.draft_name
+        return engine
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt, or of chat messages through the tokenizer's chat template."""
+        if (prompt is None) == (messages is None):
+            raise BadRequest("give exactly one of prompt or messages")
+        if messages is not None:
+            try:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise BadRequest(f"cannot apply the chat template: {exc}") from exc
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(self.tokenizer.encode(prompt))
+
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                    fly: FLyConfig | None = None) -> None:
+        """Queue a request; it is prefilled and joins the batch in the next step()."""
+        if not prompt_ids:
+            raise BadRequest("the prompt is empty")
+        if any(r.id == request_id for r in self._rows + self._waiting):
+            raise BadRequest(f"duplicate request id {request_id!r}")
+        room = self.context_window - len(prompt_ids)
+        if room < 1:
+            raise TooLong(f"the prompt has {len(prompt_ids)} tokens; the context window is {self.context_window}")
+        fly = fly or self.config
+        if (fly.entropy_measure, fly.entropy_top_k) != (self.config.entropy_measure, self.config.entropy_top_k):
+            raise BadRequest("the entropy measure is set per engine, not per request")
+        generator = None
+        if sampling.temperature > 0:
+            seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._waiting.append(_Request(
+            id=request_id, prompt=list(prompt_ids), sampling=sampling, fly=fly,
+            max_new=min(sampling.max_tokens, room), detok=Detokenizer(self.tokenizer, prompt_ids),
+            stops=StopChecker(sampling.stop), generator=generator, tokens=list(prompt_ids)))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request (waiting or running); False if it is unknown."""
+        for i, req in enumerate(self._waiting):
+            if req.id == request_id:
+                del self._waiting[i]
+                return True
+        for i, req in enumerate(self._rows):
+            if req.id == request_id:
+                self._remove_rows([i])
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is running or waiting to join."""
+        return bool(self._rows or self._waiting)
+
+    @property
+    def num_active(self) -> int:
+        """Requests in the batch or waiting to join."""
+        return len(self._rows) + len(self._waiting)
+
+    # -- the round ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests, then run one draft → verify → accept round for every row."""
+        self._admit()
+        if not self._rows:
+            return []
+        rows = self._rows
+        contexts = [r.tokens for r in rows]
+        plans = [self.policy.plan(r.policy, r.fly, r.max_new - len(r.output) - 1, len(rows), self.draft is not None)
+                 for r in rows]
+        drafts = [d[:p.k] for d, p in zip(self._cascade.propose(contexts, plans), plans)]
+        k = max(len(d) for d in drafts)
+        input_ids = torch.tensor([[c[-1]] + d + [0] * (k - len(d)) for c, d in zip(contexts, drafts)],
+                                 device=self.device)
+        logits = self._kv.forward(self.target, input_ids)
+        verdict = verify(input_ids[:, 1:], logits, torch.tensor([len(d) for d in drafts], device=self.device),
+                         RowRules.from_configs([r.fly for r in rows], self.device), self._sampling(rows))
+        host = torch.cat([verdict.accepted[:, None], verdict.tokens, verdict.native.long(), verdict.loose.long()],
+                         1).tolist()
+        accepted = [h[0] for h in host]
+        self._kv.truncate([len(c) + a for c, a in zip(contexts, accepted)])
+        self._cascade.rollback([len(c) + a for c, a in zip(contexts, accepted)])
+
+        outputs, finished = [], []
+        for b, (req, plan, draft, h) in enumerate(zip(rows, plans, drafts, host)):
+            n, a = len(draft), accepted[b]
+            used_model = plan.model and self.draft is not None and n > 0
+            req.stats.record_round(n, [bool(x) for x in h[k + 2:k + 2 + n]],
+                                   [bool(x) for x in h[2 * k + 2:2 * k + 2 + n]], a, used_model,
+                                   used_ngram=plan.ngram and n > 0)
+            self.policy.observe(req.policy, plan, n, a)
+            outputs.append(self._emit(req, h[1:a + 2]))
+            if req.finish_reason is not None:
+                finished.append(b)
+        if finished:
+            self._remove_rows(finished)
+        return outputs
+
+    def _admit(self) -> None:
+        for req in self._waiting:
+            self._kv.add_row(BatchKV.prefill(self.target, req.prompt[:-1], self.device))
+            self._cascade.add_row(req.prompt, prefill_model=req.fly.draft_model)
+            self._rows.append(req)
+        self._waiting = []
+
+    def _sampling(self, rows: Sequence[_Request]) -> RowSampling | None:
+        if all(r.generator is None for r in rows):
+            return None
+        return RowSampling(temperature=torch.tensor([r.sampling.temperature for r in rows]),
+                           top_p=torch.tensor([r.sampling.top_p for r in rows]),
+                           generators=[r.generator for r in rows])
+
+    def _emit(self, req: _Request, tokens: list[int]) -> RequestOutput:
+        """Append a round's tokens up to EOS / max_tokens / a stop string; count what is cut."""
+        kept: list[int] = []
+        for token in tokens:
+            kept.append(token)
+            req.output.append(token)
+            req.tokens.append(token)
+            if req.stops.active and req.stops.feed(req.detok.add([token])):
+                req.finish_reason = "stop"  # checked per token so the cut is at the right token
+            elif token in self._eos:
+                req.finish_reason = "stop"
+            elif len(req.output) >= req.max_new:
+                req.finish_reason = "length"
+            if req.finish_reason is not None:
+                break
+        if not req.stops.active:
+            req.stops.feed(req.detok.add(kept))
+        if len(kept) < len(tokens):
+            req.stats.record_trim(len(tokens) - len(kept))
+        finished = req.finish_reason is not None
+        if finished:
+            req.stops.feed(req.detok.flush())
+        return RequestOutput(request_id=req.id, new_token_ids=kept, new_text=req.stops.release(finished),
+                             finished=finished, finish_reason=req.finish_reason, stats=req.stats,
+                             prompt_tokens=len(req.prompt))
+
+    def _remove_rows(self, indices: list[int]) -> None:
+        drop = set(indices)
+        for i in indices:
+            self.stats.merge(self._rows[i].stats)
+        keep = [i for i in range(len(self._rows)) if i not in drop]
+        self._kv.remove_rows(keep)
+        self._cascade.remove_rows(keep)
+        self._rows = [self._rows[i] for i in keep]
+
+    # -- convenience ----------------------------------------------------------------------------
+
+    def _new_id(self, kind: str) -> str:
+        self._local_ids += 1
+        return f"{kind}-{self._local_ids}"
+
+    def generate(self, prompts: str | list[str], sampling: SamplingParams | None = None,
+                 fly: FLyConfig | None = None) -> list[Generation]:
+        """Generate for one or many prompts (batched together); one Generation per prompt, in order."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        sampling = sampling or SamplingParams()
+        ids = [self._new_id("generate") for _ in prompts]
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, self.encode(prompt), sampling, fly)
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        results: dict[str, Generation] = {}
+        while len(results) < len(ids):
+            for out in self.step():
+                if out.request_id not in texts:
+                    continue
+                texts[out.request_id].append(out.new_text)
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    ids_ = tokens[out.request_id]
+                    results[out.request_id] = Generation(
+                        request_id=out.request_id, text="".join(texts[out.request_id]), token_ids=ids_,
+                        finish_reason=out.finish_reason or "stop", prompt_tokens=out.prompt_tokens,
+                        completion_tokens=len(ids_), stats=out.stats)
+        return [results[i] for i in ids]
+
+    def stream(self, prompt: str, sampling: SamplingParams | None = None, fly: FLyConfig | None = None) -> Iterator[str]:
+        """Yield text deltas of one prompt as they are decoded."""
+        rid = self._new_id("stream")
+        self.add_request(rid, self.encode(prompt), sampling or SamplingParams(), fly)
+        try:
+            done = False
+            while not done:
+                for out in self.step():
+                    if out.request_id == rid:
+                        if out.new_text:
+                            yield out.new_text
+                        done = out.finished
+        finally:
+            self.abort_request(rid)
+
+
+def _eos_ids(tokenizer, model) -> frozenset[int]:
+    """End-of-sequence ids: the tokenizer's EOS plus the model's generation_config ones."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)

@@ -1,0 +1,132 @@
+"""Adaptive drafting (DESIGN.md §3): per request and round, how many tokens to draft and with which stages.
+
+`FLyConfig.k` is an upper bound. From each request's own acceptance history the policy estimates,
+per stage, the chance α that the next draft token is accepted, and picks the plan with the highest
+expected tokens per unit of time:
+
+    tokens(α, K) = 1 + α + α² + … + α^K          (kept drafts plus the target's own token)
+    time         = 1 + B·target_token·K  (+ draft_step·K when the draft model runs)
+
+in units of one plain target forward, with B the batch size (a longer verify forward delays every
+row, so a big batch speculates less). Plain decoding (K = 0, time 1, one token) is always a
+candidate, so a plan is only chosen when it is expected to beat target-only decoding. n-gram
+proposals are nearly free, so n-gram rounds run whenever they are expected to pay; the draft model
+runs only when its acceptance is high enough to pay for its forwards. A stage that is not chosen is
+re-tried now and then with a short draft (its probe interval doubles while it keeps losing), so the
+estimate can recover when the text changes. Only token history is used (no timing), so the choices
+— and hence FLy-mode output — are reproducible.
+
+With `FLyConfig.adaptive = False` every round drafts k tokens with the configured stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fly_llm.config import FLyConfig
+from fly_llm.decoding.drafters import DraftPlan
+
+PLAIN = DraftPlan(k=0, ngram=False, model=False)
+_FIRST_PROBE = 8
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Relative costs, in units of one target forward over one token.
+
+    Defaults measured on CPU with a 1.5B target / 0.5B draft in bf16: a target forward over 16
+    tokens costs ≈ 1.1× one token; a draft-model forward ≈ 1/2.4 of a target forward.
+    """
+
+    target_token: float = 0.007
+    draft_step: float = 0.42
+
+
+@dataclass
+class _Acceptance:
+    """Decayed counts for a geometric estimate of the per-token acceptance probability."""
+
+    accepted: float
+    rejected: float
+
+    def update(self, accepted: int, drafted: int, decay: float) -> None:
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (1 if accepted < drafted else 0)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+@dataclass
+class PolicyState:
+    """One request's acceptance history."""
+
+    ngram: _Acceptance = field(default_factory=lambda: _Acceptance(1.0, 1.0))
+    model: _Acceptance = field(default_factory=lambda: _Acceptance(1.5, 1.0))
+    ngram_hit: float = 0.5  # decayed share of n-gram lookups that found a proposal
+    since_model: int = 0  # rounds since the draft model last ran
+    model_probe_every: int = _FIRST_PROBE
+    probing: bool = False  # the current model round is a probe
+
+
+class AdaptivePolicy:
+    """Chooses each request's DraftPlan from its acceptance history and the batch size."""
+
+    def __init__(self, costs: Costs = Costs(), decay: float = 0.9, max_probe_every: int = 256) -> None:
+        self.costs = costs
+        self.decay = decay
+        self.max_probe_every = max_probe_every
+
+    def plan(self, state: PolicyState, fly: FLyConfig, budget: int, batch_size: int,
+             has_model: bool) -> DraftPlan:
+        """The plan for one round; `budget` caps k (tokens the request may still draft)."""
+        can_ngram, can_model = fly.ngram, fly.draft_model and has_model
+        k_max = min(fly.k, budget)
+        if k_max <= 0 or not (can_ngram or can_model):
+            return PLAIN
+        if not fly.adaptive:
+            return DraftPlan(k=k_max, ngram=can_ngram, model=can_model)
+        per_token = self.costs.target_token * batch_size
+        best, best_speed = PLAIN, 1.0
+        if can_ngram:
+            k, gain = _best_k(state.ngram.alpha, k_max, per_token)
+            speed = (1 + state.ngram_hit * gain) / (1 + per_token * k)
+            if speed > best_speed:
+                best, best_speed = DraftPlan(k=k, ngram=True, model=False), speed
+        if can_model:
+            k, gain = _best_k(state.model.alpha, k_max, per_token + self.costs.draft_step)
+            speed = (1 + gain) / (1 + (per_token + self.costs.draft_step) * k)
+            if speed > best_speed:
+                return DraftPlan(k=k, ngram=can_ngram, model=True)
+            if state.since_model >= state.model_probe_every:
+                state.probing = True
+                return DraftPlan(k=min(4, k_max), ngram=can_ngram, model=True)
+        return best
+
+    def observe(self, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int) -> None:
+        """Learn from one round's outcome."""
+        if plan.model:
+            state.model.update(accepted, drafted, self.decay)
+            state.model_probe_every = (min(2 * state.model_probe_every, self.max_probe_every)
+                                       if state.probing else _FIRST_PROBE)
+            state.probing, state.since_model = False, 0
+        else:
+            state.since_model += 1
+            if plan.ngram:
+                state.ngram_hit = state.ngram_hit * self.decay + (1 - self.decay) * (drafted > 0)
+                if drafted:
+                    state.ngram.update(accepted, drafted, self.decay)
+
+
+def _best_k(alpha: float, k_max: int, cost_per_token: float) -> tuple[int, float]:
+    """The K in 1..k_max with the best (expected extra tokens) / time, and those extra tokens."""
+    best_k, best_gain, best_speed = 1, alpha, (1 + alpha) / (1 + cost_per_token)
+    gain, term = alpha, alpha
+    for k in range(2, k_max + 1):
+        term *= alpha
+        gain += term
+        speed = (1 + gain) / (1 + cost_per_token * k)
+        if speed > best_speed:
+            best_k, best_gain, best_speed = k, gain, speed
+    return best_k, best_gain

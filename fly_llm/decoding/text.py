@@ -1,0 +1,86 @@
+"""Incremental detokenisation and stop strings (pure Python, no torch).
+
+`Detokenizer` turns token ids into text a few tokens at a time (the offsets scheme of vLLM/TGI:
+decode a short window twice and keep the difference), never re-decoding the whole output, and
+holds back text while the last bytes form an incomplete UTF-8 character. `StopChecker` cuts the
+text at the first stop string and releases only text that cannot be the start of one.
+"""
+
+from __future__ import annotations
+
+_REPLACEMENT = "\ufffd"
+_PROMPT_CONTEXT = 6  # prompt tokens decoded with the first output tokens (leading-space rules)
+
+
+class Detokenizer:
+    """Text deltas for token ids appended one round at a time."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self.prefix = 0  # start of the window decoded for context
+        self.read = len(self.ids)  # end of the text already returned
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the newly complete text ('' while a character is incomplete)."""
+        self.ids.extend(token_ids)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character decodes as U+FFFD)."""
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        if self.read == len(self.ids):
+            return ""
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        text = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(text) <= len(before) or (text.endswith(_REPLACEMENT) and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
+
+
+class StopChecker:
+    """Accumulates a request's text, cuts it at the first stop string, releases safe deltas."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = list(stops)
+        self.longest = max((len(s) for s in stops), default=0)
+        self.text = ""
+        self.released = 0
+        self.hit = False  # a stop string was found; later text is ignored
+
+    @property
+    def active(self) -> bool:
+        """Whether there are stop strings to look for."""
+        return bool(self.stops)
+
+    def feed(self, delta: str) -> bool:
+        """Add text; True (and the text cut before it) when a stop string now appears."""
+        if not delta or self.hit:
+            return False
+        start = max(0, len(self.text) - self.longest + 1)
+        self.text += delta
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.hit = True
+            return True
+        return False
+
+    def release(self, finished: bool) -> str:
+        """Text not yet released that no continuation can turn into a stop string (all if finished)."""
+        end = len(self.text) if finished else len(self.text) - self._held_back()
+        delta = self.text[self.released:end] if end > self.released else ""
+        self.released = max(self.released, end)
+        return delta
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        for n in range(min(self.longest - 1, len(self.text)), 0, -1):
+            suffix = self.text[-n:]
+            if any(s.startswith(suffix) for s in self.stops):
+                return n
+        return 0

@@ -1,13 +1,14 @@
 """ChatFLy beyond the standard suites: message conversion, options, metadata, batching, streaming.
 
-Tests marked with `tiny_daemon` run against a real daemon on the tiny random pair (behaviour, not
-wording); the rest need no daemon.
+Tests that take the `chat` or `tiny_daemon` fixture run against a real daemon on the tiny random
+pair (behaviour, not wording); the rest need no daemon.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from langchain_core.load import dumpd, load
@@ -135,3 +136,20 @@ async def test_abatch_is_one_daemon_batch(chat: ChatFLy, tiny_daemon: str) -> No
     outputs = await chat.abatch(QUESTIONS[:n])
     assert max_batch_seen(tiny_daemon) >= n
     assert [o.content for o in outputs] == [o.content for o in chat.batch(QUESTIONS[:n])]
+
+
+def test_streaming_field_streams_invoke(chat: ChatFLy, tiny_daemon: str) -> None:
+    streaming = ChatFLy(endpoint=tiny_daemon, max_tokens=24, temperature=0, loose=False, streaming=True)
+    counter = TokenCounter()
+    message = streaming.invoke("hello", config={"callbacks": [counter]})
+    assert message.content == chat.invoke("hello").content
+    assert "".join(counter.tokens) == message.content
+    assert message.usage_metadata["output_tokens"] >= 1
+
+
+def test_example_chain_runs(tiny_daemon: str) -> None:
+    example = Path(__file__).parents[1] / "examples" / "langchain_chain.py"
+    run = subprocess.run([sys.executable, str(example), "--endpoint", tiny_daemon, "--max-tokens", "8", "hello"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert run.stdout.strip()
+    assert "tokens per pass" in run.stderr

@@ -11,6 +11,8 @@ from transformers import DynamicCache
 from fly_llm.decoding.cache import BatchKV
 from tiny_models import make_pair
 
+torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
+
 
 def _alone_logits(model, tokens: list[int]) -> torch.Tensor:
     """Logits of the last position for `tokens`, computed with no batching at all."""

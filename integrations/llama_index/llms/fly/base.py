@@ -60,7 +60,7 @@ class FLyLLM(LLM):
     """
 
     endpoint: str = Field(
-        default_factory=default_endpoint, description="Daemon endpoint; default $FLY_ENDPOINT, else the local ipc socket."
+        default_factory=default_endpoint, description="Daemon endpoint; $FLY_ENDPOINT, else the local ipc socket."
     )
     temperature: float | None = Field(default=None, ge=0.0, description="Sampling temperature; 0 is greedy.")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -68,13 +68,13 @@ class FLyLLM(LLM):
     stop: list[str] | None = Field(default=None, description="Stop strings (not included in the output).")
     seed: int | None = Field(default=None, ge=0, description="Seed for reproducible sampling.")
     timeout: float | None = Field(
-        default=None, gt=0, description="Seconds to wait for the daemon per request (None: the client's 120 s)."
+        default=None, gt=0, description="Seconds to wait per request (None: the client's default, 120 s)."
     )
     max_retries: int = Field(default=2, ge=0, description="Retries when the daemon is busy or unreachable.")
     k: int | None = Field(default=None, ge=1, description="FLy: most draft tokens per round.")
-    window: int | None = Field(default=None, ge=0, description="FLy: deferred window W (0 = accept any gated mismatch).")
+    window: int | None = Field(default=None, ge=0, description="FLy: deferred window W (0: any gated mismatch).")
     entropy_threshold: float | None = Field(default=None, ge=0.0, description="FLy: entropy gate θ in nats.")
-    loose: bool | None = Field(default=None, description="FLy loose acceptance; False = exact, lossless decoding.")
+    loose: bool | None = Field(default=None, description="FLy loose acceptance; False: exact, lossless decoding.")
 
     _client: FLyClient | None = PrivateAttr(default=None)
     _async_client: AsyncFLyClient | None = PrivateAttr(default=None)
@@ -187,7 +187,7 @@ def _to_wire(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
 
 
 def _advance(text: str, item: TokenChunk | GenerateResult) -> tuple[str, str, dict[str, Any]]:
-    """(running text, delta, raw) after one stream item; the final result adds an empty delta and the usage."""
+    """(running text, delta, raw) after one stream item; the final result has an empty delta and the usage."""
     delta = item.text if isinstance(item, TokenChunk) else ""
     return text + delta, delta, item.model_dump()
 

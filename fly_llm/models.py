@@ -98,13 +98,11 @@ def _load_tokenizer(source: str, name: str) -> PreTrainedTokenizerBase:
 
 def _load_model(source: str, name: str, dtype: torch.dtype, device: torch.device,
                 device_map: str | None) -> PreTrainedModel:
-    kwargs = {"dtype": dtype} | ({"device_map": device_map} if device_map else {})
+    """Load straight onto `device` (or spread by accelerate's `device_map`), in eval mode."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map or {"": device})
     except (OSError, ValueError) as exc:
         raise ModelError(f"could not load the model {name}: {exc}") from exc
-    if not device_map:
-        model.to(device)
     return model.eval()
 
 

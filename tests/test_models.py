@@ -120,7 +120,7 @@ def test_dtype_auto():
     assert resolve_dtype("float64", torch.device("cpu")) == torch.float64
 
 
-def test_context_window_is_capped(tiny_pair_dirs):
+def test_context_window_is_capped():
     target, _, _ = make_pair()
     target.config.max_position_embeddings = 1_000_000
     assert context_window(target) == 32_768

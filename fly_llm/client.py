@@ -179,10 +179,13 @@ class _Heartbeat:
         """The daemon answered something just now."""
         self.last_heard = time.monotonic()
 
-    def check(self, since: float, window: float) -> None:
-        """Raise FLyUnavailable when nothing was heard from the daemon for `window` seconds after `since`."""
-        if time.monotonic() - max(self.last_heard, since) > window:
-            raise FLyUnavailable(f"no answer from a fly-daemon at {self._endpoint} for {window:.1f} s")
+    def check(self, since: float, window: float, deadline: float) -> None:
+        """Raise FLyUnavailable when the daemon was silent since `since` for `window` seconds, or at the
+        `deadline` when its heartbeats went unanswered (then it is gone, not slow)."""
+        now = time.monotonic()
+        silent = now - max(self.last_heard, since)
+        if silent > window or (now >= deadline and silent > 3 * HEARTBEAT_INTERVAL_S):
+            raise FLyUnavailable(f"no answer from a fly-daemon at {self._endpoint} for {silent:.1f} s")
 
     def close(self) -> None:
         """Stop the thread."""
@@ -231,7 +234,7 @@ class _Connection:
         """The next reply for request `rid`; Timeout at `deadline`, FLyUnavailable if the daemon is silent."""
         queue = self.inbox[rid]
         while not queue:
-            self._heartbeat.check(since, window)
+            self._heartbeat.check(since, window, deadline)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Timeout(f"request {rid} did not finish within its timeout")
@@ -480,7 +483,7 @@ class _AsyncConnection:
         while True:
             if not queue.empty():
                 return queue.get_nowait()
-            self._heartbeat.check(since, window)
+            self._heartbeat.check(since, window, deadline)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Timeout(f"request {rid} did not finish within its timeout")

@@ -1,0 +1,168 @@
+"""Faults: a client killed mid-stream, a full queue, SIGTERM during work, SIGKILL, restarts, the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon_process import DaemonProcess, start_daemon
+from fly_llm.client import FLyClient, build_options
+from fly_llm.errors import Busy, Cancelled, FLyUnavailable, NotReady
+
+CANDIDATES = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "class Stack:", "Question:"]
+LONG = 400
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tiny_daemon) -> str:
+    """A prompt whose greedy continuation runs to LONG tokens without hitting EOS."""
+    with FLyClient(tiny_daemon, timeout=120) as client:
+        results = client.batch(CANDIDATES, *build_options(max_tokens=LONG))
+    return next(p for p, r in zip(CANDIDATES, results) if r.finish_reason == "length")
+
+
+def _cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fly_daemon.cli", *args], capture_output=True, timeout=timeout,
+                          env=env, encoding="utf-8", errors="replace")
+
+
+def _wait_for(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_client_killed_mid_stream_frees_its_slot(tiny_daemon, long_prompt):
+    script = (
+        "from fly_llm.client import FLyClient, build_options\n"
+        f"client = FLyClient({tiny_daemon!r}, timeout=120)\n"
+        f"for chunk in client.stream({long_prompt!r}, sampling=build_options(max_tokens={LONG})[0]):\n"
+        "    print('chunk', flush=True)\n")
+    with FLyClient(tiny_daemon, timeout=30) as client:
+        tokens_before = client.status().tokens_generated
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "chunk"
+        proc.kill()
+        proc.wait()
+        assert _wait_for(lambda: client.status().active == 0)
+        assert client.status().tokens_generated - tokens_before < LONG
+        assert client.generate("def add(a, b):", *build_options(max_tokens=4)).usage.completion_tokens > 0
+
+
+def test_crash_restart_busy_and_graceful_stop(tiny_pair_dirs, tmp_path, long_prompt):
+    """One endpoint's life: SIGKILL under a waiting client, a detached restart that replaces the stale
+    files, a second daemon refused, the CLI, a full queue, and a graceful `stop` during work."""
+    target, draft = (str(p) for p in tiny_pair_dirs)
+    crashed = start_daemon(*tiny_pair_dirs, tmp_path, "k")
+    endpoint, sock = crashed.endpoint, Path(crashed.endpoint.removeprefix("ipc://"))
+    client = FLyClient(endpoint, timeout=8, max_retries=0)
+    _sigkill_under_a_waiting_client(crashed, client, long_prompt)
+    assert sock.exists() and Path(f"{sock}.pid").exists()  # stale, left by the crash
+
+    env = dict(os.environ, FLY_RUNTIME_DIR=str(tmp_path))
+    start = _cli("start", "--endpoint", endpoint, "--target", target, "--draft", draft, "--dtype", "float32",
+                 "--device", "cpu", "--queue-size", "2", "--max-batch-size", "1", "--drain-timeout", "60", env=env)
+    assert start.returncode == 0, start.stdout + start.stderr
+    assert "ready" in start.stdout and endpoint in start.stdout
+    try:
+        assert "removing stale socket" in Path(f"{sock}.log").read_text()
+        second = _cli("start", "--foreground", "--endpoint", endpoint, "--target", target, env=env)
+        assert second.returncode == 1 and "already running" in second.stderr
+        assert client.health().state == "ready"  # the same client object, after the restart
+        _cli_status_and_generate(client, endpoint, target, env)
+        _busy_then_graceful_stop(client, endpoint, long_prompt, env)
+    finally:
+        _cli("stop", "--endpoint", endpoint, env=env, timeout=120)
+    assert not sock.exists() and not Path(f"{sock}.pid").exists()
+    assert _cli("status", "--endpoint", endpoint, env=env, timeout=60).returncode == 1
+    with pytest.raises(FLyUnavailable):
+        client.health()
+    client.close()
+
+
+def _sigkill_under_a_waiting_client(daemon: DaemonProcess, client: FLyClient, prompt: str) -> None:
+    errors: list[BaseException] = []
+
+    def waiting() -> None:
+        try:
+            client.generate(prompt, *build_options(max_tokens=LONG))
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion below
+            errors.append(exc)
+
+    waiter = threading.Thread(target=waiting)
+    waiter.start()
+    assert _wait_for(lambda: client.status().active == 1, 30)
+    daemon.kill()
+    waiter.join(30)
+    assert errors and isinstance(errors[0], FLyUnavailable)
+
+
+def _cli_status_and_generate(client: FLyClient, endpoint: str, target: str, env: dict) -> None:
+    status = _cli("status", "--endpoint", endpoint, env=env, timeout=60)
+    assert status.returncode == 0 and "ready" in status.stdout and target in status.stdout
+    gen = _cli("generate", "def add(a, b):", "--max-tokens", "8", "--no-loose", "--endpoint", endpoint,
+               env=env, timeout=60)
+    expected = client.generate("def add(a, b):", *build_options(max_tokens=8, loose=False)).text
+    assert gen.returncode == 0 and "tokens" in gen.stderr
+    assert gen.stdout == expected.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _busy_then_graceful_stop(client: FLyClient, endpoint: str, prompt: str, env: dict) -> None:
+    """Batch size 1, queue 2: a long stream runs, two requests queue, the rest are BUSY; then `stop`."""
+    outcomes: dict[str, object] = {}
+    first_chunk = threading.Event()
+    long_client = FLyClient(endpoint, timeout=120)
+
+    def long_stream() -> None:
+        items = []
+        for item in long_client.stream(prompt, sampling=build_options(max_tokens=LONG)[0]):
+            first_chunk.set()
+            items.append(item)
+        outcomes["long"] = items[-1]
+
+    def short(name: str) -> None:
+        try:
+            outcomes[name] = client.generate("def add(a, b):", *build_options(max_tokens=4), timeout=120)
+        except (Busy, Cancelled, NotReady, FLyUnavailable) as exc:
+            outcomes[name] = exc
+
+    workers = [threading.Thread(target=long_stream)]
+    workers[0].start()
+    assert first_chunk.wait(60)
+    workers += [threading.Thread(target=short, args=(f"s{i}",)) for i in range(5)]
+    for w in workers[1:]:
+        w.start()
+    assert _wait_for(lambda: sum(isinstance(v, Busy) for v in outcomes.values()) >= 3)
+    assert client.status().queue_depth == 2  # two queued behind the running stream, the rest refused
+
+    stop = _cli("stop", "--endpoint", endpoint, env=env, timeout=120)
+    for w in workers:
+        w.join(120)
+    assert stop.returncode == 0 and "stopped" in stop.stdout
+    assert outcomes["long"].finish_reason == "length"  # the running request finished
+    assert len(outcomes["long"].token_ids) == LONG
+    queued = [v for k, v in outcomes.items() if k != "long" and not isinstance(v, Busy)]
+    assert len(queued) == 2 and all(isinstance(v, Cancelled) for v in queued)
+    long_client.close()
+
+
+def test_refuses_non_loopback_tcp_without_curve(tiny_pair_dirs):
+    out = _cli("start", "--foreground", "--endpoint", "tcp://0.0.0.0:5999", "--target", str(tiny_pair_dirs[0]))
+    assert out.returncode == 2 and "CURVE" in out.stderr
+
+
+def test_model_load_failure_exits_with_its_message(tmp_path):
+    bad = DaemonProcess(tmp_path / "missing", tmp_path / "missing", f"ipc://{tmp_path}/x.sock", tmp_path / "x.log")
+    with pytest.raises(RuntimeError, match="exited"):
+        bad.wait_ready(120)
+    assert bad.proc.returncode == 1 and "loading models failed" in bad.output()
+    assert not (tmp_path / "x.sock").exists()

@@ -54,10 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("task", nargs="?", default="Write a function that checks whether a string is a palindrome.")
     parser.add_argument("--endpoint", help="daemon endpoint (default: $FLY_ENDPOINT or the local socket)")
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds the whole answer may take (CPU generation of long answers is slow)")
     parser.add_argument("--exact", action="store_true", help="exact speculative decoding (FLy's loose rule off)")
     args = parser.parse_args(argv)
 
-    options: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": 0.0, "loose": not args.exact}
+    options: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": 0.0, "loose": not args.exact,
+                               "timeout": args.timeout}
     if args.endpoint:
         options["endpoint"] = args.endpoint
     chain = build_chain(ChatFLy(**options))

@@ -64,6 +64,7 @@ def test_invoke_returns_text_with_usage_and_fly_stats(llm: FLyLLM) -> None:
     info = generation.generation_info
     usage = info["usage"]
     assert usage["input_tokens"] == llm.get_num_tokens("def add(a, b):")
+    assert len(llm.get_token_ids("def add(a, b):")) == usage["input_tokens"]
     assert 1 <= usage["output_tokens"] <= 24
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
     assert info["finish_reason"] in ("stop", "length")

@@ -98,6 +98,14 @@ class FLyBase(BaseModel):
             params["ls_stop"] = stops
         return params
 
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of `text` from the daemon's tokenizer."""
+        return self._client.tokenize(text).token_ids
+
+    def get_num_tokens(self, text: str) -> int:
+        """Count the tokens of `text` with the daemon's tokenizer."""
+        return self._client.tokenize(text).count
+
     def _request_options(self, stop: list[str] | None,
                          kwargs: dict[str, Any]) -> tuple[SamplingParams, FLyOverrides, float | None]:
         """(sampling, FLy overrides, timeout) for one call: call kwargs override the fields."""

@@ -47,10 +47,6 @@ class ChatFLy(FLyBase, BaseChatModel):
     def _llm_type(self) -> str:
         return "fly-chat"
 
-    def get_num_tokens(self, text: str) -> int:
-        """Count tokens of plain text with the daemon's tokenizer."""
-        return self._client.tokenize(text).count
-
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
         """Count the prompt tokens of `messages` after the daemon's chat template."""
         if tools:

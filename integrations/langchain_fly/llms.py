@@ -31,10 +31,6 @@ class FLyLLM(FLyBase, BaseLLM):
     def _llm_type(self) -> str:
         return "fly-llm"
 
-    def get_num_tokens(self, text: str) -> int:
-        """Count tokens with the daemon's tokenizer."""
-        return self._client.tokenize(text).count
-
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
         if self.streaming:
@@ -61,7 +57,7 @@ class FLyLLM(FLyBase, BaseLLM):
             if chunk is None:
                 continue
             if run_manager:
-                run_manager.on_llm_new_token(chunk.text, chunk=chunk, verbose=self.verbose)
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
     async def _astream(self, prompt: str, stop: list[str] | None = None,
@@ -73,7 +69,7 @@ class FLyLLM(FLyBase, BaseLLM):
             if chunk is None:
                 continue
             if run_manager:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk, verbose=self.verbose)
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
     def _chunk(self, item: TokenChunk | GenerateResult) -> GenerationChunk | None:

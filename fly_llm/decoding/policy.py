@@ -28,6 +28,7 @@ from fly_llm.decoding.drafters import DraftPlan
 
 PLAIN = DraftPlan(k=0, ngram=False, model=False)
 _FIRST_PROBE = 8
+_OPTIMISTIC_ALPHA = 0.9  # the draft model is only probed if it could win at this acceptance
 
 
 @dataclass(frozen=True)
@@ -91,15 +92,16 @@ class AdaptivePolicy:
         best, best_speed = PLAIN, 1.0
         if can_ngram:
             k, gain = _best_k(state.ngram.alpha, k_max, per_token)
-            speed = (1 + state.ngram_hit * gain) / (1 + per_token * k)
+            speed = (1 + state.ngram_hit * gain) / (1 + per_token * k)  # a miss is a plain round
             if speed > best_speed:
                 best, best_speed = DraftPlan(k=k, ngram=True, model=False), speed
         if can_model:
-            k, gain = _best_k(state.model.alpha, k_max, per_token + self.costs.draft_step)
-            speed = (1 + gain) / (1 + (per_token + self.costs.draft_step) * k)
-            if speed > best_speed:
+            model_cost = per_token + self.costs.draft_step
+            if _speed(state.model.alpha, k_max, model_cost) > best_speed:
+                k, _ = _best_k(state.model.alpha, k_max, model_cost)
                 return DraftPlan(k=k, ngram=can_ngram, model=True)
-            if state.since_model >= state.model_probe_every:
+            could_win = _speed(_OPTIMISTIC_ALPHA, k_max, model_cost) > best_speed
+            if could_win and state.since_model >= state.model_probe_every:
                 state.probing = True
                 return DraftPlan(k=min(4, k_max), ngram=can_ngram, model=True)
         return best
@@ -117,6 +119,12 @@ class AdaptivePolicy:
                 state.ngram_hit = state.ngram_hit * self.decay + (1 - self.decay) * (drafted > 0)
                 if drafted:
                     state.ngram.update(accepted, drafted, self.decay)
+
+
+def _speed(alpha: float, k_max: int, cost_per_token: float) -> float:
+    """Expected tokens per unit of time at the best K."""
+    k, gain = _best_k(alpha, k_max, cost_per_token)
+    return (1 + gain) / (1 + cost_per_token * k)
 
 
 def _best_k(alpha: float, k_max: int, cost_per_token: float) -> tuple[int, float]:

@@ -1,0 +1,86 @@
+"""The adaptive drafting policy: choices follow acceptance history and batch size; they show in stats."""
+
+from __future__ import annotations
+
+import torch
+
+from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.decoding.drafters import DraftPlan
+from fly_llm.decoding.engine import FLyEngine
+from fly_llm.decoding.policy import PLAIN, AdaptivePolicy, Costs, PolicyState
+from tiny_models import make_pair
+
+torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
+
+FLY = FLyConfig()
+
+
+def _feed(policy: AdaptivePolicy, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int, n: int):
+    for _ in range(n):
+        policy.observe(state, plan, drafted, accepted)
+
+
+def test_fixed_mode_uses_configured_stages_and_caps_k_by_budget():
+    policy = AdaptivePolicy()
+    fixed = FLyConfig(k=9, adaptive=False)
+    assert policy.plan(PolicyState(), fixed, budget=100, batch_size=4, has_model=True) == DraftPlan(9, True, True)
+    assert policy.plan(PolicyState(), fixed, budget=3, batch_size=1, has_model=True).k == 3
+    assert policy.plan(PolicyState(), fixed, budget=0, batch_size=1, has_model=True) == PLAIN
+    assert policy.plan(PolicyState(), fixed, budget=9, batch_size=1, has_model=False) == DraftPlan(9, True, False)
+    none = FLyConfig(ngram=False, draft_model=False)
+    assert policy.plan(PolicyState(), none, budget=9, batch_size=1, has_model=True) == PLAIN
+
+
+def test_reliable_ngrams_skip_the_draft_model_with_long_drafts():
+    policy, state = AdaptivePolicy(), PolicyState()
+    ngram_plan = DraftPlan(15, True, False)
+    _feed(policy, state, ngram_plan, drafted=12, accepted=12, n=20)
+    plan = policy.plan(state, FLY, budget=100, batch_size=1, has_model=True)
+    assert plan.ngram and not plan.model and plan.k >= 10
+
+
+def test_failing_ngrams_and_draft_fall_back_to_plain_decoding_then_probe():
+    policy, state = AdaptivePolicy(), PolicyState()
+    _feed(policy, state, DraftPlan(6, True, False), drafted=6, accepted=0, n=10)
+    _feed(policy, state, DraftPlan(4, True, True), drafted=4, accepted=0, n=5)
+    plans = []
+    for _ in range(300):
+        plan = policy.plan(state, FLY, budget=100, batch_size=1, has_model=True)
+        plans.append(plan)
+        policy.observe(state, plan, plan.k if plan.k else 0, 0)
+    model_rounds = [i for i, p in enumerate(plans) if p.model]
+    assert PLAIN in plans or all(p.k <= 2 for p in plans if p.ngram and not p.model)
+    assert 0 < len(model_rounds) < 10  # probes, spaced further and further apart
+    gaps = [b - a for a, b in zip(model_rounds, model_rounds[1:])]
+    assert gaps == sorted(gaps)
+
+
+def test_good_draft_model_is_used_when_ngrams_miss():
+    policy, state = AdaptivePolicy(Costs(target_token=0.007, draft_step=0.2)), PolicyState()
+    _feed(policy, state, DraftPlan(6, True, False), drafted=0, accepted=0, n=20)  # lookups find nothing
+    _feed(policy, state, DraftPlan(8, True, True), drafted=8, accepted=8, n=10)
+    plan = policy.plan(state, FLY, budget=100, batch_size=1, has_model=True)
+    assert plan.model and plan.k >= 4
+
+
+def test_bigger_batches_speculate_less():
+    policy, state = AdaptivePolicy(), PolicyState()
+    _feed(policy, state, DraftPlan(15, True, False), drafted=10, accepted=7, n=20)
+    ks = [policy.plan(state, FLY, budget=100, batch_size=b, has_model=False).k for b in (1, 8, 64)]
+    assert ks[0] > ks[1] > ks[2]
+
+
+def test_engine_records_policy_choices_and_stays_lossless():
+    target, draft, tokenizer = make_pair("llama")
+    prompt = "def add(a, b):\n    return a + b\n" * 3 + "def add("
+    ids = tokenizer.encode(prompt)
+    ref = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
+    engine = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False), policy=AdaptivePolicy(Costs(draft_step=5.0)))
+    gen = engine.generate(prompt, SamplingParams(max_tokens=40))[0]
+    assert gen.token_ids == ref[:len(gen.token_ids)]
+    stats = gen.stats
+    assert stats.ngram_rounds > 0
+    assert stats.draft_model_rounds <= 2  # a draft step this expensive is only probed
+    assert stats.plain_rounds > 0  # lookups that missed ran as plain target rounds
+    assert stats.rounds <= stats.plain_rounds + stats.ngram_rounds + stats.draft_model_rounds  # cascades count twice

@@ -340,7 +340,7 @@ class Scheduler:
 
     def _fail(self, job: Job, error: FLyError) -> None:
         self.requests_total += 1
-        self.metrics.finished(error.code, job.prompt_tokens)
+        self.metrics.finished(error.code)
         self._emit(job.envelope, ErrorReply(id=job.request.id, code=error.code, message=error.message))
 
     def _answer_tokenize(self) -> None:

@@ -1,0 +1,290 @@
+"""Socket-level behaviour of the server and scheduler, in-process, on a test double of the engine (no torch).
+
+The double emits one token per step per request, so deadlines, heartbeats, cancellation, batch
+limits, loading state, step failures, CURVE and metrics can be shown quickly and exactly.
+End-to-end behaviour on the real engine is in test_daemon_e2e.py and friends.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import zmq
+import zmq.auth
+
+from fly_llm.client import FLyClient, build_options
+from fly_llm.config import FLyConfig
+from fly_llm.decoding.stats import RequestStats
+from fly_llm.errors import Cancelled, FLyUnavailable, Internal, NotReady, TooLong
+from fly_llm.protocol import ErrorReply, GenerateResult, decode_reply
+
+from fly_daemon.metrics import Metrics
+from fly_daemon.runtime import daemon_files, is_loopback, tcp_host
+from fly_daemon.scheduler import Limits
+from fly_daemon.server import CurveKeys, Server
+
+
+@dataclass
+class _Output:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+class CountingEngine:
+    """Test double of FLyEngine: each step gives every request its next number as one token."""
+
+    context_window = 64
+    target_name, draft_name, device, dtype = "counting", None, "cpu", "float32"
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.config = FLyConfig()
+        self.stats = RequestStats()
+        self.step_s = step_s
+        self.fail_next_step = False
+        self.rows: dict[str, list[int]] = {}
+
+    def encode(self, prompt=None, messages=None) -> list[int]:
+        text = prompt if prompt is not None else " ".join(m["content"] for m in messages)
+        return [1] * len(text.split())
+
+    def add_request(self, request_id, prompt_ids, sampling, fly=None) -> None:
+        if len(prompt_ids) >= self.context_window:
+            raise TooLong("prompt does not fit")
+        self.rows[request_id] = [sampling.max_tokens, 0, len(prompt_ids)]
+
+    def abort_request(self, request_id) -> bool:
+        return self.rows.pop(request_id, None) is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.rows)
+
+    def step(self) -> list[_Output]:
+        time.sleep(self.step_s)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("boom")
+        outputs = []
+        for rid, row in list(self.rows.items()):
+            row[1] += 1
+            done = row[1] >= row[0]
+            outputs.append(_Output(rid, [row[1]], f"{row[1]} ", done, "length" if done else None, row[2]))
+            if done:
+                del self.rows[rid]
+        return outputs
+
+
+@contextmanager
+def serving(endpoint: str, engine: CountingEngine, limits: Limits = Limits(), load=None, **kwargs):
+    server = Server(endpoint, load or (lambda: engine), limits, **kwargs)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.request_stop()
+        thread.join(15)
+        assert not thread.is_alive()
+
+
+@pytest.fixture
+def endpoint(tmp_path):
+    return f"ipc://{tmp_path}/s.sock"
+
+
+def _raw(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def _generate_frame(rid: str, max_tokens: int, **extra) -> bytes:
+    return json.dumps({"v": 1, "id": rid, "kind": "generate", "prompt": "a b c",
+                       "sampling": {"max_tokens": max_tokens}, **extra}).encode()
+
+
+def _reply(sock: zmq.Socket, timeout_s: float = 10.0):
+    assert sock.poll(int(timeout_s * 1000)), "no reply"
+    return decode_reply(sock.recv())
+
+
+def test_generate_stream_and_text(endpoint):
+    with serving(endpoint, CountingEngine()), FLyClient(endpoint, timeout=10) as client:
+        result = client.generate("a b c", *build_options(max_tokens=3))
+        assert (result.text, result.token_ids, result.finish_reason) == ("1 2 3 ", [1, 2, 3], "length")
+        assert result.usage.prompt_tokens == 3 and result.usage.completion_tokens == 3
+        chunks = list(client.stream("a", sampling=build_options(max_tokens=3)[0]))
+        assert [c.text for c in chunks[:-1]] == ["1 ", "2 ", "3 "] and chunks[-1].text == "1 2 3 "
+
+
+def test_request_without_heartbeats_is_cancelled_but_a_client_keeps_its_own(endpoint):
+    limits = Limits(heartbeat_timeout_s=1.5)
+    with serving(endpoint, CountingEngine(step_s=0.01), limits), FLyClient(endpoint, timeout=30) as client:
+        raw = _raw(endpoint)
+        raw.send(_generate_frame("silent", 100_000 // 100))
+        started = time.monotonic()
+        reply = _reply(raw, 20)
+        assert isinstance(reply, ErrorReply) and reply.code == "CANCELLED" and "heartbeat" in reply.message
+        assert time.monotonic() - started < 10
+        assert client.status().active == 0
+        # FLyClient heartbeats once a second, so a 3 s request outlives the 1.5 s heartbeat timeout.
+        assert client.generate("a", *build_options(max_tokens=300)).usage.completion_tokens == 300
+        raw.close()
+
+
+def test_deadline_and_cancel(endpoint):
+    with serving(endpoint, CountingEngine(step_s=0.01)), FLyClient(endpoint, timeout=10) as client:
+        raw = _raw(endpoint)
+        raw.send(_generate_frame("late", 1000, timeout_s=0.3))
+        assert _reply(raw).code == "TIMEOUT"
+        raw.send(_generate_frame("c1", 1000, stream=True))
+        assert _reply(raw).kind == "chunk"
+        raw.send(json.dumps({"v": 1, "id": "c1", "kind": "cancel"}).encode())
+        while (reply := _reply(raw)).kind == "chunk":
+            pass
+        assert reply.code == "CANCELLED" and reply.id == "c1"
+        assert client.status().active == 0
+        raw.send(json.dumps({"v": 1, "id": "c1", "kind": "cancel"}).encode())
+        assert _reply(raw).code == "BAD_REQUEST"
+        raw.close()
+
+
+def test_same_id_from_two_clients_are_two_requests(endpoint):
+    with serving(endpoint, CountingEngine()):
+        a, b = _raw(endpoint), _raw(endpoint)
+        a.send(_generate_frame("same", 2))
+        b.send(_generate_frame("same", 3))
+        assert _reply(a).token_ids == [1, 2] and _reply(b).token_ids == [1, 2, 3]
+        a.close()
+        b.close()
+
+
+def test_batch_limits(endpoint):
+    limits = Limits(max_batch_size=3, max_batch_tokens=10_000)
+    with serving(endpoint, CountingEngine(step_s=0.005), limits), FLyClient(endpoint, timeout=30) as client:
+        assert len(client.batch(["a"] * 10, *build_options(max_tokens=20))) == 10
+        assert client.status().max_batch_size_seen == 3
+    limits = Limits(max_batch_tokens=2 * (3 + 20))  # two requests of prompt 3 + max_tokens 20 fit
+    with serving(endpoint, CountingEngine(step_s=0.005), limits), FLyClient(endpoint, timeout=30) as client:
+        assert len(client.batch(["a b c"] * 6, *build_options(max_tokens=20))) == 6
+        assert client.status().max_batch_size_seen == 2
+
+
+def test_loading_state_then_ready(endpoint):
+    loaded = threading.Event()
+
+    def slow_load():
+        loaded.wait(30)
+        return CountingEngine()
+
+    with serving(endpoint, None, load=slow_load), FLyClient(endpoint, timeout=10) as client:
+        assert client.health().state == "loading"
+        with pytest.raises(NotReady):
+            client.generate("a")
+        with pytest.raises(NotReady):
+            client.info()
+        loaded.set()
+        deadline = time.monotonic() + 10
+        while client.health().state != "ready" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.info().target == "counting"
+        assert client.generate("a", *build_options(max_tokens=2)).text == "1 2 "
+
+
+def test_failed_step_fails_its_batch_and_the_daemon_keeps_serving(endpoint):
+    engine = CountingEngine(step_s=0.01)
+    with serving(endpoint, engine), FLyClient(endpoint, timeout=10) as client:
+        raw = _raw(endpoint)
+        raw.send(_generate_frame("x", 1000))
+        time.sleep(0.2)
+        engine.fail_next_step = True
+        reply = _reply(raw)
+        assert reply.code == Internal.code and "boom" in reply.message
+        assert client.generate("a", *build_options(max_tokens=2)).text == "1 2 "
+        raw.close()
+
+
+def test_draining_refuses_new_work(endpoint):
+    engine = CountingEngine(step_s=0.01)
+    with serving(endpoint, engine, Limits(drain_timeout_s=0.5)) as server, FLyClient(endpoint, timeout=10) as c:
+        raw = _raw(endpoint)
+        raw.send(_generate_frame("long", 100_000 // 100))
+        time.sleep(0.2)
+        server.request_stop()
+        assert _reply(raw).code == Cancelled.code  # did not finish within the drain timeout
+        raw.close()
+    with pytest.raises(FLyUnavailable):
+        FLyClient(endpoint, timeout=1, max_retries=0).health()
+
+
+def test_curve_on_loopback_tcp(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLY_RUNTIME_DIR", str(tmp_path))
+    zmq.auth.create_certificates(tmp_path, "server")
+    clients = tmp_path / "clients"
+    clients.mkdir()
+    public, _ = zmq.auth.create_certificates(clients, "client")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    curve = CurveKeys(tmp_path / "server.key_secret", clients)
+    with serving(endpoint, CountingEngine(), curve=curve):
+        with pytest.raises(FLyUnavailable):
+            FLyClient(endpoint, timeout=1, max_retries=0).health()  # no keys: the handshake fails
+        monkeypatch.setenv("FLY_CURVE_SERVER_KEY", str(tmp_path / "server.key"))
+        monkeypatch.setenv("FLY_CURVE_CLIENT_CERT", str(clients / "client.key_secret"))
+        with FLyClient(endpoint, timeout=10) as client:
+            assert client.health().state == "ready"
+            assert client.generate("a", *build_options(max_tokens=2)).text == "1 2 "
+
+
+def test_non_loopback_bind_needs_curve(tmp_path):
+    with pytest.raises(ValueError, match="CURVE"):
+        Server("tcp://0.0.0.0:5555", CountingEngine)
+    with pytest.raises(ValueError, match="unsupported"):
+        Server("udp://127.0.0.1:5555", CountingEngine)
+
+
+def test_endpoint_helpers(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLY_RUNTIME_DIR", str(tmp_path))
+    assert is_loopback("ipc:///tmp/x.sock") and is_loopback("tcp://127.0.0.1:5555")
+    assert is_loopback("tcp://[::1]:5555") and is_loopback("tcp://localhost:5555")
+    assert not is_loopback("tcp://0.0.0.0:5555") and not is_loopback("tcp://*:5555")
+    assert not is_loopback("tcp://192.168.1.4:5555")
+    assert tcp_host("tcp://[::1]:80") == "::1" and tcp_host("ipc:///x") is None
+    assert daemon_files("ipc:///run/a.sock")[0].as_posix() == "/run/a.sock.pid"
+    assert daemon_files("tcp://127.0.0.1:5555")[0] == tmp_path / "tcp-127.0.0.1-5555.pid"
+
+
+def test_metrics_are_served_on_loopback(endpoint):
+    metrics = Metrics()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics.serve(port)
+    with serving(endpoint, CountingEngine(), metrics=metrics), FLyClient(endpoint, timeout=10) as client:
+        client.batch(["a b"] * 4, *build_options(max_tokens=3))
+        with pytest.raises(TooLong):
+            client.generate("a " * 100)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'fly_requests_total{outcome="ok"} 4.0' in text
+    assert 'fly_requests_total{outcome="TOO_LONG"} 1.0' in text
+    assert "fly_completion_tokens_total 12.0" in text and "fly_prompt_tokens_total 8.0" in text
+    assert "fly_batch_size_count" in text and "fly_time_to_first_token_seconds_count 4.0" in text
+
+
+def test_result_is_typed(endpoint):
+    with serving(endpoint, CountingEngine()), FLyClient(endpoint, timeout=10) as client:
+        assert isinstance(client.generate("a", *build_options(max_tokens=1)), GenerateResult)

@@ -6,6 +6,8 @@ pair (behaviour, not wording); the rest need no daemon.
 
 from __future__ import annotations
 
+import copy
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +87,15 @@ def test_serialisation_round_trip() -> None:
     loaded = load(dumpd(chat), valid_namespaces=["langchain_fly"], allowed_objects=[ChatFLy])
     assert isinstance(loaded, ChatFLy)
     assert loaded.model_dump() == chat.model_dump()
+
+
+def test_models_copy_and_pickle_with_the_right_endpoint() -> None:
+    chat = ChatFLy(endpoint=OFFLINE, max_tokens=5)
+    for copied in (copy.deepcopy(chat), pickle.loads(pickle.dumps(chat))):
+        assert copied.max_tokens == 5 and copied._client.endpoint == OFFLINE
+    moved = chat.model_copy(update={"endpoint": "tcp://127.0.0.1:6000"})
+    assert moved._client.endpoint == "tcp://127.0.0.1:6000"
+    assert moved._async_client.endpoint == "tcp://127.0.0.1:6000"
 
 
 # ---- against the tiny daemon ----

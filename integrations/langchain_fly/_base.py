@@ -5,12 +5,12 @@ Built only on `fly_llm.client` (no torch): the models run in the fly daemon, the
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from langchain_core.language_models import LangSmithParams
 from langchain_core.messages.ai import UsageMetadata
-from pydantic import BaseModel, Field, PrivateAttr, model_validator
-from typing_extensions import Self
+from pydantic import BaseModel, Field
 
 from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
 from fly_llm.config import FLyOverrides, SamplingParams
@@ -65,23 +65,20 @@ class FLyBase(BaseModel):
     loose: bool | None = None
     """FLy: loose acceptance on; False is exact (lossless) speculative decoding."""
 
-    _client: FLyClient = PrivateAttr()
-    _async_client: AsyncFLyClient = PrivateAttr()
-
     @classmethod
     def is_lc_serializable(cls) -> bool:
-        """Serialisable with `langchain_core.load.dumpd` (the clients are rebuilt on load)."""
+        """Serialisable with `langchain_core.load.dumpd`."""
         return True
 
-    @model_validator(mode="after")
-    def _make_clients(self) -> Self:
-        """Create the daemon clients (they connect lazily, on the first request)."""
-        settings: dict[str, Any] = {"endpoint": self.endpoint, "max_retries": self.max_retries}
-        if self.timeout is not None:
-            settings["timeout"] = self.timeout
-        self._client = FLyClient(**settings)
-        self._async_client = AsyncFLyClient(**settings)
-        return self
+    @property
+    def _client(self) -> FLyClient:
+        """The process-wide client for this endpoint and these settings (connects lazily)."""
+        return _sync_client(self.endpoint, self.timeout, self.max_retries)
+
+    @property
+    def _async_client(self) -> AsyncFLyClient:
+        """The process-wide async client for this endpoint and these settings (a socket per event loop)."""
+        return _async_client(self.endpoint, self.timeout, self.max_retries)
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -142,6 +139,21 @@ class FLyBase(BaseModel):
             "time_to_first_token_s": result.time_to_first_token_s,
             "elapsed_s": result.elapsed_s,
         }
+
+
+@functools.cache
+def _sync_client(endpoint: str, timeout: float | None, max_retries: int) -> FLyClient:
+    """Clients are shared by every model with the same settings, so models stay copyable and picklable."""
+    return FLyClient(endpoint, **_client_settings(timeout, max_retries))
+
+
+@functools.cache
+def _async_client(endpoint: str, timeout: float | None, max_retries: int) -> AsyncFLyClient:
+    return AsyncFLyClient(endpoint, **_client_settings(timeout, max_retries))
+
+
+def _client_settings(timeout: float | None, max_retries: int) -> dict[str, Any]:
+    return {"max_retries": max_retries} if timeout is None else {"max_retries": max_retries, "timeout": timeout}
 
 
 def usage_metadata(result: GenerateResult) -> UsageMetadata:

@@ -155,11 +155,6 @@ def _busy_then_graceful_stop(client: FLyClient, endpoint: str, prompt: str, env:
     long_client.close()
 
 
-def test_refuses_non_loopback_tcp_without_curve(tiny_pair_dirs):
-    out = _cli("start", "--foreground", "--endpoint", "tcp://0.0.0.0:5999", "--target", str(tiny_pair_dirs[0]))
-    assert out.returncode == 2 and "CURVE" in out.stderr
-
-
 def test_model_load_failure_exits_with_its_message(tmp_path):
     bad = DaemonProcess(tmp_path / "missing", tmp_path / "missing", f"ipc://{tmp_path}/x.sock", tmp_path / "x.log")
     with pytest.raises(RuntimeError, match="exited"):

@@ -19,14 +19,12 @@ import time
 from pathlib import Path
 
 from fly_llm.client import FLyClient, build_options, default_endpoint
-from fly_llm.config import FLyConfig, ModelSpec
 from fly_llm.errors import FLyError, FLyUnavailable
-from fly_llm.protocol import MAX_FRAME_BYTES, GenerateResult
+from fly_llm.protocol import GenerateResult
+from fly_llm.settings import SettingsError, load_settings, read_config_file, section_settings
 
 from fly_daemon.runtime import AlreadyRunning, check_endpoint, daemon_files, running_pid
-from fly_daemon.scheduler import Limits
-
-_LIMIT_DEFAULTS = Limits()
+from fly_daemon.settings import DaemonSettings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
+    except SettingsError as exc:
+        print(f"fly-daemon: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
@@ -49,28 +50,28 @@ def _parser() -> argparse.ArgumentParser:
     models = start.add_argument_group("models")
     models.add_argument("--target", help="HF id, local directory or .gguf (default: the embedded pair)")
     models.add_argument("--draft", help="HF id, local directory, .gguf, or 'none' for n-gram drafting only")
-    models.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
-    models.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'cuda:1', …")
+    models.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"])
+    models.add_argument("--device", help="'auto', 'cpu', 'cuda', 'cuda:1', …")
     models.add_argument("--device-map", help="passed to accelerate, e.g. 'auto' to spread over GPUs")
     fly = start.add_argument_group("FLy (defaults for every request; requests may override k, window, θ, loose)")
     fly.add_argument("--k", type=int, help="upper bound on draft tokens per round")
     fly.add_argument("--window", type=int, help="deferred window W (0: accept any gated mismatch)")
     fly.add_argument("--entropy-threshold", type=float, help="entropy gate θ in nats (<= 0.01: off)")
-    fly.add_argument("--no-loose", action="store_true", help="exact speculative decoding (lossless)")
-    fly.add_argument("--no-ngram", action="store_true", help="no n-gram prompt-lookup stage")
-    serve = start.add_argument_group("serving")
-    serve.add_argument("--queue-size", type=int, default=_LIMIT_DEFAULTS.queue_size)
-    serve.add_argument("--max-batch-size", type=int, default=_LIMIT_DEFAULTS.max_batch_size)
-    serve.add_argument("--max-batch-tokens", type=int, default=_LIMIT_DEFAULTS.max_batch_tokens,
+    fly.add_argument("--no-loose", dest="loose", action="store_const", const=False,
+                     help="exact speculative decoding (lossless)")
+    fly.add_argument("--no-ngram", dest="ngram", action="store_const", const=False,
+                     help="no n-gram prompt-lookup stage")
+    serve = start.add_argument_group("serving (defaults: fly_daemon.settings.DaemonSettings)")
+    serve.add_argument("--queue-size", type=int, help="requests waiting beyond the batch; more get BUSY")
+    serve.add_argument("--max-batch-size", type=int, help="requests in one engine step")
+    serve.add_argument("--max-batch-tokens", type=int,
                        help="cap on the sum of prompt + max_tokens over the running batch")
-    serve.add_argument("--max-tokens-limit", type=int, default=_LIMIT_DEFAULTS.max_tokens,
-                       help="largest max_tokens a request may ask for")
+    serve.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
     serve.add_argument("--max-prompt-tokens", type=int, help="default: the context window - 1")
-    serve.add_argument("--max-frame-bytes", type=int, default=MAX_FRAME_BYTES)
-    serve.add_argument("--heartbeat-timeout", type=float, default=_LIMIT_DEFAULTS.heartbeat_timeout_s,
+    serve.add_argument("--max-frame-bytes", type=int)
+    serve.add_argument("--heartbeat-timeout", type=float,
                        help="cancel a request whose client sent no heartbeat for this long (0: never)")
-    serve.add_argument("--drain-timeout", type=float, default=_LIMIT_DEFAULTS.drain_timeout_s,
-                       help="on stop, running requests get this long to finish")
+    serve.add_argument("--drain-timeout", type=float, help="on stop, running requests get this long to finish")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     serve.add_argument("--curve-secret-key", type=Path, help="server certificate (zmq.auth) for a tcp bind")
     serve.add_argument("--curve-clients", type=Path, help="directory of allowed client public certificates")
@@ -106,14 +107,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _endpoint_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--endpoint", help="ipc:///path.sock or tcp://127.0.0.1:PORT (default: $FLY_ENDPOINT "
-                                           "or an ipc socket in the private runtime directory)")
+    parser.add_argument("--endpoint", help="ipc:///path.sock or tcp://127.0.0.1:PORT (default: $FLY_ENDPOINT, "
+                                           "[daemon] endpoint, or an ipc socket in the private runtime dir)")
+    parser.add_argument("--config", type=Path, help="TOML config file (default: $FLY_CONFIG or "
+                                                    "~/.config/fly-llm/config.toml)")
+
+
+def _daemon_settings(args: argparse.Namespace) -> DaemonSettings:
+    """The [daemon] settings: CLI flags > FLY_* environment > config file > defaults."""
+    return section_settings(DaemonSettings, "daemon", read_config_file(args.config), cli=vars(args))
+
+
+def _endpoint(args: argparse.Namespace) -> str:
+    return _daemon_settings(args).endpoint or default_endpoint()
 
 
 # ---- start ----
 
 def _start(args: argparse.Namespace) -> int:
-    endpoint = args.endpoint or default_endpoint()
+    endpoint = _endpoint(args)
+    load_settings(args.config, cli=vars(args))  # report bad model/FLy settings here, not in a detached log
     try:
         check_endpoint(endpoint)
     except ValueError as exc:
@@ -133,19 +146,14 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s fly-daemon: %(message)s", datefmt="%H:%M:%S")
-    spec = ModelSpec(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
-                     device_map=args.device_map)
-    fly = _fly_config(args)
-    limits = Limits(queue_size=args.queue_size, max_batch_size=args.max_batch_size,
-                    max_batch_tokens=args.max_batch_tokens, max_tokens=args.max_tokens_limit,
-                    max_prompt_tokens=args.max_prompt_tokens, heartbeat_timeout_s=args.heartbeat_timeout,
-                    drain_timeout_s=args.drain_timeout)
+    spec, fly = load_settings(args.config, cli=vars(args))
+    settings = _daemon_settings(args)
     curve = None
-    if args.curve_secret_key or args.curve_clients:
-        if not (args.curve_secret_key and args.curve_clients):
+    if settings.curve_secret_key or settings.curve_clients:
+        if not (settings.curve_secret_key and settings.curve_clients):
             print("fly-daemon: CURVE needs both --curve-secret-key and --curve-clients", file=sys.stderr)
             return 2
-        curve = CurveKeys(args.curve_secret_key, args.curve_clients)
+        curve = CurveKeys(settings.curve_secret_key, settings.curve_clients)
 
     def load_engine():
         from fly_llm.decoding.engine import FLyEngine
@@ -158,14 +166,14 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
 
     metrics = Metrics()
     try:
-        server = Server(endpoint, load_engine, limits, metrics=metrics, max_frame_bytes=args.max_frame_bytes,
-                        curve=curve)
+        server = Server(endpoint, load_engine, settings.limits(), metrics=metrics,
+                        max_frame_bytes=settings.max_frame_bytes, curve=curve)
     except ValueError as exc:
         print(f"fly-daemon: {exc}", file=sys.stderr)
         return 2
-    if args.metrics_port:
-        metrics.serve(args.metrics_port)
-        logging.getLogger("fly_daemon").info("metrics on http://127.0.0.1:%d/metrics", args.metrics_port)
+    if settings.metrics_port:
+        metrics.serve(settings.metrics_port)
+        logging.getLogger("fly_daemon").info("metrics on http://127.0.0.1:%d/metrics", settings.metrics_port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
     try:
@@ -173,16 +181,6 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
     except AlreadyRunning as exc:
         print(f"fly-daemon: {exc}", file=sys.stderr)
         return 1
-
-
-def _fly_config(args: argparse.Namespace) -> FLyConfig:
-    values = {"k": args.k, "window": args.window, "entropy_threshold": args.entropy_threshold}
-    config = FLyConfig(**{k: v for k, v in values.items() if v is not None})
-    if args.no_loose:
-        config.loose = False
-    if args.no_ngram:
-        config.ngram = False
-    return config
 
 
 def _detach(args: argparse.Namespace, endpoint: str) -> int:
@@ -234,7 +232,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 # ---- stop / status / generate ----
 
 def _stop(args: argparse.Namespace) -> int:
-    endpoint = args.endpoint or default_endpoint()
+    endpoint = _endpoint(args)
     pid = running_pid(endpoint)
     if pid is None:
         print(f"fly-daemon: not running at {endpoint}", file=sys.stderr)
@@ -251,7 +249,7 @@ def _stop(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    endpoint = args.endpoint or default_endpoint()
+    endpoint = _endpoint(args)
     with FLyClient(endpoint, timeout=3.0, max_retries=0) as client:
         try:
             st = client.status()
@@ -279,7 +277,7 @@ def _duration(seconds: float) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    endpoint = args.endpoint or default_endpoint()
+    endpoint = _endpoint(args)
     sampling, fly = build_options(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                   k=args.k, window=args.window, entropy_threshold=args.entropy_threshold,
                                   loose=False if args.no_loose else None)

@@ -1,0 +1,39 @@
+"""The CLI's settings and refusals (no models are loaded here; the daemon lifecycle is in test_daemon_faults)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fly_daemon.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_config_file_endpoint_and_precedence(tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text(f'[daemon]\nendpoint = "ipc://{tmp_path}/from-file.sock"\n')
+    env = dict(os.environ, FLY_RUNTIME_DIR=str(tmp_path))
+    env.pop("FLY_ENDPOINT", None)
+    out = _cli("status", "--config", str(config), env=env)
+    assert out.returncode == 1 and f"not running at ipc://{tmp_path}/from-file.sock" in out.stderr
+    out = _cli("status", "--config", str(config), env={**env, "FLY_ENDPOINT": f"ipc://{tmp_path}/env.sock"})
+    assert f"ipc://{tmp_path}/env.sock" in out.stderr
+    out = _cli("stop", "--config", str(config), "--endpoint", f"ipc://{tmp_path}/flag.sock", env=env)
+    assert out.returncode == 1 and f"ipc://{tmp_path}/flag.sock" in out.stderr
+
+
+def test_bad_settings_are_refused_before_starting(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[daemon]\nqueue_size = -1\n")
+    out = _cli("start", "--config", str(bad), "--endpoint", f"ipc://{tmp_path}/x.sock")
+    assert out.returncode == 2 and "queue_size" in out.stderr
+    bad.write_text("[fly]\nwindow = 'wide'\n")
+    out = _cli("start", "--config", str(bad), "--endpoint", f"ipc://{tmp_path}/x.sock")
+    assert out.returncode == 2 and "window" in out.stderr
+    out = _cli("start", "--endpoint", "udp://127.0.0.1:1")
+    assert out.returncode == 2 and "unsupported endpoint" in out.stderr
+    out = _cli("start", "--foreground", "--endpoint", "tcp://0.0.0.0:5999", "--target", str(tmp_path))
+    assert out.returncode == 2 and "CURVE" in out.stderr

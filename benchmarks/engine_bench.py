@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
     p.add_argument("--batch", action="store_true", help="also run all prompts in one batch")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                   help="methods to run; the first is the reference for ratios")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -122,8 +124,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{'outside fwd':>12}{'same as target':>16}")
     for batch in modes:
         base = None
-        for name, fly in METHODS.items():
-            r = run(engine, timer, name, fly, prompts, args.max_tokens, batch)
+        for name in args.methods:
+            r = run(engine, timer, name, METHODS[name], prompts, args.max_tokens, batch)
             base = base or r
             speed = r.tokens / r.seconds
             ratio = speed / (base.tokens / base.seconds)

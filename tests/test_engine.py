@@ -180,8 +180,9 @@ def test_stream_matches_generate_and_abort(pair):
     _, target, draft, tokenizer, _ = pair
     engine = FLyEngine(target, tokenizer, draft)
     sampling = SamplingParams(max_tokens=MAX_NEW)
-    text = engine.generate(PROMPTS[2], sampling)[0].text
-    assert "".join(engine.stream(PROMPTS[2], sampling)) == text
+    gen = engine.generate(PROMPTS[2], sampling)[0]
+    assert gen.text == tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+    assert "".join(engine.stream(PROMPTS[2], sampling)) == gen.text
     engine.add_request("x", engine.encode(PROMPTS[0]), sampling)
     engine.add_request("y", engine.encode(PROMPTS[1]), sampling)
     assert engine.num_active == 2

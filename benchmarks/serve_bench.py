@@ -1,0 +1,162 @@
+"""Serving speed: aggregate tokens/s through the daemon at concurrency 1, 2, 4, 8, 16 vs one request
+after another, and daemon + ZeroMQ vs the in-process engine on the same requests (overhead %).
+
+    python benchmarks/serve_bench.py                          # tiny random pair (tests/tiny_models.py)
+    python benchmarks/serve_bench.py --target DIR --draft DIR --dtype bfloat16 --max-tokens 64
+
+One run: the in-process engine first (sequential, then all requests in one batch), then it is
+freed and a daemon subprocess serves the same models (one pair in memory at a time). All ratios
+come from this run. Greedy decoding with the daemon's default FLy settings (or --exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from fly_llm.client import FLyClient, build_options
+from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.errors import FLyUnavailable
+
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n",
+    "The quick brown fox jumps over the lazy dog. The dog",
+    "Question: what is 2 + 3? Answer: 5. Question: what is 7 * 6? Answer:",
+    "Retrieval augmented generation answers questions from",
+    "for i in range(10):\n    print(i * i)\nfor j in range(",
+    "Speculative decoding drafts tokens with a small model and",
+    "def add(a, b):\n    return a + b\ndef sub(a, b):\n",
+]
+
+
+def _models(args: argparse.Namespace, workdir: Path) -> tuple[str, str]:
+    if args.target:
+        return args.target, args.draft or "none"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny_models import save_tiny_pair
+
+    target, draft = save_tiny_pair(workdir / "tiny", "llama")
+    return str(target), str(draft)
+
+
+def _in_process(target: str, draft: str, args: argparse.Namespace, prompts: list[str]) -> tuple[float, float]:
+    """(sequential tokens/s, one-batch tokens/s) of the engine in this process."""
+    from fly_llm.decoding.engine import FLyEngine
+
+    engine = FLyEngine.from_pretrained(target, draft, FLyConfig(loose=not args.exact), dtype=args.dtype,
+                                       device=args.device)
+    sampling = SamplingParams(max_tokens=args.max_tokens)
+    engine.generate(prompts[0], SamplingParams(max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    tokens = sum(engine.generate(p, sampling)[0].completion_tokens for p in prompts)
+    sequential = tokens / (time.perf_counter() - start)
+    start = time.perf_counter()
+    tokens = sum(g.completion_tokens for g in engine.generate(prompts, sampling))
+    batched = tokens / (time.perf_counter() - start)
+    del engine
+    gc.collect()
+    return sequential, batched
+
+
+def _start_daemon(target: str, draft: str, args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Popen, str]:
+    endpoint = f"ipc://{workdir / 'bench.sock'}"
+    log = open(workdir / "daemon.log", "ab")
+    cmd = [sys.executable, "-m", "fly_daemon.cli", "start", "--foreground", "--endpoint", endpoint,
+           "--target", target, "--draft", draft, "--dtype", args.dtype, "--device", args.device,
+           "--max-batch-size", str(max(args.concurrency)), *(["--no-loose"] if args.exact else [])]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, FLY_RUNTIME_DIR=str(workdir)))
+    with FLyClient(endpoint, timeout=2, max_retries=0) as client:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if client.health().state == "ready":
+                    return proc, endpoint
+            except FLyUnavailable:
+                pass
+            time.sleep(0.3)
+    proc.kill()
+    raise SystemExit(f"daemon did not get ready; see {workdir / 'daemon.log'}")
+
+
+def _through_daemon(endpoint: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[float, int]:
+    """(aggregate tokens/s, largest batch seen) with `concurrency` client threads sharing the prompts."""
+    sampling, fly = build_options(max_tokens=max_tokens)
+    todo = list(range(len(prompts)))
+    lock = threading.Lock()
+    tokens = [0]
+    with FLyClient(endpoint, timeout=3600) as client:
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i = todo.pop(0)
+                n = client.generate(prompts[i], sampling, fly).usage.completion_tokens
+                with lock:
+                    tokens[0] += n
+
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - start
+        return tokens[0] / elapsed, client.status().max_batch_size_seen
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print the table."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", help="target model dir / HF id (default: the tiny random pair)")
+    p.add_argument("--draft", help="draft model dir / HF id, or 'none'")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=16, help="requests per measurement")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--exact", action="store_true", help="exact speculative decoding instead of FLy")
+    args = p.parse_args(argv)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+
+    with tempfile.TemporaryDirectory(prefix="fly-serve-bench-") as tmp:
+        workdir = Path(tmp)
+        target, draft = _models(args, workdir)
+        local_seq, local_batch = _in_process(target, draft, args, prompts)
+        proc, endpoint = _start_daemon(target, draft, args, workdir)
+        try:
+            _through_daemon(endpoint, prompts[:2], 1, 4)  # warm-up
+            rows = [(c, *_through_daemon(endpoint, prompts, c, args.max_tokens)) for c in args.concurrency]
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+    sequential = rows[0][1] if rows[0][0] == 1 else None
+    print(f"models: target={target} draft={draft} ({args.dtype}, {args.device}); {args.requests} requests × "
+          f"{args.max_tokens} tokens, {'exact SPD' if args.exact else 'FLy'}")
+    print(f"in-process engine: {local_seq:8.1f} tok/s one after another, {local_batch:8.1f} tok/s in one batch")
+    print(f"{'concurrency':>11} {'tok/s':>9} {'vs sequential':>14} {'largest batch':>14}")
+    for c, tps, batch in rows:
+        ratio = f"{tps / sequential:13.2f}×" if sequential else "-"
+        print(f"{c:>11} {tps:9.1f} {ratio:>14} {batch:>14}")
+    if sequential:
+        print(f"daemon + ZeroMQ overhead, sequential: {100 * (local_seq / sequential - 1):+.1f}% "
+              f"(in-process {local_seq:.1f} vs daemon {sequential:.1f} tok/s)")
+    top = rows[-1]
+    if top[0] >= args.requests:
+        print(f"daemon + ZeroMQ overhead, all {args.requests} at once: {100 * (local_batch / top[1] - 1):+.1f}% "
+              f"(in-process batch {local_batch:.1f} vs daemon {top[1]:.1f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.errors import BadRequest, TooLong
 from tiny_models import make_pair
@@ -70,8 +71,14 @@ def test_exact_mode_is_lossless_adaptive_and_without_draft(pair):
     assert engine.stats.draft_model_rounds == 0
 
 
-def test_batched_with_joins_equals_alone_float64():
+@pytest.mark.parametrize("compact_every_round", [False, True])
+def test_batched_with_joins_equals_alone_float64(monkeypatch, compact_every_round):
     """FLy mode (loose on, fixed K) in float64: joining mid-way changes nothing for any row."""
+    compactions = []
+    if compact_every_round:
+        monkeypatch.setattr(BatchKV, "_should_compact", lambda kv: kv.width > max(kv.lengths, default=0))
+        real_compact = BatchKV.compact
+        monkeypatch.setattr(BatchKV, "compact", lambda kv: compactions.append(1) or real_compact(kv))
     target, draft, tokenizer = make_pair("qwen2", dtype=torch.float64)
     config = FLyConfig(k=6, window=2, entropy_threshold=0.0, adaptive=False)
     sampling = SamplingParams(max_tokens=20)
@@ -89,6 +96,7 @@ def test_batched_with_joins_equals_alone_float64():
         steps += 1
     assert [got[str(i)] for i in range(len(PROMPTS))] == alone
     assert engine.stats.accepted_loose > 0
+    assert len(compactions) > 10 or not compact_every_round
 
 
 def test_stats_add_up(pair):

@@ -158,9 +158,13 @@ class BatchKV:
         self.mask = self.mask * (self.mask.cumsum(1) <= keep[:, None])
         self.lengths = lengths
         self._crop_empty_tail()
-        longest = max(lengths)
-        if self.width - longest >= max(32, longest // 2):
+        if self._should_compact():
             self.compact()
+
+    def _should_compact(self) -> bool:
+        """Holes pile up: the width exceeds the longest row by 32 columns and by half its length."""
+        longest = max(self.lengths, default=0)
+        return self.width - longest >= max(32, longest // 2)
 
     def compact(self) -> None:
         """Gather each row's kept columns, right-aligned: the width becomes the longest row."""

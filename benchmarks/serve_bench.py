@@ -49,8 +49,12 @@ def _models(args: argparse.Namespace, workdir: Path) -> tuple[str, str]:
 
 def _in_process(target: str, draft: str, args: argparse.Namespace, prompts: list[str]) -> tuple[float, float]:
     """(sequential tokens/s, one-batch tokens/s) of the engine in this process."""
+    import torch
+
     from fly_llm.decoding.engine import FLyEngine
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = FLyEngine.from_pretrained(target, draft, FLyConfig(loose=not args.exact), dtype=args.dtype,
                                        device=args.device)
     sampling = SamplingParams(max_tokens=args.max_tokens)
@@ -72,8 +76,10 @@ def _start_daemon(target: str, draft: str, args: argparse.Namespace, workdir: Pa
     cmd = [sys.executable, "-m", "fly_daemon.cli", "start", "--foreground", "--endpoint", endpoint,
            "--target", target, "--draft", draft, "--dtype", args.dtype, "--device", args.device,
            "--max-batch-size", str(max(args.concurrency)), *(["--no-loose"] if args.exact else [])]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, FLY_RUNTIME_DIR=str(workdir)))
+    env = dict(os.environ, FLY_RUNTIME_DIR=str(workdir))
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     with FLyClient(endpoint, timeout=2, max_retries=0) as client:
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline and proc.poll() is None:
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=16, help="requests per measurement")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--exact", action="store_true", help="exact speculative decoding instead of FLy")
+    p.add_argument("--threads", type=int, help="torch CPU threads, the same in-process and in the daemon")
     args = p.parse_args(argv)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
 
@@ -142,8 +149,8 @@ def main(argv: list[str] | None = None) -> None:
             proc.wait(60)
 
     sequential = rows[0][1] if rows[0][0] == 1 else None
-    print(f"models: target={target} draft={draft} ({args.dtype}, {args.device}); {args.requests} requests × "
-          f"{args.max_tokens} tokens, {'exact SPD' if args.exact else 'FLy'}")
+    print(f"models: target={target} draft={draft} ({args.dtype}, {args.device}, threads {args.threads or 'default'}); "
+          f"{args.requests} requests × {args.max_tokens} tokens, {'exact SPD' if args.exact else 'FLy'}")
     print(f"in-process engine: {local_seq:8.1f} tok/s one after another, {local_batch:8.1f} tok/s in one batch")
     print(f"{'concurrency':>11} {'tok/s':>9} {'vs sequential':>14} {'largest batch':>14}")
     for c, tps, batch in rows:

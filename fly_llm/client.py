@@ -410,7 +410,7 @@ class FLyClient:
     def _rpc(self, request: Any) -> Any:
         """Send a metadata request and wait for its answer, re-sending on a fresh socket if none comes."""
         window = min(RPC_ATTEMPT_S, self.timeout)
-        for attempt in range(self.max_retries + 1):
+        for _ in range(self.max_retries + 1):
             conn = self._conn()
             conn.inbox[request.id] = deque()
             try:
@@ -663,7 +663,7 @@ class AsyncFLyClient:
 
     async def _rpc(self, request: Any) -> Any:
         window = min(RPC_ATTEMPT_S, self.timeout)
-        for attempt in range(self.max_retries + 1):
+        for _ in range(self.max_retries + 1):
             conn = self._conn()
             conn.open([request.id])
             try:

@@ -193,16 +193,18 @@ class Scheduler:
             self.state, self.detail = "ready", ""
         log.info("ready: target=%s draft=%s", self.engine.target_name, self.engine.draft_name)
         while True:
+            self._wake.clear()  # a submit after this line makes the wait below return at once
             self._answer_tokenize()
             self._reap()
             self._admit()
+            self.metrics.queue_depth.set(len(self._waiting))
             if self.engine.has_unfinished():
                 self._step()
             elif self.state == "draining" and not self._jobs:
                 return
             else:
+                self.metrics.active.set(0)
                 self._wake.wait(0.05)
-                self._wake.clear()
 
     def _reap(self) -> None:
         """End jobs that were cancelled, passed their deadline, lost their client, or must drain."""
@@ -288,7 +290,6 @@ class Scheduler:
         self.max_batch_size_seen = max(self.max_batch_size_seen, batch)
         self.metrics.batch_size.observe(batch)
         self.metrics.active.set(batch)
-        self.metrics.queue_depth.set(len(self._waiting))
         start = time.monotonic()
         try:
             outputs = self.engine.step()

@@ -21,6 +21,7 @@ import torch
 
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
+from fly_llm.decoding.policy import AdaptivePolicy, Costs
 
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -108,12 +109,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
     p.add_argument("--batch", action="store_true", help="also run all prompts in one batch")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--measure-costs", action="store_true",
+                   help="time the models first and give the adaptive policy those costs (default: CPU defaults)")
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
                    help="methods to run; the first is the reference for ratios")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = load(args)
+    if args.measure_costs:
+        engine.policy = AdaptivePolicy(Costs.measure(engine.target, engine.draft))
+        print(f"measured costs: {engine.policy.costs}")
     timer = ForwardTimer([m for m in (engine.target, engine.draft) if m is not None], engine.device)
     prompts = PROMPTS[:args.prompts]
     engine.generate(prompts[0], SamplingParams(max_tokens=4))  # warm-up

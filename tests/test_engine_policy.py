@@ -84,3 +84,9 @@ def test_engine_records_policy_choices_and_stays_lossless():
     assert stats.draft_model_rounds <= 2  # a draft step this expensive is only probed
     assert stats.plain_rounds > 0  # lookups that missed ran as plain target rounds
     assert stats.rounds <= stats.plain_rounds + stats.ngram_rounds + stats.draft_model_rounds  # cascades count twice
+
+
+def test_costs_can_be_measured():
+    target, draft, _ = make_pair("llama")
+    costs = Costs.measure(target, draft, context=16, repeats=1)
+    assert costs.target_token >= 0 and costs.draft_step > 0

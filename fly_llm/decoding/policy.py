@@ -13,17 +13,22 @@ candidate, so a plan is only chosen when it is expected to beat target-only deco
 proposals are nearly free, so n-gram rounds run whenever they are expected to pay; the draft model
 runs only when its acceptance is high enough to pay for its forwards. A stage that is not chosen is
 re-tried now and then with a short draft (its probe interval doubles while it keeps losing), so the
-estimate can recover when the text changes. Only token history is used (no timing), so the choices
-— and hence FLy-mode output — are reproducible.
+estimate can recover when the text changes. Rounds are never timed: the costs are fixed (the
+defaults, or `Costs.measure` once at start-up), so the choices — and hence FLy-mode output — depend
+only on the tokens.
 
 With `FLyConfig.adaptive = False` every round drafts k tokens with the configured stages.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+import torch
+
 from fly_llm.config import FLyConfig
+from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.drafters import DraftPlan
 
 PLAIN = DraftPlan(k=0, ngram=False, model=False)
@@ -41,6 +46,17 @@ class Costs:
 
     target_token: float = 0.007
     draft_step: float = 0.42
+
+    @classmethod
+    def measure(cls, target, draft=None, context: int = 64, repeats: int = 5) -> "Costs":
+        """Time the models here (a few forwards on dummy tokens) instead of using the defaults.
+
+        The engine's choices then depend on this machine, so FLy-mode output can differ between
+        machines (exact mode is lossless either way); the defaults keep it reproducible.
+        """
+        one, many = _forward_seconds(target, context, 1, repeats), _forward_seconds(target, context, 16, repeats)
+        draft_step = _forward_seconds(draft, context, 1, repeats) / one if draft is not None else cls.draft_step
+        return cls(target_token=max(many - one, 0.0) / 15 / one, draft_step=draft_step)
 
 
 @dataclass
@@ -138,3 +154,20 @@ def _best_k(alpha: float, k_max: int, cost_per_token: float) -> tuple[int, float
         if speed > best_speed:
             best_k, best_gain, best_speed = k, gain, speed
     return best_k, best_gain
+
+
+@torch.inference_mode()
+def _forward_seconds(model, context: int, q: int, repeats: int) -> float:
+    """Fastest of `repeats` forwards over q new tokens after `context` cached ones (least disturbed)."""
+    device = next(model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(repeats + 1):  # the first run warms up
+        kv = BatchKV.prefill(model, list(range(context)), device)
+        tokens = torch.arange(q, device=device)[None]
+        sync()
+        start = time.perf_counter()
+        kv.forward(model, tokens)
+        sync()
+        times.append(time.perf_counter() - start)
+    return min(times[1:])

@@ -16,13 +16,16 @@ from fly_llm.errors import FLyUnavailable
 class DaemonProcess:
     """A `fly-daemon start --foreground` subprocess; its output goes to `log`."""
 
-    def __init__(self, target: Path, draft: Path, endpoint: str, log: Path, *extra: str) -> None:
+    def __init__(self, target: Path | None, draft: Path | None, endpoint: str, log: Path, *extra: str) -> None:
+        """Start it; target None serves the embedded default pair (then `extra` sets dtype and device)."""
         self.endpoint = endpoint
         self.log = log
         env = dict(os.environ, FLY_RUNTIME_DIR=str(log.parent), PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        cmd = [sys.executable, "-m", "fly_daemon.cli", "start", "--foreground", "--target", str(target),
-               "--draft", str(draft), "--endpoint", endpoint, "--dtype", "float32", "--device", "cpu", *extra]
+        models = [] if target is None else ["--target", str(target), "--draft", str(draft), "--dtype", "float32",
+                                            "--device", "cpu"]
+        cmd = [sys.executable, "-m", "fly_daemon.cli", "start", "--foreground", "--endpoint", endpoint, *models,
+               *extra]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -66,12 +69,13 @@ class DaemonProcess:
         self.proc.wait()
 
 
-def start_daemon(target: Path, draft: Path, workdir: Path, name: str = "d", *extra: str) -> DaemonProcess:
+def start_daemon(target: Path | None, draft: Path | None, workdir: Path, name: str = "d", *extra: str,
+                 ready_timeout: float = 180.0) -> DaemonProcess:
     """Start a daemon on an ipc socket under `workdir` and wait for it to be ready."""
     workdir.mkdir(parents=True, exist_ok=True)
     daemon = DaemonProcess(target, draft, f"ipc://{workdir / (name + '.sock')}", workdir / f"{name}.log", *extra)
     try:
-        daemon.wait_ready()
+        daemon.wait_ready(ready_timeout)
     except BaseException:
         daemon.kill()
         raise

@@ -46,6 +46,7 @@ RPC_ATTEMPT_S = 3.0
 BUSY_BACKOFF_S = 0.25
 """First wait before re-sending a generate request the daemon refused as BUSY (doubles each retry)."""
 _POLL_MS = 100
+_MAX_TIMEOUT_S = 86_400.0  # the protocol's cap on a request deadline
 
 Messages = list[ChatMessage | dict[str, Any]]
 
@@ -111,7 +112,7 @@ def _generate_request(prompt: str | None, messages: Messages | None, sampling: S
     with _checked():
         return GenerateRequest(
             id=uuid.uuid4().hex, prompt=prompt, messages=_messages(messages), sampling=sampling or SamplingParams(),
-            fly=fly or FLyOverrides(), stream=stream, timeout_s=timeout)
+            fly=fly or FLyOverrides(), stream=stream, timeout_s=min(timeout, _MAX_TIMEOUT_S))
 
 
 def _new_socket(context: zmq.Context, endpoint: str) -> zmq.Socket:

@@ -7,6 +7,7 @@ End-to-end behaviour on the real engine is in test_daemon_e2e.py and friends.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -288,3 +289,36 @@ def test_metrics_are_served_on_loopback(endpoint):
 def test_result_is_typed(endpoint):
     with serving(endpoint, CountingEngine()), FLyClient(endpoint, timeout=10) as client:
         assert isinstance(client.generate("a", *build_options(max_tokens=1)), GenerateResult)
+
+
+def test_client_timeout_and_early_close_free_the_slot(endpoint):
+    from fly_llm.errors import Timeout
+
+    with serving(endpoint, CountingEngine(step_s=0.01)), FLyClient(endpoint, timeout=10) as client:
+        with pytest.raises(Timeout):
+            client.generate("a", *build_options(max_tokens=100_000 // 100), timeout=0.5)
+        stream = client.stream("a", sampling=build_options(max_tokens=1000)[0])
+        assert next(stream).text == "1 "
+        stream.close()  # leaving early cancels the request on the daemon
+        deadline = time.monotonic() + 5
+        while client.status().active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.status().active == 0
+
+
+async def test_async_stream_left_early_is_cancelled(endpoint):
+    from fly_llm.client import AsyncFLyClient
+
+    with serving(endpoint, CountingEngine(step_s=0.01)):
+        async with AsyncFLyClient(endpoint, timeout=10) as client:
+            stream = client.stream("a", sampling=build_options(max_tokens=1000)[0])
+            async for chunk in stream:
+                assert chunk.text == "1 "
+                break
+            await stream.aclose()
+            deadline = time.monotonic() + 5
+            while (await client.status()).active and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert (await client.status()).active == 0
+            results = await client.batch(["a", "b"], *build_options(max_tokens=2))
+            assert [r.text for r in results] == ["1 2 ", "1 2 "]

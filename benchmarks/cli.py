@@ -123,7 +123,7 @@ def _git_commit() -> str | None:
 
 def benchmark(models: Any, args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Run every selected method on every selected dataset; return the full report."""
-    runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens)
+    runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens, models.context_window)
     methods = all_methods()
     selected = []
     skipped = {}

@@ -107,9 +107,9 @@ class Runner:
     """Runs methods on prompt token ids with one loaded target/draft pair (and engine, lazily)."""
 
     def __init__(self, target: torch.nn.Module, tokenizer: Any, draft: torch.nn.Module | None,
-                 max_tokens: int) -> None:
+                 max_tokens: int, context_window: int | None = None) -> None:
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
-        self.max_tokens = max_tokens
+        self.max_tokens, self.context_window = max_tokens, context_window
         self.eos_ids = _eos_ids(target, tokenizer)
         self._engine = None
         self._forwards = 0
@@ -130,7 +130,8 @@ class Runner:
         if self._engine is None:
             from fly_llm.decoding.engine import FLyEngine
 
-            self._engine = FLyEngine(self.target, self.tokenizer, self.draft, FLyConfig())
+            self._engine = FLyEngine(self.target, self.tokenizer, self.draft, FLyConfig(),
+                                     context_window=self.context_window)
         return self._engine
 
     def run(self, method: Method, prompt_ids: list[int], max_tokens: int | None = None) -> Run:

@@ -1,0 +1,80 @@
+"""fly-bench smoke test: the whole CLI on the tiny pair, every method, every field in the JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import cli
+from benchmarks.methods import MAIN_METHODS, all_methods
+
+SUMMARY_FIELDS = {
+    "dataset", "method", "items", "tokens", "seconds", "tokens_per_s", "speedup", "ttft_s", "target_forwards",
+    "mat", "loose_rate", "acceptance_by_position", "engine_stats", "metric_name", "metric", "retention",
+    "flipped", "agreement", "per_item",
+}
+ENVIRONMENT_FIELDS = {"target", "draft", "dtype", "device", "threads", "cpu", "versions", "git_commit", "python"}
+
+
+def _bench(pair_dirs, out, *extra: str) -> dict:
+    """Run fly-bench in-process on the tiny pair (1 torch thread, restored afterwards)."""
+    target, draft = pair_dirs
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(["--target", str(target), "--draft", str(draft), "--dtype", "float32",
+                         "--threads", "1", "--out", str(out), *extra]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def report(tiny_pair_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    return out, _bench(tiny_pair_dirs, out, "--limit", "2", "--max-tokens", "16")
+
+
+def test_every_method_and_dataset_has_every_field(report):
+    out, data = report
+    assert {"command", "created", "settings", "environment", "methods", "results"} <= data.keys()
+    assert ENVIRONMENT_FIELDS <= data["environment"].keys()
+    assert data["environment"]["dtype"] == "float32"
+    assert data["settings"]["methods"] == MAIN_METHODS
+    assert len(data["results"]) == 2 * len(MAIN_METHODS)
+    for summary in data["results"]:
+        assert SUMMARY_FIELDS <= summary.keys(), summary["method"]
+        assert summary["items"] == 2 and len(summary["per_item"]) == 2
+        assert 0 < summary["tokens"] <= 2 * 16
+        assert summary["tokens_per_s"] > 0 and summary["speedup"] > 0 and summary["mat"] >= 1.0
+        if summary["method"] in ("spd", "fly"):
+            assert summary["engine_stats"]["rounds"] > 0 and summary["acceptance_by_position"] is not None
+    for name in ("results.md", "speedup.png", "mat.png", "acceptance.png", "retention.png"):
+        assert (out / name).stat().st_size > 0
+
+
+def test_exact_methods_reproduce_target_in_float32(report):
+    _, data = report
+    for summary in data["results"]:
+        if summary["method"] in ("target", "spd"):
+            assert summary["agreement"] == 1.0, summary["method"]
+            assert summary["flipped"] == 0.0 and summary["loose_rate"] == 0.0
+
+
+def test_markdown_table_lists_every_method(report):
+    out, data = report
+    table = (out / "results.md").read_text()
+    assert data["command"] in table
+    for name in MAIN_METHODS:
+        assert f"| {name} |" in table
+
+
+def test_ablations_run_and_target_always_runs(tiny_pair_dirs, tmp_path):
+    data = _bench(tiny_pair_dirs, tmp_path, "--dataset", "humaneval", "--limit", "1", "--max-tokens", "8",
+                  "--methods", "fly", "--ablate")
+    ablations = [name for name in all_methods() if name.startswith("fly-")]
+    assert data["settings"]["methods"] == ["target", "fly", *ablations]
+    by_method = {s["method"]: s for s in data["results"]}
+    assert by_method["fly-ngram-only"]["engine_stats"]["draft_model_rounds"] == 0
+    assert by_method["fly-no-gate"]["speedup"] is not None

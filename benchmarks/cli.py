@@ -23,8 +23,8 @@ from benchmarks.methods import MAIN_METHODS, Method, Runner, all_methods
 from benchmarks.quality import score
 from benchmarks.report import REFERENCE, ItemResult, summarize, write
 
-DEFAULT_LIMIT = 6
-DEFAULT_MAX_TOKENS = 192
+DEFAULT_LIMIT = 8
+DEFAULT_MAX_TOKENS = 256
 WARMUP_TOKENS = 8
 
 
@@ -64,20 +64,31 @@ def encode(tokenizer: Any, item: Item) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def run_method(runner: Runner, method: Method, items: list[Item], prompts: list[list[int]],
-               timeout: float) -> list[ItemResult]:
-    """Decode and score every item with one method (after an untimed warm-up)."""
+def run_dataset(runner: Runner, methods: list[Method], items: list[Item], prompts: list[list[int]],
+                timeout: float) -> dict[str, list[ItemResult]]:
+    """Decode and score every item with every method; per method name, the scored items.
+
+    Each method gets one untimed warm-up first. Then the methods take turns item by item, so a
+    change in the machine's load during the run (a shared CPU) falls on all of them alike.
+    """
     from tqdm import tqdm
 
-    runner.run(method, prompts[0], max_tokens=WARMUP_TOKENS)
-    results = []
-    for item, prompt_ids in zip(tqdm(items, desc=f"{items[0].dataset}/{method.name}", unit="item"), prompts):
-        run = runner.run(method, prompt_ids)
-        text = runner.tokenizer.decode(run.token_ids, skip_special_tokens=True)
-        results.append(ItemResult(
-            item.item_id, len(run.token_ids), run.seconds, run.ttft, run.target_forwards,
-            score(item, text, timeout), run.token_ids, text,
-            run.stats.model_dump() if run.stats else None))
+    for method in methods:
+        runner.run(method, prompts[0], max_tokens=WARMUP_TOKENS)
+    bars = [tqdm(total=len(items), desc=f"{items[0].dataset}/{m.name}", unit="item", position=i)
+            for i, m in enumerate(methods)]
+    results: dict[str, list[ItemResult]] = {m.name: [] for m in methods}
+    for item, prompt_ids in zip(items, prompts):
+        for method, bar in zip(methods, bars):
+            run = runner.run(method, prompt_ids)
+            text = runner.tokenizer.decode(run.token_ids, skip_special_tokens=True)
+            results[method.name].append(ItemResult(
+                item.item_id, len(run.token_ids), run.seconds, run.ttft, run.target_forwards,
+                score(item, text, timeout), run.token_ids, text,
+                run.stats.model_dump() if run.stats else None))
+            bar.update()
+    for bar in bars:
+        bar.close()
     return results
 
 
@@ -137,11 +148,9 @@ def benchmark(models: Any, args: argparse.Namespace, command: str) -> dict[str, 
     for dataset in args.dataset:
         items = load(dataset, args.limit)
         prompts = [encode(models.tokenizer, item) for item in items]
-        reference = None
-        for method in selected:
-            per_item = run_method(runner, method, items, prompts, args.timeout)
-            reference = per_item if method.name == REFERENCE else reference
-            results.append(summarize(dataset, method.name, per_item, reference))
+        per_method = run_dataset(runner, selected, items, prompts, args.timeout)
+        results += [summarize(dataset, name, per_item, per_method[REFERENCE])
+                    for name, per_item in per_method.items()]
     return {
         "command": command,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

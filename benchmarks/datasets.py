@@ -15,8 +15,8 @@ from typing import Any
 DATASETS = ("humaneval", "gsm8k")
 
 HUMANEVAL_INSTRUCTION = (
-    "Complete the following Python function. Reply with the complete function, including the "
-    "imports it needs, in a single ```python code block.\n\n```python\n{prompt}```"
+    "Complete the following Python function. Reply with only the complete function, including the "
+    "imports it needs, in a single ```python code block, without explanations.\n\n```python\n{prompt}```"
 )
 GSM8K_INSTRUCTION = (
     "Solve the following math problem step by step. End your reply with a line of the form "

@@ -28,18 +28,19 @@ class ItemResult:
     stats: dict[str, Any] | None = None
 
 
-def summarize(dataset: str, method: str, items: list[ItemResult],
-              reference: list[ItemResult] | None) -> dict[str, Any]:
+def summarize(dataset: str, method: str, items: list[ItemResult], reference: list[ItemResult]) -> dict[str, Any]:
     """Every figure for one method on one dataset; `reference` is target-only on the same items."""
     tokens = sum(r.tokens for r in items)
-    seconds = sum(r.seconds for r in items)
     forwards = sum(r.target_forwards for r in items)
     metric = _mean([r.passed for r in items])
+    ref_speed, ref_metric = _tokens_per_s(reference), _mean([r.passed for r in reference])
+    ref = {r.item_id: r for r in reference}
     stats = _merged_stats(items)
-    summary: dict[str, Any] = {
+    return {
         "dataset": dataset, "method": method, "items": len(items), "tokens": tokens,
-        "seconds": round(seconds, 4),
-        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "seconds": round(sum(r.seconds for r in items), 4),
+        "tokens_per_s": _tokens_per_s(items),
+        "speedup": _tokens_per_s(items) / ref_speed if ref_speed else None,
         "ttft_s": _mean([r.ttft_s for r in items]),
         "target_forwards": forwards,
         "mat": tokens / forwards if forwards else 0.0,
@@ -48,18 +49,22 @@ def summarize(dataset: str, method: str, items: list[ItemResult],
         "engine_stats": stats.model_dump() if stats else None,
         "metric_name": METRIC_NAMES.get(dataset, "score"),
         "metric": metric,
-        "speedup": None, "retention": None, "flipped": None, "agreement": None,
+        "retention": metric / ref_metric if ref_metric else None,
+        "flipped": _mean([r.passed != ref[r.item_id].passed for r in items]),
+        "agreement": _mean([r.token_ids == ref[r.item_id].token_ids for r in items]),
+        "prefix_agreement": _mean([_common_prefix(r.token_ids, ref[r.item_id].token_ids)
+                                   / max(1, len(ref[r.item_id].token_ids)) for r in items]),
+        "per_item": [asdict(r) for r in items],
     }
-    if reference is not None:
-        by_id = {r.item_id: r for r in reference}
-        ref_speed = _tokens_per_s(reference)
-        ref_metric = _mean([r.passed for r in reference])
-        summary["speedup"] = summary["tokens_per_s"] / ref_speed if ref_speed else None
-        summary["retention"] = metric / ref_metric if ref_metric else None
-        summary["flipped"] = _mean([r.passed != by_id[r.item_id].passed for r in items])
-        summary["agreement"] = _mean([r.token_ids == by_id[r.item_id].token_ids for r in items])
-    summary["per_item"] = [asdict(r) for r in items]
-    return summary
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _mean(values: list[float | bool]) -> float:

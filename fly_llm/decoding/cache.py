@@ -54,6 +54,7 @@ class BufferLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
+            indices = indices.to(self._k.device)  # layers may sit on different devices (device_map)
             self._k, self._v = self._k[indices], self._v[indices]
             self._refresh()
 

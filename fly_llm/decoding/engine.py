@@ -92,6 +92,8 @@ class FLyEngine:
         self.config = config or FLyConfig()
         self.context_window = context_window or int(getattr(target.config, "max_position_embeddings", 4096))
         self.device = next(target.parameters()).device
+        head = target.get_output_embeddings()
+        self._logits_device = head.weight.device if head is not None else self.device  # differs under device_map
         self.dtype = next(target.parameters()).dtype
         self.target_name = str(getattr(target.config, "_name_or_path", "") or type(target).__name__)
         self.draft_name = (str(getattr(draft.config, "_name_or_path", "") or type(draft).__name__)
@@ -101,7 +103,8 @@ class FLyEngine:
         self._eos = _eos_ids(tokenizer, target)
         self._kv = BatchKV(self.device)
         self._cascade = Cascade(NgramStage(self.config.max_ngram, self.config.ngram_tokens),
-                                ModelStage(self.draft, self.device) if self.draft is not None else None)
+                                ModelStage(self.draft, next(self.draft.parameters()).device)
+                                if self.draft is not None else None)
         self._rows: list[_Request] = []
         self._waiting: list[_Request] = []
         self._local_ids = 0
@@ -147,7 +150,7 @@ class FLyEngine:
         generator = None
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+            generator = torch.Generator(device=self._logits_device).manual_seed(seed)
         self._waiting.append(_Request(
             id=request_id, prompt=list(prompt_ids), sampling=sampling, fly=fly,
             max_new=min(sampling.max_tokens, room), detok=Detokenizer(self.tokenizer, prompt_ids),
@@ -215,9 +218,9 @@ class FLyEngine:
         input_ids = torch.tensor([[c[-1]] + d + [0] * (k - len(d)) for c, d in zip(contexts, drafts)],
                                  device=self.device)
         logits = self._kv.forward(self.target, input_ids)
-        lengths = torch.tensor([len(d) for d in drafts], device=self.device)
-        verdict = verify(input_ids[:, 1:], logits, lengths, RowRules.from_configs([r.fly for r in rows], self.device),
-                         self._sampling(rows))
+        lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
+        rules = RowRules.from_configs([r.fly for r in rows], logits.device)
+        verdict = verify(input_ids[:, 1:], logits, lengths, rules, self._sampling(rows))
         host = torch.cat([verdict.accepted[:, None], verdict.tokens, verdict.native.long(), verdict.loose.long()],
                          1).tolist()
         accepted = [h[0] for h in host]

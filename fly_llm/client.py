@@ -40,7 +40,7 @@ from fly_llm.protocol import (
 HEARTBEAT_INTERVAL_S = 1.0
 """How often a client tells the daemon which requests it still waits for."""
 LIVENESS_S = 10.0
-"""No answer at all from the daemon for this long (or the call's timeout, if shorter) → FLyUnavailable."""
+"""No answer at all from the daemon for this long → FLyUnavailable (at a call's deadline: sooner, see check)."""
 RPC_ATTEMPT_S = 3.0
 """How long one attempt of info/health/status/tokenize waits before it is re-sent."""
 BUSY_BACKOFF_S = 0.25
@@ -157,6 +157,7 @@ class _Heartbeat:
         self._ids: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop: threading.Event | None = None
+        self._kick = threading.Event()
         self.last_heard = 0.0
 
     def add(self, ids: Iterable[str]) -> None:
@@ -167,6 +168,7 @@ class _Heartbeat:
             if self._stop is None:
                 self._stop = threading.Event()
                 threading.Thread(target=self._run, args=(self._stop,), name="fly-heartbeat", daemon=True).start()
+        self._kick.set()  # beat now: the daemon's answer shows it is there
 
     def discard(self, ids: Iterable[str]) -> None:
         """Stop heartbeating for `ids`."""
@@ -180,12 +182,13 @@ class _Heartbeat:
         """The daemon answered something just now."""
         self.last_heard = time.monotonic()
 
-    def check(self, since: float, window: float, deadline: float) -> None:
-        """Raise FLyUnavailable when the daemon was silent since `since` for `window` seconds, or at the
-        `deadline` when its heartbeats went unanswered (then it is gone, not slow)."""
+    def check(self, since: float, deadline: float) -> None:
+        """Raise FLyUnavailable when the daemon, asked at `since`, has been silent for LIVENESS_S, or at
+        the `deadline` when it never answered or its heartbeats went unanswered (gone, not slow)."""
         now = time.monotonic()
         silent = now - max(self.last_heard, since)
-        if silent > window or (now >= deadline and silent > 3 * HEARTBEAT_INTERVAL_S):
+        gone_at_deadline = now >= deadline and (self.last_heard < since or silent > 3 * HEARTBEAT_INTERVAL_S)
+        if silent > LIVENESS_S or gone_at_deadline:
             raise FLyUnavailable(f"no answer from a fly-daemon at {self._endpoint} for {silent:.1f} s")
 
     def close(self) -> None:
@@ -212,9 +215,10 @@ class _Heartbeat:
                         sock.send(encode(beat), zmq.NOBLOCK)
                     except zmq.Again:
                         pass
+                self._kick.clear()
                 deadline = time.monotonic() + HEARTBEAT_INTERVAL_S
-                while (left := deadline - time.monotonic()) > 0 and not stop.is_set():
-                    if sock.poll(int(left * 1000) + 1):
+                while (left := deadline - time.monotonic()) > 0 and not stop.is_set() and not self._kick.is_set():
+                    if sock.poll(min(_POLL_MS, int(left * 1000) + 1)):
                         sock.recv()
                         self.heard()
         finally:
@@ -231,11 +235,11 @@ class _Connection:
         self.inbox: dict[str, deque] = {}
         self._heartbeat = heartbeat
 
-    def next_reply(self, rid: str, deadline: float, since: float, window: float):
+    def next_reply(self, rid: str, deadline: float, since: float):
         """The next reply for request `rid`; Timeout at `deadline`, FLyUnavailable if the daemon is silent."""
         queue = self.inbox[rid]
         while not queue:
-            self._heartbeat.check(since, window, deadline)
+            self._heartbeat.check(since, deadline)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Timeout(f"request {rid} did not finish within its timeout")
@@ -392,9 +396,8 @@ class FLyClient:
                  deadline: float) -> Iterator[TokenChunk | GenerateResult]:
         """Replies to one open generate request up to its result; re-sends it on BUSY before admission."""
         since, attempt = time.monotonic(), 0
-        window = min(LIVENESS_S, request.timeout_s)
         while True:
-            reply = conn.next_reply(request.id, deadline, since, window)
+            reply = conn.next_reply(request.id, deadline, since)
             if isinstance(reply, ErrorReply):
                 if reply.code == Busy.code and attempt < self.max_retries:
                     time.sleep(BUSY_BACKOFF_S * 2 ** attempt)
@@ -417,7 +420,7 @@ class FLyClient:
             try:
                 since = time.monotonic()
                 _send(conn.socket, request)
-                reply = conn.next_reply(request.id, since + window, since, window)
+                reply = conn.next_reply(request.id, since + window, since)
             except (FLyUnavailable, Timeout):
                 self._drop_conn()
                 continue
@@ -478,13 +481,13 @@ class _AsyncConnection:
             if reply.id in self.inbox:
                 self.inbox[reply.id].put_nowait(reply)
 
-    async def next_reply(self, rid: str, deadline: float, since: float, window: float):
+    async def next_reply(self, rid: str, deadline: float, since: float):
         """The next reply for request `rid`; Timeout at `deadline`, FLyUnavailable if the daemon is silent."""
         queue = self.inbox[rid]
         while True:
             if not queue.empty():
                 return queue.get_nowait()
-            self._heartbeat.check(since, window, deadline)
+            self._heartbeat.check(since, deadline)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Timeout(f"request {rid} did not finish within its timeout")
@@ -646,9 +649,8 @@ class AsyncFLyClient:
     async def _replies(self, conn: _AsyncConnection, request: GenerateRequest,
                        deadline: float) -> AsyncIterator[TokenChunk | GenerateResult]:
         since, attempt = time.monotonic(), 0
-        window = min(LIVENESS_S, request.timeout_s)
         while True:
-            reply = await conn.next_reply(request.id, deadline, since, window)
+            reply = await conn.next_reply(request.id, deadline, since)
             if isinstance(reply, ErrorReply):
                 if reply.code == Busy.code and attempt < self.max_retries:
                     await asyncio.sleep(BUSY_BACKOFF_S * 2 ** attempt)
@@ -670,7 +672,7 @@ class AsyncFLyClient:
             try:
                 since = time.monotonic()
                 await conn.send(request)
-                reply = await conn.next_reply(request.id, since + window, since, window)
+                reply = await conn.next_reply(request.id, since + window, since)
             except (FLyUnavailable, Timeout):
                 self._drop_conn()
                 continue

@@ -100,7 +100,7 @@ class Server:
             pull.bind(self._outbox)
             router, auth = self._bind()
             log.info("listening on %s (pid %d)", self.endpoint, os.getpid())
-            model_thread = threading.Thread(target=self.scheduler.run, name="fly-model", daemon=True)
+            model_thread = threading.Thread(target=self._model_thread, name="fly-model", daemon=True)
             model_thread.start()
             self._loop(router, pull, model_thread)
             return 1 if self.scheduler.state == "failed" else 0
@@ -114,7 +114,16 @@ class Server:
             if sock_path is not None:
                 sock_path.unlink(missing_ok=True)
             self._lock.release()
+            self._ctx.destroy(linger=0)  # closed sockets keep their own linger; this ends the rest
             log.info("stopped")
+
+    def _model_thread(self) -> None:
+        try:
+            self.scheduler.run()
+        finally:
+            push = getattr(self._local, "push", None)
+            if push is not None:
+                push.close(linger=1000)
 
     def _bind(self) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
         router = self._ctx.socket(zmq.ROUTER)

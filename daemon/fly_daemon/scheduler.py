@@ -253,7 +253,7 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the model thread
                 if not isinstance(exc, FLyError):
                     log.exception("admitting request %s failed", job.request.id)
-                self._drop_waiting(job)
+                self._forget(job)
                 self._fail(job, exc if isinstance(exc, FLyError) else Internal(f"admitting the request failed: {exc}"))
                 continue
             with self._lock:
@@ -277,7 +277,8 @@ class Scheduler:
         if job.prompt_tokens > cap:
             raise TooLong(f"prompt of {job.prompt_tokens} tokens exceeds the limit of {cap}")
 
-    def _drop_waiting(self, job: Job) -> None:
+    def _forget(self, job: Job) -> None:
+        """Remove a job that ended (finished or failed) from the table and the queue."""
         with self._lock:
             self._jobs.pop(job.key, None)
             if job in self._waiting:
@@ -297,7 +298,7 @@ class Scheduler:
             log.exception("engine step failed")
             for job in by_engine_id.values():
                 self.engine.abort_request(job.engine_id)
-                self._drop_waiting(job)
+                self._forget(job)
                 self._fail(job, Internal(f"engine step failed: {exc}"))
             return
         now = time.monotonic()
@@ -328,7 +329,7 @@ class Scheduler:
             job.unsent_ids = []
         if not out.finished:
             return
-        self._drop_waiting(job)
+        self._forget(job)
         self.requests_total += 1
         self.metrics.finished("ok", out.prompt_tokens, out.stats)
         self._emit(job.envelope, GenerateResult(

@@ -70,7 +70,7 @@ def test_crash_restart_busy_and_graceful_stop(tiny_pair_dirs, tmp_path, long_pro
 
     env = dict(os.environ, FLY_RUNTIME_DIR=str(tmp_path))
     start = _cli("start", "--endpoint", endpoint, "--target", target, "--draft", draft, "--dtype", "float32",
-                 "--device", "cpu", "--queue-size", "2", "--max-batch-size", "1", "--drain-timeout", "60", env=env)
+                 "--device", "cpu", "--queue-size", "2", "--max-batch-size", "2", "--drain-timeout", "120", env=env)
     assert start.returncode == 0, start.stdout + start.stderr
     assert "ready" in start.stdout and endpoint in start.stdout
     try:
@@ -117,42 +117,44 @@ def _cli_status_and_generate(client: FLyClient, endpoint: str, target: str, env:
 
 
 def _busy_then_graceful_stop(client: FLyClient, endpoint: str, prompt: str, env: dict) -> None:
-    """Batch size 1, queue 2: a long stream runs, two requests queue, the rest are BUSY; then `stop`."""
+    """Batch size 2, queue 2: two long streams run, two requests queue, the rest are BUSY; then `stop`
+    (SIGTERM) while the batch runs: the running streams finish, the queued are cancelled."""
     outcomes: dict[str, object] = {}
-    first_chunk = threading.Event()
-    long_client = FLyClient(endpoint, timeout=120)
+    started = [threading.Event(), threading.Event()]
 
-    def long_stream() -> None:
-        items = []
-        for item in long_client.stream(prompt, sampling=build_options(max_tokens=LONG)[0]):
-            first_chunk.set()
-            items.append(item)
-        outcomes["long"] = items[-1]
+    def long_stream(i: int) -> None:
+        with FLyClient(endpoint, timeout=300) as own:
+            items = []
+            for item in own.stream(prompt, sampling=build_options(max_tokens=LONG)[0]):
+                started[i].set()
+                items.append(item)
+        outcomes[f"long{i}"] = items[-1]
 
     def short(name: str) -> None:
         try:
-            outcomes[name] = client.generate("def add(a, b):", *build_options(max_tokens=4), timeout=120)
+            outcomes[name] = client.generate("def add(a, b):", *build_options(max_tokens=4), timeout=300)
         except (Busy, Cancelled, NotReady, FLyUnavailable) as exc:
             outcomes[name] = exc
 
-    workers = [threading.Thread(target=long_stream)]
-    workers[0].start()
-    assert first_chunk.wait(60)
+    workers = [threading.Thread(target=long_stream, args=(i,)) for i in range(2)]
+    for w in workers:
+        w.start()
+    assert all(e.wait(60) for e in started)
     workers += [threading.Thread(target=short, args=(f"s{i}",)) for i in range(5)]
-    for w in workers[1:]:
+    for w in workers[2:]:
         w.start()
     assert _wait_for(lambda: sum(isinstance(v, Busy) for v in outcomes.values()) >= 3)
-    assert client.status().queue_depth == 2  # two queued behind the running stream, the rest refused
+    status = client.status()
+    assert (status.active, status.queue_depth) == (2, 2)  # two running, two queued, the rest refused
 
-    stop = _cli("stop", "--endpoint", endpoint, env=env, timeout=120)
+    stop = _cli("stop", "--endpoint", endpoint, "--timeout", "280", env=env, timeout=300)
     for w in workers:
-        w.join(120)
+        w.join(300)
     assert stop.returncode == 0 and "stopped" in stop.stdout
-    assert outcomes["long"].finish_reason == "length"  # the running request finished
-    assert len(outcomes["long"].token_ids) == LONG
-    queued = [v for k, v in outcomes.items() if k != "long" and not isinstance(v, Busy)]
+    for i in range(2):  # the running requests finished
+        assert outcomes[f"long{i}"].finish_reason == "length" and len(outcomes[f"long{i}"].token_ids) == LONG
+    queued = [v for k, v in outcomes.items() if k.startswith("s") and not isinstance(v, Busy)]
     assert len(queued) == 2 and all(isinstance(v, Cancelled) for v in queued)
-    long_client.close()
 
 
 def test_model_load_failure_exits_with_its_message(tmp_path):

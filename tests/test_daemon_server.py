@@ -322,3 +322,13 @@ async def test_async_stream_left_early_is_cancelled(endpoint):
             assert (await client.status()).active == 0
             results = await client.batch(["a", "b"], *build_options(max_tokens=2))
             assert [r.text for r in results] == ["1 2 ", "1 2 "]
+
+
+def test_tcp_port_taken_by_another_program(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLY_RUNTIME_DIR", str(tmp_path))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        server = Server(f"tcp://127.0.0.1:{other.getsockname()[1]}", CountingEngine)
+        with pytest.raises(OSError, match="cannot bind"):
+            server.serve()

@@ -178,7 +178,7 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
         signal.signal(sig, lambda *_: server.request_stop())
     try:
         return server.serve()
-    except AlreadyRunning as exc:
+    except (AlreadyRunning, OSError, ValueError) as exc:  # endpoint taken, unreadable CURVE keys
         print(f"fly-daemon: {exc}", file=sys.stderr)
         return 1
 

@@ -145,7 +145,10 @@ class Server:
             if sock_path.exists():  # we hold the endpoint's lock, so this socket is a crashed daemon's
                 log.warning("removing stale socket %s", sock_path)
                 sock_path.unlink()
-        router.bind(self.endpoint)
+        try:
+            router.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            raise OSError(f"cannot bind {self.endpoint}: {exc}") from None
         if sock_path is not None:
             sock_path.chmod(0o600)
         return router, auth

@@ -4,8 +4,10 @@
     python benchmarks/engine_bench.py --target DIR --draft DIR --max-tokens 128
 
 Prints tokens/s, the ratio to target-only decoding, MAT (tokens per target forward), the loose
-accept rate, and the share of wall time spent outside model forwards (the engine's own Python
-and tensor bookkeeping). Each method runs the prompts one at a time (batch 1) and, with --batch,
+accept rate, the share of rounds that ran the draft model / drafted nothing (the adaptive
+policy's choices), and the share of wall time spent outside model forwards (the engine's own
+Python and tensor bookkeeping). On a shared CPU pass --threads 1: oversubscribed threads make
+every forward many times slower. Each method runs the prompts one at a time (batch 1) and, with --batch,
 all together in one batch as well.
 """
 
@@ -69,6 +71,8 @@ class Result:
     forward_seconds: float
     mat: float
     loose_rate: float
+    model_share: float  # rounds that ran the draft model
+    plain_share: float  # rounds that drafted nothing
     token_ids: list[list[int]]
 
 
@@ -83,8 +87,9 @@ def run(engine: FLyEngine, timer: ForwardTimer, name: str, fly: FLyConfig, promp
                                                                   for p in prompts]
     seconds = time.perf_counter() - start
     stats = engine.stats
+    rounds = max(stats.rounds, 1)
     return Result(name, sum(g.completion_tokens for g in gens), seconds, timer.total, stats.mat, stats.loose_rate,
-                  [g.token_ids for g in gens])
+                  stats.draft_model_rounds / rounds, stats.plain_rounds / rounds, [g.token_ids for g in gens])
 
 
 def load(args) -> FLyEngine:
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"target={engine.target_name} draft={engine.draft_name} device={engine.device} dtype={engine.dtype} "
           f"prompts={len(prompts)} max_tokens={args.max_tokens}")
     print(f"{'method':<22}{'batch':>6}{'tokens':>8}{'tok/s':>9}{'ratio':>7}{'MAT':>6}{'loose':>7}"
-          f"{'outside fwd':>12}{'same as target':>16}")
+          f"{'model':>7}{'plain':>7}{'outside fwd':>12}{'same as target':>16}")
     for batch in modes:
         base = None
         for name in args.methods:
@@ -138,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
             outside = 1 - r.forward_seconds / r.seconds
             same = sum(a == b for a, b in zip(r.token_ids, base.token_ids))
             print(f"{name:<22}{len(prompts) if batch else 1:>6}{r.tokens:>8}{speed:>9.1f}{ratio:>7.2f}{r.mat:>6.2f}"
-                  f"{r.loose_rate:>7.2f}{outside:>11.1%}{same:>9}/{len(prompts)}")
+                  f"{r.loose_rate:>7.2f}{r.model_share:>7.0%}{r.plain_share:>7.0%}{outside:>11.1%}"
+                  f"{same:>9}/{len(prompts)}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ after another, and daemon + ZeroMQ vs the in-process engine on the same requests
 
     python benchmarks/serve_bench.py                          # tiny random pair (tests/tiny_models.py)
     python benchmarks/serve_bench.py --target DIR --draft DIR --dtype bfloat16 --max-tokens 64
+    python benchmarks/serve_bench.py --embedded --dtype bfloat16 --requests 8 --concurrency 1 2 4 8
 
 One run: the in-process engine first (sequential, then all requests in one batch), then it is
 freed and a daemon subprocess serves the same models (one pair in memory at a time). All ratios
@@ -37,7 +38,10 @@ PROMPTS = [
 ]
 
 
-def _models(args: argparse.Namespace, workdir: Path) -> tuple[str, str]:
+def _models(args: argparse.Namespace, workdir: Path) -> tuple[str | None, str | None]:
+    """(target, draft) to load; (None, None) is the embedded default pair."""
+    if args.embedded:
+        return None, None
     if args.target:
         return args.target, args.draft or "none"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -47,7 +51,7 @@ def _models(args: argparse.Namespace, workdir: Path) -> tuple[str, str]:
     return str(target), str(draft)
 
 
-def _in_process(target: str, draft: str, args: argparse.Namespace, prompts: list[str]) -> tuple[float, float]:
+def _in_process(target: str | None, draft: str | None, args: argparse.Namespace, prompts: list[str]) -> tuple[float, float]:
     """(sequential tokens/s, one-batch tokens/s) of the engine in this process."""
     import torch
 
@@ -70,11 +74,13 @@ def _in_process(target: str, draft: str, args: argparse.Namespace, prompts: list
     return sequential, batched
 
 
-def _start_daemon(target: str, draft: str, args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Popen, str]:
+def _start_daemon(target: str | None, draft: str | None, args: argparse.Namespace,
+                  workdir: Path) -> tuple[subprocess.Popen, str]:
     endpoint = f"ipc://{workdir / 'bench.sock'}"
     log = open(workdir / "daemon.log", "ab")
+    models = [] if target is None else ["--target", target, "--draft", draft]
     cmd = [sys.executable, "-m", "fly_daemon.cli", "start", "--foreground", "--endpoint", endpoint,
-           "--target", target, "--draft", draft, "--dtype", args.dtype, "--device", args.device,
+           *models, "--dtype", args.dtype, "--device", args.device,
            "--max-batch-size", str(max(args.concurrency)), *(["--no-loose"] if args.exact else [])]
     env = dict(os.environ, FLY_RUNTIME_DIR=str(workdir))
     if args.threads:
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="target model dir / HF id (default: the tiny random pair)")
     p.add_argument("--draft", help="draft model dir / HF id, or 'none'")
+    p.add_argument("--embedded", action="store_true", help="the embedded default pair (real models)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             proc.wait(60)
 
     sequential = rows[0][1] if rows[0][0] == 1 else None
-    print(f"models: target={target} draft={draft} ({args.dtype}, {args.device}, threads {args.threads or 'default'}); "
+    print(f"models: target={target or 'embedded'} draft={draft or 'embedded'} ({args.dtype}, {args.device}, threads {args.threads or 'default'}); "
           f"{args.requests} requests × {args.max_tokens} tokens, {'exact SPD' if args.exact else 'FLy'}")
     print(f"in-process engine: {local_seq:8.1f} tok/s one after another, {local_batch:8.1f} tok/s in one batch")
     print(f"{'concurrency':>11} {'tok/s':>9} {'vs sequential':>14} {'largest batch':>14}")

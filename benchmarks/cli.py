@@ -21,7 +21,7 @@ from typing import Any
 from benchmarks.datasets import DATASETS, Item, load
 from benchmarks.methods import MAIN_METHODS, Method, Runner, all_methods
 from benchmarks.quality import score
-from benchmarks.report import REFERENCE, ItemResult, summarize, write
+from benchmarks.report import REFERENCE, ItemResult, compare_to_best_hf, summarize, write
 
 DEFAULT_LIMIT = 8
 DEFAULT_MAX_TOKENS = 256
@@ -149,8 +149,10 @@ def benchmark(models: Any, args: argparse.Namespace, command: str) -> dict[str, 
         items = load(dataset, args.limit)
         prompts = [encode(models.tokenizer, item) for item in items]
         per_method = run_dataset(runner, selected, items, prompts, args.timeout)
-        results += [summarize(dataset, name, per_item, per_method[REFERENCE])
-                    for name, per_item in per_method.items()]
+        summaries = [summarize(dataset, name, per_item, per_method[REFERENCE])
+                     for name, per_item in per_method.items()]
+        compare_to_best_hf(summaries, {m.name for m in selected if m.kind == "hf"})
+        results += summaries
     return {
         "command": command,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

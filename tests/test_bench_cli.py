@@ -13,7 +13,7 @@ from benchmarks.methods import MAIN_METHODS, all_methods
 SUMMARY_FIELDS = {
     "dataset", "method", "items", "tokens", "seconds", "tokens_per_s", "speedup", "ttft_s", "target_forwards",
     "mat", "loose_rate", "acceptance_by_position", "engine_stats", "metric_name", "metric", "retention",
-    "flipped", "agreement", "prefix_agreement", "per_item",
+    "flipped", "agreement", "prefix_agreement", "vs_best_hf", "per_item",
 }
 ENVIRONMENT_FIELDS = {"target", "draft", "dtype", "device", "threads", "cpu", "versions", "git_commit", "python"}
 
@@ -78,3 +78,12 @@ def test_ablations_run_and_target_always_runs(tiny_pair_dirs, tmp_path):
     by_method = {s["method"]: s for s in data["results"]}
     assert by_method["fly-ngram-only"]["engine_stats"]["draft_model_rounds"] == 0
     assert by_method["fly-no-gate"]["speedup"] is not None
+
+
+def test_without_a_draft_the_methods_that_need_one_are_skipped(tiny_pair_dirs, tmp_path):
+    target, _ = tiny_pair_dirs
+    data = _bench((target, "none"), tmp_path, "--dataset", "gsm8k", "--limit", "1", "--max-tokens", "4",
+                  "--methods", "assisted", "fly")
+    assert data["settings"]["methods"] == ["target", "fly"]
+    assert data["settings"]["skipped"] == {"assisted": "needs a draft model"}
+    assert data["environment"]["draft"] is None

@@ -156,6 +156,7 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     results = report["results"]
     datasets = [d for d in report["settings"]["datasets"] if any(s["dataset"] == d for s in results)]
@@ -166,15 +167,14 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
         ("mat", "Tokens per target forward (MAT)", "tokens", 1.0),
         ("retention", "Quality retention vs target-only", "metric / target's metric", 1.0),
     ):
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(methods) * max(1, len(datasets))), 4))
+        fig, ax = plt.subplots(figsize=(min(14.0, 2.0 + 0.55 * len(methods) * max(1, len(datasets))), 4))
         width = 0.8 / max(1, len(datasets))
         for j, dataset in enumerate(datasets):
             by_method = {s["method"]: s for s in results if s["dataset"] == dataset}
-            values = [by_method[m][key] if m in by_method and by_method[m][key] is not None else 0.0
-                      for m in methods]
+            values = [by_method[m][key] if m in by_method else None for m in methods]
             xs = [i + (j - (len(datasets) - 1) / 2) * width for i in range(len(methods))]
-            bars = ax.bar(xs, values, width, label=dataset)
-            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+            bars = ax.bar(xs, [v or 0.0 for v in values], width, label=dataset)
+            ax.bar_label(bars, ["n/a" if v is None else f"{v:.2f}" for v in values], fontsize=7)
         ax.axhline(ref_line, color="grey", lw=0.8, ls="--")
         ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
         ax.set(title=title, ylabel=ylabel)
@@ -184,15 +184,18 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for s in results:
-        if s["acceptance_by_position"]:
-            rates = s["acceptance_by_position"]
-            ax.plot(range(1, len(rates) + 1), rates, marker=".", label=f"{s['method']} / {s['dataset']}")
-    ax.set(title="Acceptance by draft position (engine methods)", xlabel="draft position",
-           ylabel="accepted / drafted", ylim=(0, 1.05))
-    if ax.lines:
-        ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4), sharey=True, squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        for s in results:
+            if s["dataset"] == dataset and s["acceptance_by_position"]:
+                rates = s["acceptance_by_position"]
+                ax.plot(range(1, len(rates) + 1), rates, marker=".", label=s["method"])
+        ax.set(title=dataset, xlabel="draft position i", ylim=(0, 1.05))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if ax.lines:
+            ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("P(accepted ≥ i | drafted ≥ i)")
+    fig.suptitle("Acceptance by draft position (engine methods)")
     fig.tight_layout()
     paths.append(out / "acceptance.png")
     fig.savefig(paths[-1], dpi=120)

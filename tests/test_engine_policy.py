@@ -90,3 +90,17 @@ def test_costs_can_be_measured():
     target, draft, _ = make_pair("llama")
     costs = Costs.measure(target, draft, context=16, repeats=1)
     assert costs.target_token >= 0 and costs.draft_step > 0
+
+
+def test_cheap_cascade_rounds_make_the_draft_model_pay():
+    """The same acceptance buys longer drafts when n-gram copies cut the model's forwards per token."""
+    policy = AdaptivePolicy()
+    plans = {}
+    for steps_per_token in (1.0, 0.25):
+        state = PolicyState()
+        _feed(policy, state, DraftPlan(6, True, False), drafted=0, accepted=0, n=20)  # lookups miss alone
+        for _ in range(20):
+            policy.observe(state, DraftPlan(8, True, True), 8, 6, model_forwards=int(8 * steps_per_token))
+        plans[steps_per_token] = policy.plan(state, FLY, budget=100, batch_size=1, has_model=True)
+    assert plans[1.0].model and plans[0.25].model
+    assert plans[0.25].k > plans[1.0].k

@@ -98,12 +98,14 @@ class ModelStage:
 
     Invariant: row b's cache holds a prefix of its context plus drafts (`kv.lengths[b]` tokens);
     before drafting, the tokens after that prefix are fed first (normally 1 or 2 tokens).
+    `forwards[b]` counts the forwards row b took part in during the last `propose`.
     """
 
     def __init__(self, model, device: torch.device) -> None:
         self.model = model
         self.device = device
         self.kv = BatchKV(device)
+        self.forwards: list[int] = []
 
     def add_row(self, context: list[int], prefill: bool = True) -> None:
         """Append a row; prefill it alone with context[:-1] (or leave it empty to catch up later)."""
@@ -128,8 +130,11 @@ class ModelStage:
         rows = len(contexts)
         drafts: list[list[int]] = [[] for _ in range(rows)]
         active = [b for b in range(rows) if ks[b] > 0]
+        self.forwards = [0] * rows
         self._catch_up(contexts, active)
         while active:
+            for b in active:
+                self.forwards[b] += 1
             feeds: list[list[int]] = [[] for _ in range(rows)]
             proposals: dict[int, list[int]] = {}
             for b in active:
@@ -175,6 +180,8 @@ class ModelStage:
         input_ids = torch.tensor([f + [0] * (width - len(f)) for f in feeds], device=self.device)
         self.kv.forward(self.model, input_ids, logits_to_keep=1)
         self.kv.truncate(target)
+        for b in behind:
+            self.forwards[b] += 1
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -201,6 +208,7 @@ class Cascade:
     def __init__(self, ngram: NgramStage | None = None, model: ModelStage | None = None) -> None:
         self.ngram = ngram
         self.model = model
+        self.model_forwards: list[int] = []
 
     def add_row(self, context: list[int], prefill_model: bool = True) -> None:
         """Append a row for a new request (context = its prompt)."""
@@ -221,11 +229,16 @@ class Cascade:
             self.model.rollback(valid)
 
     def propose(self, contexts: list[list[int]], plans: list[DraftPlan]) -> list[list[int]]:
-        """Draft tokens per row following its plan (stages a plan asks for but the cascade lacks are skipped)."""
+        """Draft tokens per row following its plan (stages a plan asks for but the cascade lacks are skipped).
+
+        Afterwards `model_forwards[b]` says how many draft-model forwards row b took.
+        """
         drafts: list[list[int]] = [[] for _ in contexts]
         model_ks = [p.k if p.model and self.model is not None else 0 for p in plans]
+        self.model_forwards = [0] * len(contexts)
         if any(model_ks):
             drafts = self.model.propose(contexts, model_ks, self.ngram, [p.ngram for p in plans])
+            self.model_forwards = self.model.forwards
         if self.ngram is not None:
             for b, (plan, context) in enumerate(zip(plans, contexts)):
                 if plan.ngram and not model_ks[b] and plan.k:

@@ -200,7 +200,7 @@ class FLyEngine:
             n, a = len(draft), accepted[b]
             req.stats.record_round(n, native[b], loose[b], a, used_draft_model=plan.model and n > 0 and
                                    self.draft is not None, used_ngram=plan.ngram and n > 0)
-            self.policy.observe(req.policy, plan, n, a)
+            self.policy.observe(req.policy, plan, n, a, self._cascade.model_forwards[b])
             outputs.append(self._emit(req, tokens[b]))
             if req.finish_reason is not None:
                 finished.append(b)

@@ -5,10 +5,11 @@ per stage, the chance α that the next draft token is accepted, and picks the pl
 expected tokens per unit of time:
 
     tokens(α, K) = 1 + α + α² + … + α^K          (kept drafts plus the target's own token)
-    time         = 1 + B·target_token·K  (+ draft_step·K when the draft model runs)
+    time         = 1 + B·target_token·K  (+ draft_step·s·K when the draft model runs)
 
 in units of one plain target forward, with B the batch size (a longer verify forward delays every
-row, so a big batch speculates less). Plain decoding (K = 0, time 1, one token) is always a
+row, so a big batch speculates less) and s the request's measured draft-model forwards per drafted
+token (1 for the model alone, less in the n-gram → model cascade when the copies hold). Plain decoding (K = 0, time 1, one token) is always a
 candidate, so a plan is only chosen when it is expected to beat target-only decoding. n-gram
 proposals are nearly free, so n-gram rounds run whenever they are expected to pay; the draft model
 runs only when its acceptance is high enough to pay for its forwards. A stage that is not chosen is
@@ -82,6 +83,7 @@ class PolicyState:
     ngram: _Acceptance = field(default_factory=lambda: _Acceptance(1.0, 1.0))
     model: _Acceptance = field(default_factory=lambda: _Acceptance(1.5, 1.0))
     ngram_hit: float = 0.5  # decayed share of n-gram lookups that found a proposal
+    model_steps: float = 1.0  # decayed draft-model forwards per drafted token (< 1 when n-grams help)
     since_model: int = 0  # rounds since the draft model last ran
     model_probe_every: int = _FIRST_PROBE
     probing: bool = False  # the current model round is a probe
@@ -112,7 +114,7 @@ class AdaptivePolicy:
             if speed > best_speed:
                 best, best_speed = DraftPlan(k=k, ngram=True, model=False), speed
         if can_model:
-            model_cost = per_token + self.costs.draft_step
+            model_cost = per_token + self.costs.draft_step * state.model_steps
             if _speed(state.model.alpha, k_max, model_cost) > best_speed:
                 k, _ = _best_k(state.model.alpha, k_max, model_cost)
                 return DraftPlan(k=k, ngram=can_ngram, model=True)
@@ -122,10 +124,14 @@ class AdaptivePolicy:
                 return DraftPlan(k=min(4, k_max), ngram=can_ngram, model=True)
         return best
 
-    def observe(self, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int) -> None:
-        """Learn from one round's outcome."""
+    def observe(self, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int,
+                model_forwards: int = 0) -> None:
+        """Learn from one round's outcome (`model_forwards`: draft-model forwards it took)."""
         if plan.model:
             state.model.update(accepted, drafted, self.decay)
+            if drafted:
+                steps = model_forwards / drafted
+                state.model_steps = state.model_steps * self.decay + (1 - self.decay) * steps
             state.model_probe_every = (min(2 * state.model_probe_every, self.max_probe_every)
                                        if state.probing else _FIRST_PROBE)
             state.probing, state.since_model = False, 0

@@ -43,8 +43,9 @@ class RequestStats(BaseModel):
                      used_draft_model: bool, used_ngram: bool = False) -> None:
         """Count one verification round: `accepted` kept draft tokens plus one target token.
 
-        The stages the round used are counted too: draft_model_rounds, ngram_rounds (the n-gram
-        stage proposed; with the model too in a cascade round) and plain_rounds (nothing drafted).
+        The adaptive policy's choices are counted too: draft_model_rounds (the draft model ran),
+        ngram_rounds (the plan included the n-gram stage and something was drafted; a cascade round
+        counts as both) and plain_rounds (nothing drafted: plain target decoding).
         """
         self.rounds += 1
         self.drafted += drafted

@@ -84,7 +84,7 @@ class PolicyState:
     model: _Acceptance = field(default_factory=lambda: _Acceptance(1.5, 1.0))
     ngram_hit: float = 0.5  # decayed share of n-gram lookups that found a proposal
     model_steps: float = 1.0  # decayed draft-model forwards per drafted token (< 1 when n-grams help)
-    since_model: int = 0  # rounds since the draft model last ran
+    since_model: int = _FIRST_PROBE  # rounds since the draft model last ran (a new request probes it at once)
     model_probe_every: int = _FIRST_PROBE
     probing: bool = False  # the current model round is a probe
 

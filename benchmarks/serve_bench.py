@@ -146,30 +146,32 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="fly-serve-bench-") as tmp:
         workdir = Path(tmp)
         target, draft = _models(args, workdir)
+        print(f"models: target={target or 'embedded'} draft={draft or 'embedded'} ({args.dtype}, {args.device}, "
+              f"threads {args.threads or 'default'}); {args.requests} requests × {args.max_tokens} tokens, "
+              f"{'exact SPD' if args.exact else 'FLy'}", flush=True)
         local_seq, local_batch = _in_process(target, draft, args, prompts)
+        print(f"in-process engine: {local_seq:8.1f} tok/s one after another, {local_batch:8.1f} tok/s in one batch",
+              flush=True)
         proc, endpoint = _start_daemon(target, draft, args, workdir)
         try:
             _through_daemon(endpoint, prompts[:2], 1, 4)  # warm-up
-            rows = [(c, *_through_daemon(endpoint, prompts, c, args.max_tokens)) for c in args.concurrency]
+            print(f"{'concurrency':>11} {'tok/s':>9} {'vs sequential':>14} {'largest batch':>14}", flush=True)
+            rows = []
+            for c in args.concurrency:
+                tps, batch = _through_daemon(endpoint, prompts, c, args.max_tokens)
+                rows.append((c, tps))
+                ratio = f"{tps / rows[0][1]:13.2f}×" if rows[0][0] == 1 else "-"
+                print(f"{c:>11} {tps:9.1f} {ratio:>14} {batch:>14}", flush=True)
         finally:
             proc.terminate()
             proc.wait(60)
 
-    sequential = rows[0][1] if rows[0][0] == 1 else None
-    print(f"models: target={target or 'embedded'} draft={draft or 'embedded'} ({args.dtype}, {args.device}, threads {args.threads or 'default'}); "
-          f"{args.requests} requests × {args.max_tokens} tokens, {'exact SPD' if args.exact else 'FLy'}")
-    print(f"in-process engine: {local_seq:8.1f} tok/s one after another, {local_batch:8.1f} tok/s in one batch")
-    print(f"{'concurrency':>11} {'tok/s':>9} {'vs sequential':>14} {'largest batch':>14}")
-    for c, tps, batch in rows:
-        ratio = f"{tps / sequential:13.2f}×" if sequential else "-"
-        print(f"{c:>11} {tps:9.1f} {ratio:>14} {batch:>14}")
-    if sequential:
-        print(f"daemon + ZeroMQ overhead, sequential: {100 * (local_seq / sequential - 1):+.1f}% "
-              f"(in-process {local_seq:.1f} vs daemon {sequential:.1f} tok/s)")
-    top = rows[-1]
-    if top[0] >= args.requests:
-        print(f"daemon + ZeroMQ overhead, all {args.requests} at once: {100 * (local_batch / top[1] - 1):+.1f}% "
-              f"(in-process batch {local_batch:.1f} vs daemon {top[1]:.1f} tok/s)")
+    if rows[0][0] == 1:
+        print(f"daemon + ZeroMQ overhead, sequential: {100 * (local_seq / rows[0][1] - 1):+.1f}% "
+              f"(in-process {local_seq:.1f} vs daemon {rows[0][1]:.1f} tok/s)")
+    if rows[-1][0] >= args.requests:
+        print(f"daemon + ZeroMQ overhead, all {args.requests} at once: {100 * (local_batch / rows[-1][1] - 1):+.1f}% "
+              f"(in-process batch {local_batch:.1f} vs daemon {rows[-1][1]:.1f} tok/s)")
 
 
 if __name__ == "__main__":

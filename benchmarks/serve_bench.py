@@ -22,17 +22,12 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.engine_bench import PROMPTS as ENGINE_PROMPTS
 from fly_llm.client import FLyClient, build_options
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.errors import FLyUnavailable
 
-PROMPTS = [
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n",
-    "The quick brown fox jumps over the lazy dog. The dog",
-    "Question: what is 2 + 3? Answer: 5. Question: what is 7 * 6? Answer:",
-    "Retrieval augmented generation answers questions from",
-    "for i in range(10):\n    print(i * i)\nfor j in range(",
+PROMPTS = ENGINE_PROMPTS + [
     "Speculative decoding drafts tokens with a small model and",
     "def add(a, b):\n    return a + b\ndef sub(a, b):\n",
 ]

@@ -21,3 +21,17 @@ def tiny_daemon(tiny_pair_dirs, tmp_path_factory):
     daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("tiny_daemon"), "d", "--max-batch-size", "32")
     yield daemon.endpoint
     daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def batch_daemon(tiny_pair_dirs, tmp_path_factory):
+    """A second tiny daemon used only by tests that read its largest batch size so far.
+
+    On the shared `tiny_daemon` the concurrency tests already fill whole batches, so a test that
+    asserts "these n requests ran as one batch" needs a daemon nobody else loads.
+    """
+    from daemon_process import start_daemon
+
+    daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("batch_daemon"), "b", "--max-batch-size", "32")
+    yield daemon.endpoint
+    daemon.stop()

@@ -135,17 +135,19 @@ def test_stream_ends_with_usage_and_fires_callbacks(chat: ChatFLy) -> None:
     assert "".join(counter.tokens) == text
 
 
-def test_batch_is_one_daemon_batch(chat: ChatFLy, tiny_daemon: str) -> None:
-    n = next_batch_size(tiny_daemon)
+def test_batch_is_one_daemon_batch(chat: ChatFLy, batch_daemon: str) -> None:
+    chat = chat.model_copy(update={"endpoint": batch_daemon})
+    n = next_batch_size(batch_daemon)
     outputs = chat.batch(QUESTIONS[:n])
-    assert max_batch_seen(tiny_daemon) >= n
+    assert max_batch_seen(batch_daemon) >= n
     assert [o.content for o in outputs] == [chat.invoke(q).content for q in QUESTIONS[:n]]
 
 
-async def test_abatch_is_one_daemon_batch(chat: ChatFLy, tiny_daemon: str) -> None:
-    n = next_batch_size(tiny_daemon)
+async def test_abatch_is_one_daemon_batch(chat: ChatFLy, batch_daemon: str) -> None:
+    chat = chat.model_copy(update={"endpoint": batch_daemon})
+    n = next_batch_size(batch_daemon)
     outputs = await chat.abatch(QUESTIONS[:n])
-    assert max_batch_seen(tiny_daemon) >= n
+    assert max_batch_seen(batch_daemon) >= n
     assert [o.content for o in outputs] == [o.content for o in chat.batch(QUESTIONS[:n])]
 
 

@@ -82,20 +82,22 @@ def test_max_tokens_per_call_overrides_the_field(llm: FLyLLM) -> None:
         llm.invoke("x", max_new_tokens=3)
 
 
-def test_batch_is_one_daemon_batch(llm: FLyLLM, tiny_daemon: str) -> None:
-    n = next_batch_size(tiny_daemon)
+def test_batch_is_one_daemon_batch(llm: FLyLLM, batch_daemon: str) -> None:
+    llm = llm.model_copy(update={"endpoint": batch_daemon})
+    n = next_batch_size(batch_daemon)
     prompts = PROMPTS[:n]
     outputs = llm.batch(prompts)
-    assert max_batch_seen(tiny_daemon) >= n
+    assert max_batch_seen(batch_daemon) >= n
     assert len(outputs) == n and all(isinstance(o, str) for o in outputs)
     assert outputs == [llm.invoke(p) for p in prompts]  # batched output equals each request alone
 
 
-async def test_abatch_is_one_daemon_batch(llm: FLyLLM, tiny_daemon: str) -> None:
-    n = next_batch_size(tiny_daemon)
+async def test_abatch_is_one_daemon_batch(llm: FLyLLM, batch_daemon: str) -> None:
+    llm = llm.model_copy(update={"endpoint": batch_daemon})
+    n = next_batch_size(batch_daemon)
     prompts = PROMPTS[:n]
     outputs = await llm.abatch(prompts)
-    assert max_batch_seen(tiny_daemon) >= n
+    assert max_batch_seen(batch_daemon) >= n
     assert outputs == llm.batch(prompts)
 
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fly_llm.decoding.drafters import common_prefix
 from fly_llm.decoding.stats import RequestStats
 
 REFERENCE = "target"
@@ -52,7 +53,7 @@ def summarize(dataset: str, method: str, items: list[ItemResult], reference: lis
         "retention": metric / ref_metric if ref_metric else None,
         "flipped": _mean([r.passed != ref[r.item_id].passed for r in items]),
         "agreement": _mean([r.token_ids == ref[r.item_id].token_ids for r in items]),
-        "prefix_agreement": _mean([_common_prefix(r.token_ids, ref[r.item_id].token_ids)
+        "prefix_agreement": _mean([common_prefix(r.token_ids, ref[r.item_id].token_ids)
                                    / max(1, len(ref[r.item_id].token_ids)) for r in items]),
         "per_item": [asdict(r) for r in items],
     }
@@ -63,15 +64,6 @@ def compare_to_best_hf(summaries: list[dict[str, Any]], hf_methods: set[str]) ->
     best = max((s["tokens_per_s"] for s in summaries if s["method"] in hf_methods), default=0.0)
     for s in summaries:
         s["vs_best_hf"] = s["tokens_per_s"] / best if best else None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _mean(values: list[float | bool]) -> float:

@@ -157,7 +157,7 @@ class ModelStage:
                 proposal = proposals[b]
                 first = len(feeds[b]) - len(proposal) - 1 - offset
                 greedy = choices[b][first:first + len(proposal) + 1]
-                m = _common_prefix(proposal, greedy)
+                m = common_prefix(proposal, greedy)
                 valid[b] = len(contexts[b]) + len(drafts[b]) + m
                 drafts[b] += proposal[:m] + [greedy[m]]
             self.kv.truncate(valid)
@@ -184,7 +184,8 @@ class ModelStage:
             self.forwards[b] += 1
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 from llama_index.core import Document, MockEmbedding, PromptTemplate, Settings, VectorStoreIndex
-from llama_index.core.instrumentation import get_dispatcher
-from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
+from test_llama_index import llm_events  # noqa: F401  (fixture: the LLM end events of a test)
 
 from llama_index.llms.fly import FLyLLM
 
@@ -26,28 +25,6 @@ QUESTION = "How does speculative decoding verify draft tokens?"
 # tokens of padding): one short prompt over the retrieved chunks.
 QA_TEMPLATE = PromptTemplate("Context:\n{context_str}\nQuestion: {query_str}\nAnswer:")
 ENGINE = {"similarity_top_k": 2, "text_qa_template": QA_TEMPLATE, "response_mode": "simple_summarize"}
-
-
-class _Chats(BaseEventHandler):
-    events: list = []
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "Chats"
-
-    def handle(self, event, **kwargs) -> None:
-        if isinstance(event, LLMChatEndEvent):
-            self.events.append(event)
-
-
-@pytest.fixture
-def chats():
-    """The LLM chat calls (messages and response) made during the test."""
-    handler = _Chats(events=[])
-    root = get_dispatcher()
-    root.add_event_handler(handler)
-    yield handler.events
-    root.event_handlers.remove(handler)
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +46,10 @@ def answer(index, llm) -> str:
     return answer
 
 
-def test_query_engine_answers_from_retrieved_context(index, llm, chats):
+def test_query_engine_answers_from_retrieved_context(index, llm, llm_events):
     response = index.as_query_engine(llm=llm, **ENGINE).query(QUESTION)
     assert len(response.source_nodes) == 2
+    chats = [e for e in llm_events if isinstance(e, LLMChatEndEvent)]
     assert len(chats) == 1
     prompt = "\n".join(m.content for m in chats[0].messages)
     assert QUESTION in prompt
@@ -96,9 +74,10 @@ async def test_async_streaming_query(index, llm, answer):
     assert "".join([delta async for delta in response.async_response_gen()]) == answer
 
 
-def test_settings_llm_is_used(index, llm, answer, chats, monkeypatch):
+def test_settings_llm_is_used(index, llm, answer, llm_events, monkeypatch):
     monkeypatch.setattr(Settings, "_llm", None)
     Settings.llm = llm
     engine = index.as_query_engine(**ENGINE)
     assert engine.query(QUESTION).response == answer
+    chats = [e for e in llm_events if isinstance(e, LLMChatEndEvent)]
     assert len(chats) == 1

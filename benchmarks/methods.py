@@ -1,16 +1,21 @@
 """The decoding methods compared by fly-bench, and running one prompt with one of them.
 
 All methods decode greedily from the same prompt token ids with the same models in the same
-process: Hugging Face `generate` (target only, assisted generation with the draft, prompt lookup)
-and our FLyEngine with per-request FLyConfig variants (exact SPD, FLy defaults, ablations).
-Tokens per target forward (MAT) is counted the same way for every method, by a forward hook on
-the target's decoder.
+process: Hugging Face `generate` (target only, assisted generation with the draft, prompt lookup),
+our FLyEngine with per-request FLyConfig variants (exact SPD, FLy defaults, ablations) and,
+optionally, llama.cpp (`llama-cpp-python`) decoding the target's GGUF file on its own.
+Tokens per target forward (MAT) is counted the same way for every torch method, by a forward hook
+on the target's decoder; llama.cpp decodes one token per forward.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import time
+from importlib import metadata
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -28,7 +33,7 @@ class Method:
 
     name: str
     description: str
-    kind: Literal["hf", "engine"]
+    kind: Literal["hf", "engine", "llamacpp"]
     hf_kwargs: dict[str, Any] = field(default_factory=dict)
     fly: FLyConfig | None = None
 
@@ -36,6 +41,8 @@ class Method:
         """JSON-ready description of what this method runs."""
         if self.kind == "engine":
             return {"engine": "FLyEngine", "fly": self.fly.model_dump()}
+        if self.kind == "llamacpp":
+            return {"engine": "llama-cpp-python", "version": package_version("llama-cpp-python"), "greedy": True}
         return {"engine": "transformers.generate",
                 **{k: ("<draft model>" if k == "assistant_model" else v) for k, v in self.hf_kwargs.items()}}
 
@@ -61,6 +68,17 @@ def _fly_variants() -> list[Method]:
 
 HF_METHODS = ["target", "assisted", "lookup"]
 MAIN_METHODS = HF_METHODS + ["spd", "fly"]
+LLAMACPP = "llamacpp"
+
+
+def llamacpp_installed() -> bool:
+    """Whether llama-cpp-python (method (f), optional) can be imported."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def default_methods() -> list[str]:
+    """The methods of a plain run: (a)–(e), plus llama.cpp where llama-cpp-python is installed."""
+    return MAIN_METHODS + ([LLAMACPP] if llamacpp_installed() else [])
 
 
 def all_methods() -> dict[str, Method]:
@@ -72,6 +90,8 @@ def all_methods() -> dict[str, Method]:
         Method("lookup", f"HF prompt-lookup decoding ({PROMPT_LOOKUP_TOKENS} tokens)", "hf",
                {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
         *_fly_variants(),
+        Method(LLAMACPP, "llama.cpp target only, greedy, on the target's GGUF file (its own quantised kernels)",
+               "llamacpp"),
     ]
     return {m.name: m for m in methods}
 
@@ -107,31 +127,39 @@ class Runner:
     """Runs methods on prompt token ids with one loaded target/draft pair (and engine, lazily)."""
 
     def __init__(self, target: torch.nn.Module, tokenizer: Any, draft: torch.nn.Module | None,
-                 max_tokens: int, context_window: int | None = None) -> None:
+                 max_tokens: int, context_window: int | None = None, target_gguf: Path | None = None) -> None:
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         self.max_tokens, self.context_window = max_tokens, context_window
+        self.target_gguf = target_gguf
         self.eos_ids = _eos_ids(target, tokenizer)
         self._engine = None
+        self._llama = None
         self._forwards = 0
         target.get_decoder().register_forward_hook(self._count_forward)
 
     def _count_forward(self, *_: Any) -> None:
         self._forwards += 1
 
-    def needs_draft(self, method: Method) -> bool:
-        """Whether `method` can only run with a draft model."""
-        if method.kind == "hf":
-            return "assistant_model" in method.hf_kwargs
-        return not method.fly.ngram
+    def missing(self, method: Method) -> str | None:
+        """Why `method` cannot run here (a draft model, a GGUF file, a package), or None."""
+        if method.kind == "llamacpp":
+            if not llamacpp_installed():
+                return "llama-cpp-python is not installed (docs/benchmarks.md says how)"
+            return None if self.target_gguf is not None else "needs the target as a .gguf file"
+        needs_draft = ("assistant_model" in method.hf_kwargs) if method.kind == "hf" else not method.fly.ngram
+        return "needs a draft model" if needs_draft and self.draft is None else None
 
     @property
     def engine(self):
-        """The FLyEngine over the same models, built on first use."""
+        """The FLyEngine over the same models, built on first use, its policy's costs timed here
+        (as `fly-daemon` does at start-up)."""
         if self._engine is None:
             from fly_llm.decoding.engine import FLyEngine
+            from fly_llm.decoding.policy import AdaptivePolicy, Costs
 
+            policy = AdaptivePolicy(Costs.measure(self.target, self.draft))
             self._engine = FLyEngine(self.target, self.tokenizer, self.draft, FLyConfig(),
-                                     context_window=self.context_window)
+                                     context_window=self.context_window, policy=policy)
         return self._engine
 
     def run(self, method: Method, prompt_ids: list[int], max_tokens: int | None = None) -> Run:
@@ -141,9 +169,12 @@ class Runner:
         with torch.inference_mode():
             if method.kind == "hf":
                 run = self._run_hf(method, prompt_ids, max_tokens)
-            else:
+            elif method.kind == "engine":
                 run = self._run_engine(method, prompt_ids, max_tokens)
-        run.target_forwards = self._forwards
+            else:
+                run = self._run_llamacpp(prompt_ids, max_tokens)
+        if method.kind != "llamacpp":
+            run.target_forwards = self._forwards
         run.token_ids = self._strip_eos(run.token_ids)
         return run
 
@@ -181,10 +212,50 @@ class Runner:
         seconds = time.perf_counter() - start
         return Run(tokens, seconds, ttft if ttft is not None else seconds, 0, stats.model_copy(deep=True))
 
+    def policy_costs(self) -> dict[str, float] | None:
+        """The engine policy's measured costs (None if no engine method ran)."""
+        return dataclasses.asdict(self._engine.policy.costs) if self._engine is not None else None
+
+    @property
+    def llama(self):
+        """llama.cpp over the target's GGUF file, loaded on first use (torch's thread count)."""
+        if self._llama is None:
+            from llama_cpp import Llama
+
+            threads = torch.get_num_threads()
+            self._llama = Llama(str(self.target_gguf), n_ctx=min(self.context_window or 4096, 8192),
+                                n_threads=threads, n_threads_batch=threads, verbose=False)
+        return self._llama
+
+    def _run_llamacpp(self, prompt_ids: list[int], max_tokens: int) -> Run:
+        """Greedy llama.cpp decoding of the same prompt ids (the GGUF holds the same vocabulary)."""
+        llama = self.llama
+        llama.reset()  # no KV reuse between items: every method prefills the whole prompt
+        tokens: list[int] = []
+        ttft: float | None = None
+        start = time.perf_counter()
+        for token in llama.generate(prompt_ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            if token in self.eos_ids:
+                break
+            tokens.append(token)
+            if len(tokens) >= max_tokens:
+                break
+        seconds = time.perf_counter() - start
+        return Run(tokens, seconds, ttft if ttft is not None else seconds, max(1, len(tokens)))
+
     def _strip_eos(self, ids: list[int]) -> list[int]:
         while ids and ids[-1] in self.eos_ids:
             ids = ids[:-1]
         return ids
+
+
+def package_version(dist: str) -> str | None:
+    """The installed version of a distribution, or None."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:

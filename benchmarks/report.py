@@ -59,11 +59,14 @@ def summarize(dataset: str, method: str, items: list[ItemResult], reference: lis
     }
 
 
-def compare_to_best_hf(summaries: list[dict[str, Any]], hf_methods: set[str]) -> None:
-    """Add `vs_best_hf` to each summary of one dataset: its tok/s over the fastest HF method's."""
+def compare_to_best_hf(summaries: list[dict[str, Any]], hf_methods: set[str], llamacpp: str) -> None:
+    """Add to each summary of one dataset `vs_best_hf` (its tok/s over the fastest HF method's)
+    and `vs_llamacpp` (over llama.cpp's; None when llama.cpp did not run)."""
     best = max((s["tokens_per_s"] for s in summaries if s["method"] in hf_methods), default=0.0)
+    llama = next((s["tokens_per_s"] for s in summaries if s["method"] == llamacpp), 0.0)
     for s in summaries:
         s["vs_best_hf"] = s["tokens_per_s"] / best if best else None
+        s["vs_llamacpp"] = s["tokens_per_s"] / llama if llama else None
 
 
 def _mean(values: list[float | bool]) -> float:
@@ -113,21 +116,22 @@ def markdown(report: dict[str, Any]) -> str:
             continue
         lines += [
             f"## {dataset} ({rows[0]['items']} items, {rows[0]['metric_name']})", "",
-            "| method | tok/s | speedup | vs best HF | MAT | loose rate | TTFT s | metric | retention "
-            "| flipped vs target | identical to target |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| method | tok/s | speedup | vs best HF | vs llama.cpp | MAT | loose rate | TTFT s | metric "
+            "| retention | flipped vs target | identical to target |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for s in rows:
             lines.append(
                 f"| {s['method']} | {s['tokens_per_s']:.2f} | {_fmt(s['speedup'], '.2f')}× "
-                f"| {_fmt(s.get('vs_best_hf'), '.2f')}× | {s['mat']:.2f} "
+                f"| {_fmt(s.get('vs_best_hf'), '.2f')}× | {_fmt(s.get('vs_llamacpp'), '.2f')}× | {s['mat']:.2f} "
                 f"| {s['loose_rate']:.1%} | {s['ttft_s']:.2f} | {s['metric']:.1%} | {_fmt(s['retention'], '.1%')} "
                 f"| {_fmt(s['flipped'], '.0%')} | {_fmt(s['agreement'], '.0%')} |")
         lines.append("")
     lines += ["Methods:", ""]
     lines += [f"- `{name}`: {m['description']}" for name, m in report["methods"].items()]
     lines += ["", "MAT = generated tokens per target forward pass (prefill included). vs best HF = tok/s "
-              "over the fastest of the Hugging Face methods (target, assisted, lookup). Speedup, retention "
+              "over the fastest of the Hugging Face methods (target, assisted, lookup); vs llama.cpp = tok/s over "
+              "llama.cpp's target-only decoding of the GGUF file (– when it did not run). Speedup, retention "
               "(metric / target's metric), flipped (share of items whose pass/fail differs) and identical "
               "(share of items with the target's exact tokens) compare with `target` on the same items.", ""]
     return "\n".join(lines)

@@ -73,3 +73,6 @@ class ModelSpec(_Settings):
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', …")
     device_map: str | None = Field(None, description="Passed to accelerate, e.g. 'auto' to spread over GPUs.")
+    draft_quantization: Literal["auto", "none", "int8"] = Field(
+        "auto", description="int8 weights for the draft model ('auto': on CPU where torch has the kernels). "
+                            "The draft only proposes, so outputs keep the target's quality; exact mode is unchanged.")

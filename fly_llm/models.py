@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +107,42 @@ def _load_model(source: str, name: str, dtype: torch.dtype, device: torch.device
     return model.eval()
 
 
+def quantize_draft(model: PreTrainedModel, mode: str, device: torch.device) -> PreTrainedModel:
+    """The draft with int8 weights (torch dynamic quantization, per output channel), or as it is.
+
+    On a CPU a small draft model is bound by reading its weights: int8 halves the bytes of bf16 and
+    torch's int8 kernels are fast, so a draft forward takes about a third of the time here. The
+    draft only proposes tokens that the target verifies, so this changes how many drafts are
+    accepted, never what exact mode emits. 'auto' quantizes on CPU when the kernels exist.
+    """
+    if mode == "none" or (mode == "auto" and (device.type != "cpu" or not int8_kernels_available())):
+        return model
+    if device.type != "cpu" or not int8_kernels_available():
+        raise ModelError("draft_quantization='int8' needs a CPU device and torch's int8 (fbgemm/x86) kernels")
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():  # torch.ao's eager quantization warns that it is deprecated
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig},
+                                dtype=torch.qint8, inplace=True).eval()
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """Whether `model` holds dynamically quantized (int8) Linear layers."""
+    from torch.ao.nn.quantized.dynamic import Linear as QuantizedLinear
+
+    return any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def int8_kernels_available() -> bool:
+    """Whether torch can run dynamically quantized int8 Linear layers on this CPU."""
+    try:
+        from torch.ao.quantization import quantize_dynamic  # noqa: F401
+    except ImportError:
+        return False
+    return any(engine in torch.backends.quantized.supported_engines for engine in ("x86", "fbgemm"))
+
+
 def check_shared_vocab(tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase,
                        draft: PreTrainedModel, target_name: str, draft_name: str) -> None:
     """ModelError unless the draft's token→id mapping equals the target's and its embedding covers it.
@@ -164,6 +201,8 @@ def load_models(spec: ModelSpec, progress: bool = True) -> LoadedModels:
             draft_tokenizer = _load_tokenizer(draft_path, draft_name)
             draft = _load_model(draft_path, draft_name, dtype, device, None)
             check_shared_vocab(tokenizer, draft_tokenizer, draft, target_name, draft_name)
-    log.info("loaded target %s, draft %s (%s on %s)", target_name, draft_name or "none", dtype, device)
+            draft = quantize_draft(draft, spec.draft_quantization, device)
+    log.info("loaded target %s, draft %s (%s on %s%s)", target_name, draft_name or "none", dtype, device,
+             ", int8 draft" if draft is not None and is_quantized(draft) else "")
     return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=target_name,
                         draft_name=draft_name, device=device, dtype=dtype, context_window=context_window(target))

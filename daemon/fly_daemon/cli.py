@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     models.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"])
     models.add_argument("--device", help="'auto', 'cpu', 'cuda', 'cuda:1', …")
     models.add_argument("--device-map", help="passed to accelerate, e.g. 'auto' to spread over GPUs")
+    models.add_argument("--draft-quantization", choices=["auto", "none", "int8"],
+                        help="int8 draft weights ('auto': on CPU; the draft only proposes, quality is the target's)")
     fly = start.add_argument_group("FLy (defaults for every request; requests may override k, window, θ, loose)")
     fly.add_argument("--k", type=int, help="upper bound on draft tokens per round")
     fly.add_argument("--window", type=int, help="deferred window W (0: accept any gated mismatch)")
@@ -162,7 +164,7 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
                                              spec.target or "embedded default", spec.draft or "default",
                                              spec.dtype, spec.device)
         return FLyEngine.from_pretrained(spec.target, spec.draft, fly, dtype=spec.dtype, device=spec.device,
-                                         device_map=spec.device_map)
+                                         device_map=spec.device_map, draft_quantization=spec.draft_quantization)
 
     metrics = Metrics()
     try:

@@ -52,11 +52,12 @@ class Costs:
     def measure(cls, target, draft=None, context: int = 64, repeats: int = 5) -> "Costs":
         """Time the models here (a few forwards on dummy tokens) instead of using the defaults.
 
-        The engine's choices then depend on this machine, so FLy-mode output can differ between
-        machines (exact mode is lossless either way); the defaults keep it reproducible.
+        The draft is timed over 4 new tokens, a typical cascade forward (its own token plus a
+        checked n-gram proposal). The engine's choices then depend on this machine, so FLy-mode
+        output can differ between machines (exact mode is lossless either way).
         """
-        one, many = _forward_seconds(target, context, 1, repeats), _forward_seconds(target, context, 16, repeats)
-        draft_step = _forward_seconds(draft, context, 1, repeats) / one if draft is not None else cls.draft_step
+        one, many = _forward_seconds(target, context, (1, 16), repeats)
+        draft_step = _forward_seconds(draft, context, (4,), repeats)[0] / one if draft is not None else cls.draft_step
         return cls(target_token=max(many - one, 0.0) / 15 / one, draft_step=draft_step)
 
 
@@ -163,17 +164,20 @@ def _best_k(alpha: float, k_max: int, cost_per_token: float) -> tuple[int, float
 
 
 @torch.inference_mode()
-def _forward_seconds(model, context: int, q: int, repeats: int) -> float:
-    """Fastest of `repeats` forwards over q new tokens after `context` cached ones (least disturbed)."""
+def _forward_seconds(model, context: int, widths: tuple[int, ...], repeats: int) -> list[float]:
+    """Per width q: the fastest of `repeats` forwards over q new tokens after `context` cached ones."""
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        kv = BatchKV.prefill(model, list(range(context)), device)
-        tokens = torch.arange(q, device=device)[None]
-        sync()
-        start = time.perf_counter()
-        kv.forward(model, tokens)
-        sync()
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+    kv = BatchKV.prefill(model, list(range(context)), device)
+    best = [float("inf")] * len(widths)
+    for r in range(repeats + 1):  # the first round warms up
+        for i, q in enumerate(widths):
+            tokens = torch.arange(q, device=device)[None]
+            sync()
+            start = time.perf_counter()
+            kv.forward(model, tokens, logits_to_keep=q)
+            sync()
+            if r:
+                best[i] = min(best[i], time.perf_counter() - start)
+            kv.truncate([context])
+    return best

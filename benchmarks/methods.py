@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import time
-from importlib import metadata
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 

@@ -115,9 +115,11 @@ def quantize_draft(model: PreTrainedModel, mode: str, device: torch.device) -> P
     draft only proposes tokens that the target verifies, so this changes how many drafts are
     accepted, never what exact mode emits. 'auto' quantizes on CPU when the kernels exist.
     """
-    if mode == "none" or (mode == "auto" and (device.type != "cpu" or not int8_kernels_available())):
+    if mode == "none":
         return model
     if device.type != "cpu" or not int8_kernels_available():
+        if mode == "auto":
+            return model
         raise ModelError("draft_quantization='int8' needs a CPU device and torch's int8 (fbgemm/x86) kernels")
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 

@@ -16,14 +16,36 @@ from fly_llm.client import FLyClient, build_options
 from fly_llm.errors import Busy, Cancelled, FLyUnavailable, NotReady
 
 CANDIDATES = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "class Stack:", "Question:"]
-LONG = 400
+LONG = 200
+# A "long" request must still be running while a test looks at it. On the 2-layer tiny pair 400 tokens
+# take about 0.1 s (the random model loops, so n-gram drafts are accepted whole). Here each forward
+# takes ~15 ms and a round drafts one token, so LONG tokens take a few seconds. Exact mode: the
+# continuation is the target's greedy one whatever draft lengths the daemon's timed policy picks.
+SLOW_SIZE = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8)
+LONG_OPTIONS = build_options(max_tokens=LONG, loose=False, k=1)
 
 
 @pytest.fixture(scope="module")
-def long_prompt(tiny_daemon) -> str:
+def slow_pair_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """(target_dir, draft_dir) of a pair like the tiny one but ~30M parameters each."""
+    from tiny_models import save_tiny_pair
+
+    return save_tiny_pair(tmp_path_factory.mktemp("slow_llama"), "llama", **SLOW_SIZE)
+
+
+@pytest.fixture(scope="module")
+def slow_daemon(slow_pair_dirs, tmp_path_factory):
+    """Endpoint of a daemon serving the slow pair; stopped at the end of the module."""
+    daemon = start_daemon(*slow_pair_dirs, tmp_path_factory.mktemp("slow_daemon"), "s")
+    yield daemon.endpoint
+    daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def long_prompt(slow_daemon) -> str:
     """A prompt whose greedy continuation runs to LONG tokens without hitting EOS."""
-    with FLyClient(tiny_daemon, timeout=120) as client:
-        results = client.batch(CANDIDATES, *build_options(max_tokens=LONG))
+    with FLyClient(slow_daemon, timeout=120) as client:
+        results = client.batch(CANDIDATES, *LONG_OPTIONS)
     return next(p for p, r in zip(CANDIDATES, results) if r.finish_reason == "length")
 
 
@@ -41,13 +63,14 @@ def _wait_for(predicate, timeout: float = 15.0) -> bool:
     return False
 
 
-def test_client_killed_mid_stream_frees_its_slot(tiny_daemon, long_prompt):
+def test_client_killed_mid_stream_frees_its_slot(slow_daemon, long_prompt):
     script = (
         "from fly_llm.client import FLyClient, build_options\n"
-        f"client = FLyClient({tiny_daemon!r}, timeout=120)\n"
-        f"for chunk in client.stream({long_prompt!r}, sampling=build_options(max_tokens={LONG})[0]):\n"
+        f"client = FLyClient({slow_daemon!r}, timeout=120)\n"
+        f"options = build_options(max_tokens={LONG}, loose=False, k=1)\n"
+        f"for chunk in client.stream({long_prompt!r}, sampling=options[0], fly=options[1]):\n"
         "    print('chunk', flush=True)\n")
-    with FLyClient(tiny_daemon, timeout=30) as client:
+    with FLyClient(slow_daemon, timeout=30) as client:
         tokens_before = client.status().tokens_generated
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "chunk"
@@ -58,11 +81,11 @@ def test_client_killed_mid_stream_frees_its_slot(tiny_daemon, long_prompt):
         assert client.generate("def add(a, b):", *build_options(max_tokens=4)).usage.completion_tokens > 0
 
 
-def test_crash_restart_busy_and_graceful_stop(tiny_pair_dirs, tmp_path, long_prompt):
+def test_crash_restart_busy_and_graceful_stop(slow_pair_dirs, tmp_path, long_prompt):
     """One endpoint's life: SIGKILL under a waiting client, a detached restart that replaces the stale
     files, a second daemon refused, the CLI, a full queue, and a graceful `stop` during work."""
-    target, draft = (str(p) for p in tiny_pair_dirs)
-    crashed = start_daemon(*tiny_pair_dirs, tmp_path, "k")
+    target, draft = (str(p) for p in slow_pair_dirs)
+    crashed = start_daemon(*slow_pair_dirs, tmp_path, "k")
     endpoint, sock = crashed.endpoint, Path(crashed.endpoint.removeprefix("ipc://"))
     client = FLyClient(endpoint, timeout=8, max_retries=0)
     _sigkill_under_a_waiting_client(crashed, client, long_prompt)
@@ -94,7 +117,7 @@ def _sigkill_under_a_waiting_client(daemon: DaemonProcess, client: FLyClient, pr
 
     def waiting() -> None:
         try:
-            client.generate(prompt, *build_options(max_tokens=LONG))
+            client.generate(prompt, *LONG_OPTIONS)
         except BaseException as exc:  # noqa: BLE001 - recorded for the assertion below
             errors.append(exc)
 
@@ -125,7 +148,7 @@ def _busy_then_graceful_stop(client: FLyClient, endpoint: str, prompt: str, env:
     def long_stream(i: int) -> None:
         with FLyClient(endpoint, timeout=300) as own:
             items = []
-            for item in own.stream(prompt, sampling=build_options(max_tokens=LONG)[0]):
+            for item in own.stream(prompt, sampling=LONG_OPTIONS[0], fly=LONG_OPTIONS[1]):
                 started[i].set()
                 items.append(item)
         outcomes[f"long{i}"] = items[-1]

@@ -44,21 +44,22 @@ def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_config(arch: str, vocab_size: int, dtype: torch.dtype = torch.float32):
-    """A 2-layer config of the given architecture ('llama' or 'qwen2')."""
+def make_config(arch: str, vocab_size: int, dtype: torch.dtype = torch.float32, **size: int):
+    """A 2-layer config of the given architecture ('llama' or 'qwen2'); `size` overrides its dimensions."""
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+                  tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None) | size
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     cfg = cls(**common)
     cfg.dtype = dtype
     return cfg
 
 
-def make_pair(arch: str = "llama", seed: int = 0, noise: float = 0.1, dtype: torch.dtype = torch.float32):
+def make_pair(arch: str = "llama", seed: int = 0, noise: float = 0.1, dtype: torch.dtype = torch.float32,
+              **size: int):
     """Return (target, draft, tokenizer): random target, draft = target with multiplicative noise."""
     tokenizer = make_tokenizer()
-    config = make_config(arch, len(tokenizer), dtype)
+    config = make_config(arch, len(tokenizer), dtype, **size)
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(seed)
@@ -75,9 +76,9 @@ def make_pair(arch: str = "llama", seed: int = 0, noise: float = 0.1, dtype: tor
     return target, draft, tokenizer
 
 
-def save_tiny_pair(root: Path, arch: str = "llama", seed: int = 0) -> tuple[Path, Path]:
+def save_tiny_pair(root: Path, arch: str = "llama", seed: int = 0, **size: int) -> tuple[Path, Path]:
     """Write target and draft model dirs (each with the tokenizer) under root; return their paths."""
-    target, draft, tokenizer = make_pair(arch, seed)
+    target, draft, tokenizer = make_pair(arch, seed, **size)
     paths = []
     for name, model in (("target", target), ("draft", draft)):
         path = Path(root) / name

@@ -87,3 +87,20 @@ def test_without_a_draft_the_methods_that_need_one_are_skipped(tiny_pair_dirs, t
     assert data["settings"]["methods"] == ["target", "fly"]
     assert data["settings"]["skipped"] == {"assisted": "needs a draft model"}
     assert data["environment"]["draft"] is None
+
+
+def test_llamacpp_decodes_the_targets_gguf(tiny_pair_dirs, tmp_path):
+    """Method (f) on a float32 GGUF of the tiny target: llama.cpp's greedy tokens are the target's."""
+    pytest.importorskip("llama_cpp")
+    from tiny_models import write_tiny_gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target_dir, draft_dir = tiny_pair_dirs
+    gguf_path = write_tiny_gguf(tmp_path / "target.gguf", AutoModelForCausalLM.from_pretrained(target_dir),
+                                AutoTokenizer.from_pretrained(target_dir))
+    data = _bench((gguf_path, draft_dir), tmp_path / "out", "--dataset", "humaneval", "--limit", "2",
+                  "--max-tokens", "16", "--methods", "llamacpp")
+    assert data["settings"]["methods"] == ["target", "llamacpp"]
+    llama = next(s for s in data["results"] if s["method"] == "llamacpp")
+    assert llama["tokens"] > 0 and llama["tokens_per_s"] > 0 and llama["mat"] == 1.0
+    assert llama["agreement"] == 1.0

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import shutil
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
-from tiny_models import make_pair, make_tokenizer, save_tiny_pair
+from tiny_models import make_pair, make_tokenizer, save_tiny_pair, write_tiny_gguf
 
 from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
@@ -23,53 +20,6 @@ from fly_llm.models import (context_window, int8_kernels_available, is_quantized
                             resolve_dtype)
 
 PROBE = "def add(a, b):\n    return a + b  # the quick brown fox<|im_end|>"
-
-
-def _permute_for_gguf(w: torch.Tensor, n_head: int) -> np.ndarray:
-    """llama.cpp's q/k row order (convert_hf_to_gguf.py LlamaModel.permute); transformers undoes it."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).numpy()
-
-
-def write_tiny_gguf(path: Path, model, tokenizer) -> Path:
-    """Write a tiny Llama with its byte-level BPE tokenizer as a float32 GGUF file transformers reads."""
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    special = set(tokenizer.all_special_tokens)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([token for token, _ in vocab])
-    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab])
-    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_pad_token_id(tokenizer.pad_token_id)
-    writer.add_chat_template(tokenizer.chat_template)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    for hf_name, tensor in model.state_dict().items():
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        data = tensor.detach().float()
-        if ".attn_q." in name:
-            array = _permute_for_gguf(data, cfg.num_attention_heads)
-        elif ".attn_k." in name:
-            array = _permute_for_gguf(data, cfg.num_key_value_heads)
-        else:
-            array = data.numpy()
-        writer.add_tensor(name, np.ascontiguousarray(array))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture

@@ -3,12 +3,16 @@
 `save_tiny_pair(dir, arch)` writes `dir/target` and `dir/draft`: HF model directories sharing
 one byte-level BPE tokenizer with a chat template. The draft is the target with its weights
 perturbed, so the two agree often but not always — enough to exercise accepts and rejects.
+`write_tiny_gguf(path, model, tokenizer)` writes a tiny Llama as a float32 GGUF file.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
@@ -86,3 +90,50 @@ def save_tiny_pair(root: Path, arch: str = "llama", seed: int = 0, **size: int) 
         tokenizer.save_pretrained(path)
         paths.append(path)
     return paths[0], paths[1]
+
+
+def _permute_for_gguf(w: torch.Tensor, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order (convert_hf_to_gguf.py LlamaModel.permute); transformers undoes it."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).numpy()
+
+
+def write_tiny_gguf(path: Path, model, tokenizer) -> Path:
+    """Write a tiny Llama with its byte-level BPE tokenizer as a float32 GGUF file transformers reads."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = set(tokenizer.all_special_tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab])
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        data = tensor.detach().float()
+        if ".attn_q." in name:
+            array = _permute_for_gguf(data, cfg.num_attention_heads)
+        elif ".attn_k." in name:
+            array = _permute_for_gguf(data, cfg.num_key_value_heads)
+        else:
+            array = data.numpy()
+        writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

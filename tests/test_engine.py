@@ -71,6 +71,21 @@ def test_exact_mode_is_lossless_adaptive_and_without_draft(pair):
     assert engine.stats.draft_model_rounds == 0
 
 
+def test_reused_engine_one_token_prompts_and_batches_that_prefill_nothing(pair):
+    """Regressions (issue 14): after the engine emptied, a one-token prompt (prefilled to zero
+    columns) was decoded against a cache still sized for the old batch, and two of them crashed."""
+    _, target, draft, tokenizer, reference = pair
+    assert len(tokenizer.encode("x")) == 1
+    eos = tokenizer.eos_token_id
+    expected = reference["x"][:reference["x"].index(eos) + 1] if eos in reference["x"] else reference["x"]
+    engine = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False))
+    sampling = SamplingParams(max_tokens=MAX_NEW)
+    engine.generate(PROMPTS[0], sampling)
+    assert engine.generate("x", sampling)[0].token_ids == expected
+    assert [g.token_ids for g in engine.generate(["x", "x"], sampling)] == [expected, expected]
+    engine.check()
+
+
 @pytest.mark.parametrize("compact_every_round", [False, True])
 def test_batched_with_joins_equals_alone_float64(monkeypatch, compact_every_round):
     """FLy mode (loose on, fixed K) in float64: joining mid-way changes nothing for any row."""

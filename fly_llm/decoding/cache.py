@@ -137,6 +137,19 @@ class BatchKV:
         """Columns in use (the same for every row)."""
         return self.mask.shape[1]
 
+    def check(self) -> None:
+        """Assert the invariant: mask is [rows, width] with `lengths` kept columns per row, and every
+        initialized layer holds exactly [rows, ·, width, ·] (an empty cache may have none)."""
+        rows, width = self.batch_size, self.width
+        assert self.mask.shape == (rows, width), (tuple(self.mask.shape), rows, width)
+        assert self.mask.sum(1).tolist() == self.lengths, (self.mask.sum(1).tolist(), self.lengths)
+        for i, layer in enumerate(self.cache.layers):
+            if not layer.is_initialized:
+                assert width == 0, f"layer {i} is empty but the cache is {width} columns wide"
+                continue
+            assert layer._k.shape[0] == rows and tuple(layer.keys.shape[::2]) == (rows, width), (
+                f"layer {i}: keys {tuple(layer.keys.shape)}, buffer {tuple(layer._k.shape)}; {rows} rows × {width}")
+
     def inputs(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention mask [B, width+q] and position ids [B, q] for a forward of q new columns."""
         ones = torch.ones(self.batch_size, q, dtype=torch.long, device=self.device)
@@ -209,6 +222,8 @@ class BatchKV:
 
     def add_row(self, row: "BatchKV") -> None:
         """Append a single-row BatchKV (prefilled alone) as the last row, left-padding as needed."""
+        if self.width == 0:  # nothing stored: drop layers still sized for an earlier batch
+            self.cache = new_cache()
         width = max(self.width, row.width)
         for i in range(max(len(self.cache.layers), len(row.cache.layers))):
             parts = [_layer_kv(self, i, width), _layer_kv(row, i, width)]

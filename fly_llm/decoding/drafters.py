@@ -224,6 +224,14 @@ class Cascade:
             if stage is not None:
                 stage.remove_rows(keep)
 
+    def check(self, rows: int) -> None:
+        """Assert that every stage holds `rows` rows and the draft model's cache is consistent."""
+        if self.ngram is not None:
+            assert len(self.ngram.rows) == rows, (len(self.ngram.rows), rows)
+        if self.model is not None:
+            self.model.kv.check()
+            assert self.model.kv.batch_size == rows, (self.model.kv.batch_size, rows)
+
     def rollback(self, valid: list[int]) -> None:
         """After verification: each row's first valid[b] context tokens are right."""
         if self.model is not None:

@@ -101,13 +101,10 @@ class FLyEngine:
         self.stats = RequestStats()
         self.policy = policy or AdaptivePolicy()
         self._eos = _eos_ids(tokenizer, target)
-        self._kv = BatchKV(self.device)
-        self._cascade = Cascade(NgramStage(self.config.max_ngram, self.config.ngram_tokens),
-                                ModelStage(self.draft, next(self.draft.parameters()).device)
-                                if self.draft is not None else None)
+        self._local_ids = 0
         self._rows: list[_Request] = []
         self._waiting: list[_Request] = []
-        self._local_ids = 0
+        self.reset()
 
     @classmethod
     def from_pretrained(cls, target: str | None = None, draft: str | None = None, config: FLyConfig | None = None,
@@ -176,6 +173,32 @@ class FLyEngine:
                 return True
         return False
 
+    def reset(self) -> list[str]:
+        """Drop every request, running or waiting, and both caches; return the dropped requests' ids.
+
+        `step()` calls this when it fails, so an engine is never left half-way through a round.
+        """
+        dropped = [r.id for r in self._rows + self._waiting]
+        self._kv = BatchKV(self.device)
+        self._cascade = Cascade(NgramStage(self.config.max_ngram, self.config.ngram_tokens),
+                                ModelStage(self.draft, next(self.draft.parameters()).device)
+                                if self.draft is not None else None)
+        self._rows, self._waiting = [], []
+        return dropped
+
+    def check(self) -> None:
+        """Assert the engine's invariants between steps (tests call this after every change).
+
+        Both caches satisfy `BatchKV.check`; every stage holds one row per running request; the
+        target cache holds each row's context minus its last token; the draft cache a prefix of it.
+        """
+        rows = len(self._rows)
+        self._kv.check()
+        assert self._kv.lengths == [len(r.tokens) - 1 for r in self._rows], "target cache ≠ contexts minus last token"
+        self._cascade.check(rows)
+        if self._cascade.model is not None:
+            assert all(n <= len(r.tokens) for n, r in zip(self._cascade.model.kv.lengths, self._rows))
+
     def has_unfinished(self) -> bool:
         """Whether any request is running or waiting to join."""
         return bool(self._rows or self._waiting)
@@ -187,9 +210,20 @@ class FLyEngine:
 
     # -- the round ----------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests, then run one draft → verify → accept round for every row."""
+        """Admit waiting requests, then run one draft → verify → accept round for every row.
+
+        If the round raises, every request in the engine is dropped (`reset`) and the exception
+        propagates: the caller fails those requests; the engine is clean for the next ones.
+        """
+        try:
+            return self._round()
+        except BaseException:
+            self.reset()
+            raise
+
+    @torch.inference_mode()
+    def _round(self) -> list[RequestOutput]:
         self._admit()
         if not self._rows:
             return []

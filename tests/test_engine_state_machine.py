@@ -1,0 +1,136 @@
+"""A stateful property test of FLyEngine: any sequence of adds, steps, aborts and drains.
+
+Rules add requests with random prompts (1–120 tokens, exactly 1 often), max_tokens, k, and
+per-request options (adaptive, n-gram stage, draft model, loose, greedy or seeded sampling), run
+steps, abort running or waiting requests, and run until the engine is empty and then go on.
+After every rule: no exception, `engine.check()` (both caches' invariants, one row per running
+request in every stage), and every exact-mode greedy request's tokens so far are a prefix of the
+target's own greedy output for that prompt run alone (HF `generate`, float32); a finished one
+equals it, cut at EOS or max_tokens. Outputs never name an unknown or finished request.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.decoding.engine import FLyEngine
+from tiny_models import make_pair
+
+torch.set_num_threads(1)
+
+MAX_NEW = 24
+_PAIR: tuple | None = None
+
+
+def pair():
+    """The tiny float32 Llama pair, built once for the module."""
+    global _PAIR
+    if _PAIR is None:
+        _PAIR = make_pair("llama")
+    return _PAIR
+
+
+@lru_cache(maxsize=None)
+def greedy_alone(prompt: tuple[int, ...]) -> tuple[int, ...]:
+    """The target's greedy continuation of `prompt` alone (up to MAX_NEW tokens, through EOS)."""
+    target, _, tokenizer = pair()
+    out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=MAX_NEW, do_sample=False)
+    tokens = out[0, len(prompt):].tolist()
+    eos = tokenizer.eos_token_id
+    return tuple(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
+
+
+def prompts() -> st.SearchStrategy[list[int]]:
+    """Token prompts: exactly one token, short random ones, and repetitive ones the n-gram stage can copy."""
+    vocab = len(pair()[2])
+    token = st.integers(3, vocab - 1)
+    repeated = st.tuples(st.lists(token, min_size=1, max_size=8), st.integers(1, 120)).map(
+        lambda t: (t[0] * (t[1] // len(t[0]) + 1))[:t[1]])
+    return st.one_of(st.lists(token, min_size=1, max_size=1), st.lists(token, min_size=1, max_size=40), repeated)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """Drives one FLyEngine; `requests` maps each live request id to (prompt, exact-greedy?, max_tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        target, draft, tokenizer = pair()
+        self.engine = FLyEngine(target, tokenizer, draft, FLyConfig())
+        self.requests: dict[str, tuple[tuple[int, ...], bool, int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.next_id = 0
+
+    @rule(prompt=prompts(), max_tokens=st.integers(1, MAX_NEW), k=st.integers(1, 15), adaptive=st.booleans(),
+          ngram=st.booleans(), draft_model=st.booleans(), loose=st.booleans(),
+          seed=st.one_of(st.none(), st.integers(0, 2**31)))
+    def add(self, prompt, max_tokens, k, adaptive, ngram, draft_model, loose, seed):
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0 if seed is None else 0.8, seed=seed)
+        fly = FLyConfig(k=k, adaptive=adaptive, ngram=ngram, draft_model=draft_model, loose=loose)
+        self.engine.add_request(rid, prompt, sampling, fly)
+        self.requests[rid] = (tuple(prompt), not loose and seed is None, max_tokens)
+        self.tokens[rid] = []
+
+    @rule()
+    def step(self):
+        self._record(self.engine.step())
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        assert self.engine.abort_request(rid)
+        del self.requests[rid]
+
+    @rule()
+    def abort_unknown(self):
+        assert not self.engine.abort_request("no-such-request")
+
+    @rule()
+    def drain(self):
+        for _ in range(200):
+            if not self.engine.has_unfinished():
+                break
+            self._record(self.engine.step())
+        assert not self.engine.has_unfinished()
+        assert not self.requests
+
+    def _record(self, outputs) -> None:
+        for out in outputs:
+            assert out.request_id in self.requests, f"output for {out.request_id}, which is not running"
+            self.tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                self._check_finished(out.request_id, out.finish_reason)
+
+    def _check_finished(self, rid: str, reason: str | None) -> None:
+        prompt, exact, max_tokens = self.requests.pop(rid)
+        tokens = self.tokens[rid]
+        assert 1 <= len(tokens) <= max_tokens
+        ended_by_eos = tokens[-1] in self.engine._eos
+        assert reason == ("stop" if ended_by_eos else "length")
+        assert ended_by_eos or len(tokens) == max_tokens
+        if exact:
+            assert tuple(tokens) == greedy_alone(prompt)[:max_tokens], (rid, prompt)
+
+    @invariant()
+    def consistent(self):
+        self.engine.check()
+        assert self.engine.num_active == len(self.requests)
+        for rid, (prompt, exact, _) in self.requests.items():
+            if exact:
+                tokens = tuple(self.tokens[rid])
+                assert tokens == greedy_alone(prompt)[:len(tokens)], (rid, prompt)
+
+
+EngineMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
+                                           suppress_health_check=[HealthCheck.too_slow])
+test_engine_state_machine = EngineMachine.TestCase

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -20,14 +21,15 @@ import pytest
 import zmq
 import zmq.auth
 
-from fly_llm.client import FLyClient, build_options
+from fly_llm.client import FLyClient, build_options, default_endpoint
 from fly_llm.config import FLyConfig
 from fly_llm.decoding.stats import RequestStats
 from fly_llm.errors import Cancelled, FLyUnavailable, Internal, NotReady, TooLong
 from fly_llm.protocol import ErrorReply, GenerateResult, decode_reply
 
 from fly_daemon.metrics import Metrics
-from fly_daemon.runtime import daemon_files, is_loopback, tcp_host
+from fly_daemon import runtime
+from fly_daemon.runtime import AlreadyRunning, PidLock, daemon_files, is_loopback, running_pid, tcp_host
 from fly_daemon.scheduler import Limits
 from fly_daemon.server import CurveKeys, Server
 
@@ -249,6 +251,15 @@ def test_curve_on_loopback_tcp(tmp_path, monkeypatch):
         with FLyClient(endpoint, timeout=10) as client:
             assert client.health().state == "ready"
             assert client.generate("a", *build_options(max_tokens=2)).text == "1 2 "
+        strangers = tmp_path / "strangers"
+        strangers.mkdir()
+        zmq.auth.create_certificates(strangers, "stranger")  # a valid key the daemon was not given
+        monkeypatch.setenv("FLY_CURVE_CLIENT_CERT", str(strangers / "stranger.key_secret"))
+        with FLyClient(endpoint, timeout=1.5, max_retries=0) as stranger:
+            with pytest.raises(FLyUnavailable):
+                stranger.health()
+            with pytest.raises(FLyUnavailable):
+                stranger.generate("a", *build_options(max_tokens=2))
 
 
 def test_non_loopback_bind_needs_curve(tmp_path):
@@ -332,3 +343,58 @@ def test_tcp_port_taken_by_another_program(tmp_path, monkeypatch):
         server = Server(f"tcp://127.0.0.1:{other.getsockname()[1]}", CountingEngine)
         with pytest.raises(OSError, match="cannot bind"):
             server.serve()
+
+
+def test_pidfile_is_owned_by_one_daemon_even_when_one_stops_as_another_starts(tmp_path, monkeypatch):
+    endpoint = f"ipc://{tmp_path}/s.sock"
+    first, second, third = PidLock(endpoint), PidLock(endpoint), PidLock(endpoint)
+    first.acquire()
+    flock = runtime.fcntl.flock
+
+    def first_stops_before_the_lock(fd, operation):  # `second` has opened the pidfile, not yet locked it
+        monkeypatch.setattr(runtime.fcntl, "flock", flock)
+        first.release()
+        return flock(fd, operation)
+
+    monkeypatch.setattr(runtime.fcntl, "flock", first_stops_before_the_lock)
+    second.acquire()  # it locked the file `first` removed, saw that, and locked a fresh one
+    assert running_pid(endpoint) == os.getpid()
+    with pytest.raises(AlreadyRunning):
+        third.acquire()
+    second.release()
+    assert not first.path.exists()
+    third.acquire()
+    third.release()
+
+
+def test_stale_socket_is_replaced_but_no_other_file(tmp_path):
+    path = tmp_path / "s.sock"
+    endpoint = f"ipc://{path}"
+    path.write_text("not a socket")
+    server = Server(endpoint, CountingEngine)
+    server.request_stop()  # were the file taken for a stale socket, serve would return at once, not serve on
+    with pytest.raises(OSError, match="not a socket"):
+        server.serve()
+    assert path.read_text() == "not a socket" and running_pid(endpoint) is None
+    path.unlink()
+    with socket.socket(socket.AF_UNIX) as crashed:  # a socket file left behind by a crash
+        crashed.bind(str(path))
+    with serving(endpoint, CountingEngine()), FLyClient(endpoint, timeout=10) as client:
+        assert client.health().state == "ready"
+    assert not path.exists()
+
+
+def test_runtime_dir_is_private_and_socket_is_0600(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o755)
+    run_dir.chmod(0o755)
+    monkeypatch.setenv("FLY_RUNTIME_DIR", str(run_dir))
+    endpoint = default_endpoint()  # tightens the runtime dir to 0700
+    assert run_dir.stat().st_mode & 0o777 == 0o700
+    with serving(endpoint, CountingEngine()), FLyClient(endpoint, timeout=10) as client:
+        assert client.health().state == "ready"
+        assert (run_dir / "daemon.sock").stat().st_mode & 0o777 == 0o600
+    nested = f"ipc://{tmp_path}/new/dir/s.sock"  # a missing socket dir is created 0700
+    with serving(nested, CountingEngine()), FLyClient(nested, timeout=10) as client:
+        assert client.health().state == "ready"
+        assert (tmp_path / "new" / "dir").stat().st_mode & 0o777 == 0o700

@@ -67,25 +67,44 @@ class PidLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Lock the pidfile and write our pid; raise AlreadyRunning if a live daemon holds it."""
+        """Lock the pidfile and write our pid; raise AlreadyRunning if a live daemon holds it.
+
+        The lock counts only if the path still names the file we locked: a daemon that stops removes
+        its pidfile while holding the lock, so a file locked after that is an orphan and we start over.
+        """
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                pid = read_pid(self.path)
+                raise AlreadyRunning(f"a fly-daemon (pid {pid}) is already running; pidfile {self.path}") from None
+            if _same_file(fd, self.path):
+                break
             os.close(fd)
-            pid = read_pid(self.path)
-            raise AlreadyRunning(f"a fly-daemon (pid {pid}) is already running; pidfile {self.path}") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
 
     def release(self) -> None:
-        """Remove the pidfile and drop the lock."""
+        """Remove the pidfile while still holding its lock, then drop the lock."""
         if self._fd is not None:
-            self.path.unlink(missing_ok=True)
+            if _same_file(self._fd, self.path):
+                self.path.unlink()
             os.close(self._fd)
             self._fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """True if `path` names the file open as `fd` (same device and inode)."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (info.st_dev, info.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def read_pid(path: Path) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -72,6 +73,7 @@ class Server:
         self._local = threading.local()
         self._stop_requests = 0
         self._lock = PidLock(endpoint)
+        self._socket_file: Path | None = None
 
     # ---- lifecycle ----
 
@@ -110,9 +112,8 @@ class Server:
                     sock.close(linger=1000)
             if auth is not None:
                 auth.stop()
-            sock_path = ipc_path(self.endpoint)
-            if sock_path is not None:
-                sock_path.unlink(missing_ok=True)
+            if self._socket_file is not None:
+                self._socket_file.unlink(missing_ok=True)
             self._lock.release()
             self._ctx.destroy(linger=0)  # closed sockets keep their own linger; this ends the rest
             log.info("stopped")
@@ -142,14 +143,13 @@ class Server:
         sock_path = ipc_path(self.endpoint)
         if sock_path is not None:
             sock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if sock_path.exists():  # we hold the endpoint's lock, so this socket is a crashed daemon's
-                log.warning("removing stale socket %s", sock_path)
-                sock_path.unlink()
+            _remove_stale_socket(sock_path)
         try:
             router.bind(self.endpoint)
         except zmq.ZMQError as exc:
             raise OSError(f"cannot bind {self.endpoint}: {exc}") from None
         if sock_path is not None:
+            self._socket_file = sock_path
             sock_path.chmod(0o600)
         return router, auth
 
@@ -272,3 +272,15 @@ class Server:
             id=rid, state=self.scheduler.state, pid=os.getpid(), uptime_s=time.time() - self.started,
             target=engine.target_name if engine else None, draft=engine.draft_name if engine else None,
             **self.scheduler.snapshot())
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """Delete a crashed daemon's socket file at `path` (we hold the endpoint's lock); refuse any other file."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(f"cannot bind {path}: it exists and is not a socket (remove it or choose another endpoint)")
+    log.warning("removing stale socket %s", path)
+    path.unlink()

@@ -50,7 +50,7 @@ class Cancelled(FLyError):
 
 
 class NotReady(FLyError):
-    """The daemon is still loading models or is draining."""
+    """The daemon is draining or its models failed to load (while they load, requests wait; info refuses)."""
 
     code = "NOT_READY"
 

@@ -195,15 +195,33 @@ def test_loading_state_then_ready(endpoint):
     with serving(endpoint, None, load=slow_load), FLyClient(endpoint, timeout=10) as client:
         assert client.health().state == "loading"
         with pytest.raises(NotReady):
-            client.generate("a")
-        with pytest.raises(NotReady):
             client.info()
+        raw = _raw(endpoint)
+        raw.send(_generate_frame("late", 2, timeout_s=0.3))
+        assert _reply(raw, 5).code == "TIMEOUT"  # its deadline counts while the models load
+        early = {}
+        thread = threading.Thread(target=lambda: early.update(r=client.generate("a", *build_options(max_tokens=2))))
+        thread.start()  # sent while loading: it waits in the queue instead of failing
+        time.sleep(1.5)
+        assert client.health().state == "loading" and client.status().queue_depth == 1
         loaded.set()
-        deadline = time.monotonic() + 10
-        while client.health().state != "ready" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert client.info().target == "counting"
-        assert client.generate("a", *build_options(max_tokens=2)).text == "1 2 "
+        thread.join(10)
+        assert early["r"].text == "1 2 "
+        assert client.health().state == "ready" and client.info().target == "counting"
+        raw.close()
+
+
+def test_stop_while_loading_answers_the_queue(endpoint):
+    loaded = threading.Event()
+    with serving(endpoint, None, load=lambda: loaded.wait(30) and CountingEngine()) as server:
+        raw = _raw(endpoint)
+        raw.send(_generate_frame("q", 2))
+        time.sleep(0.3)
+        server.request_stop()
+        reply = _reply(raw, 5)
+        assert (reply.id, reply.code) == ("q", Cancelled.code)
+        raw.close()
+        loaded.set()
 
 
 def test_failed_step_fails_its_batch_and_the_daemon_keeps_serving(endpoint):

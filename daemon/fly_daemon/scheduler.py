@@ -95,7 +95,7 @@ class Scheduler:
         self.max_batch_size_seen = 0
         self.stats = RequestStats()
         self._busy_s = 0.0
-        self._load_engine = load_engine
+        self._load_engine = lambda: self._load(load_engine)
         self._emit = emit
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -108,14 +108,13 @@ class Scheduler:
     # ---- called from the socket thread ----
 
     def submit(self, envelope: Envelope, request: GenerateRequest) -> None:
-        """Queue a request; raises NotReady, TooLong, BadRequest (duplicate id) or Busy (queue full)."""
-        if self.state != "ready":
-            raise NotReady(f"the daemon is {self.state}")
+        """Queue a request (while models load too); raises NotReady, TooLong, BadRequest (duplicate id) or Busy."""
         if request.sampling.max_tokens > self.limits.max_tokens:
             raise TooLong(f"max_tokens {request.sampling.max_tokens} exceeds the daemon's limit "
                           f"{self.limits.max_tokens}")
         now = time.monotonic()
         with self._lock:
+            self._check_open()
             if (envelope, request.id) in self._jobs:
                 raise BadRequest(f"request id {request.id!r} is already in flight")
             if len(self._waiting) >= self.limits.queue_size:
@@ -152,14 +151,32 @@ class Scheduler:
                     job.last_seen = now
 
     def tokenize(self, envelope: Envelope, request: TokenizeRequest) -> None:
-        """Queue a tokenize request (answered between engine steps, by the model thread)."""
-        if self.engine is None:
-            raise NotReady(f"the daemon is {self.state}")
+        """Queue a tokenize request (answered between engine steps, by the model thread; waits while models load)."""
         with self._lock:
+            self._check_open()
             if len(self._tokenize) >= self.limits.queue_size:
                 raise Busy("too many tokenize requests waiting")
             self._tokenize.append((envelope, request))
         self._wake.set()
+
+    def expire_queued(self) -> None:
+        """While models load, end queued requests that were cancelled, passed their deadline or lost their client.
+
+        The socket thread calls this (the model thread is busy loading); once the engine exists it does nothing.
+        """
+        now = time.monotonic()
+        self._end_queued(lambda job: self._verdict(job, now))
+
+    def abandon_queue(self, error: FLyError) -> None:
+        """While no engine exists (loading, or loading failed), answer every queued request with `error`."""
+        with self._lock:
+            if self.engine is not None:
+                return
+            tokenize = list(self._tokenize)
+            self._tokenize.clear()
+        self._end_queued(lambda job: error)
+        for envelope, request in tokenize:
+            self._emit(envelope, ErrorReply(id=request.id, code=error.code, message=error.message))
 
     def drain(self, force: bool = False) -> None:
         """Stop admitting; finish running requests within the drain timeout (at once if `force`), cancel the rest."""
@@ -179,7 +196,44 @@ class Scheduler:
                     tokens_per_s=self.tokens_generated / self._busy_s if self._busy_s else 0.0,
                     stats=self.stats)
 
+    def _check_open(self) -> None:
+        """Raise NotReady unless new work is taken: while loading (it waits for the models) or ready."""
+        if self.state == "failed":
+            raise NotReady(self.detail)
+        if self.state not in ("loading", "ready"):
+            raise NotReady(f"the daemon is {self.state}")
+
+    def _end_queued(self, verdict: Callable[[Job], FLyError | None]) -> None:
+        """If no engine exists yet, fail the queued jobs that were cancelled or that `verdict` gives an error for.
+
+        Safe from any thread: the model thread takes jobs from the queue only once the engine exists,
+        and that is checked under the lock.
+        """
+        with self._lock:
+            if self.engine is not None:
+                return
+            ended = []
+            for job in self._waiting:
+                job.kill = job.kill or verdict(job)
+                if job.kill is not None:
+                    ended.append(job)
+            for job in ended:
+                del self._jobs[job.key]
+                self._waiting.remove(job)
+        for job in ended:
+            self._fail(job, job.kill)
+
     # ---- the model thread ----
+
+    def _load(self, load_engine: Callable[[], "FLyEngine"]) -> "FLyEngine":
+        """Build the engine (what `run` calls); if that fails, mark the daemon failed and answer what was queued."""
+        try:
+            return load_engine()
+        except Exception as exc:
+            with self._lock:
+                self.state, self.detail = "failed", f"loading models failed: {exc}"
+            self.abandon_queue(NotReady(self.detail))
+            raise
 
     def run(self) -> None:
         """Load the engine, then serve until drained (the body of the model thread)."""
@@ -214,14 +268,10 @@ class Scheduler:
         ended: list[Job] = []
         with self._lock:
             for job in self._jobs.values():
-                timeout = job.request.timeout_s
                 if job.kill is None:
-                    if timeout is not None and now - job.submitted > timeout:
-                        job.kill = Timeout(f"request {job.request.id} passed its deadline of {timeout} s")
-                    elif self.limits.heartbeat_timeout_s and now - job.last_seen > self.limits.heartbeat_timeout_s:
-                        job.kill = Cancelled(f"no heartbeat from the client for {self.limits.heartbeat_timeout_s} s")
-                    elif drain_over or (draining and not job.in_engine):
-                        job.kill = Cancelled("the daemon is stopping")
+                    job.kill = self._verdict(job, now)
+                if job.kill is None and (drain_over or (draining and not job.in_engine)):
+                    job.kill = Cancelled("the daemon is stopping")
                 if job.kill is not None:
                     ended.append(job)
             for job in ended:
@@ -232,6 +282,15 @@ class Scheduler:
             if job.in_engine:
                 self.engine.abort_request(job.engine_id)
             self._fail(job, job.kill)
+
+    def _verdict(self, job: Job, now: float) -> FLyError | None:
+        """Why a job must end now (its deadline passed, or its client stopped heartbeating), else None."""
+        timeout = job.request.timeout_s
+        if timeout is not None and now - job.submitted > timeout:
+            return Timeout(f"request {job.request.id} passed its deadline of {timeout} s")
+        if self.limits.heartbeat_timeout_s and now - job.last_seen > self.limits.heartbeat_timeout_s:
+            return Cancelled(f"no heartbeat from the client for {self.limits.heartbeat_timeout_s} s")
+        return None
 
     def _admit(self) -> None:
         """Join waiting requests to the batch while it has room (always at least one)."""

@@ -26,7 +26,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 import fly_llm
 from fly_llm.config import SamplingParams
-from fly_llm.errors import BadRequest, FLyError, NotReady
+from fly_llm.errors import BadRequest, Cancelled, FLyError, NotReady
 from fly_llm.protocol import (
     MAX_FRAME_BYTES, UNKNOWN_ID, CancelRequest, ErrorReply, GenerateRequest, HealthReply, HealthRequest,
     HeartbeatRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenizeRequest, decode_request, encode,
@@ -169,10 +169,15 @@ class Server:
                     except zmq.Again:
                         break
                     self._handle(router, frames)
+            if self.scheduler.engine is None:
+                self.scheduler.expire_queued()
             if self._stop_requests > stops_seen:
                 stops_seen = self._stop_requests
                 if self.scheduler.engine is None:
                     log.info("stop requested while loading: exiting")
+                    self.scheduler.drain()
+                    self.scheduler.abandon_queue(Cancelled("the daemon is stopping"))
+                    self._forward(router, pull)
                     return
                 log.info("draining: no new requests; running ones get %.0f s",
                          self.scheduler.limits.drain_timeout_s)

@@ -1,0 +1,155 @@
+"""Requests that arrive while the models load wait in the queue (Scheduler, in-process, real tiny engine).
+
+The scheduler runs in its own thread as in the daemon; its `load_engine` blocks on an Event, so a
+test decides when loading ends (or fails). Replies are collected from `emit`. The socket-level
+version (a real Server and FLyClient) is test_loading_state_then_ready in test_daemon_server.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from pydantic import BaseModel
+
+from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.errors import Busy, NotReady
+from fly_llm.protocol import ErrorReply, GenerateRequest, GenerateResult, TokenizeReply, TokenizeRequest
+
+from fly_daemon.scheduler import Limits, Scheduler
+
+CLIENT = (b"client",)
+NO_HEARTBEATS = Limits(heartbeat_timeout_s=0)  # these tests send none
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from tiny_models import make_pair
+
+    from fly_llm.decoding.engine import FLyEngine
+
+    target, draft, tokenizer = make_pair("llama")
+    return FLyEngine(target, tokenizer, draft, FLyConfig(loose=False))
+
+
+class Replies:
+    """The `emit` of a test scheduler: every reply, by request id."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, list[BaseModel]] = {}
+        self._cond = threading.Condition()
+
+    def __call__(self, envelope: tuple[bytes, ...], message: BaseModel) -> None:
+        with self._cond:
+            self.by_id.setdefault(message.id, []).append(message)
+            self._cond.notify_all()
+
+    def final(self, rid: str, timeout: float = 30.0) -> BaseModel:
+        """The last reply to `rid` once one that ends the request has come."""
+        ends = (GenerateResult, ErrorReply, TokenizeReply)
+        with self._cond:
+            assert self._cond.wait_for(lambda: any(isinstance(m, ends) for m in self.by_id.get(rid, ())), timeout), \
+                f"no final reply to {rid}"
+            return self.by_id[rid][-1]
+
+
+@pytest.fixture
+def loading(engine) -> Iterator[Callable[..., tuple[Scheduler, Replies, threading.Event]]]:
+    """Start a scheduler whose load waits for the returned Event (then returns `engine` or raises `error`)."""
+    started: list[tuple[Scheduler, threading.Event, threading.Thread]] = []
+
+    def start(limits: Limits = NO_HEARTBEATS, error: Exception | None = None):
+        go = threading.Event()
+
+        def load():
+            assert go.wait(30)
+            if error is not None:
+                raise error
+            return engine
+
+        replies = Replies()
+        scheduler = Scheduler(load, replies, limits)
+        thread = threading.Thread(target=scheduler.run, daemon=True)
+        thread.start()
+        started.append((scheduler, go, thread))
+        return scheduler, replies, go
+
+    yield start
+    for scheduler, go, thread in started:
+        go.set()
+        scheduler.drain(force=True)
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+def _generate(rid: str, max_tokens: int = 4, **extra) -> GenerateRequest:
+    return GenerateRequest(id=rid, prompt="def add(a, b):", sampling=SamplingParams(max_tokens=max_tokens), **extra)
+
+
+def test_requests_sent_while_loading_are_served_after_load(loading, engine):
+    scheduler, replies, go = loading()
+    scheduler.submit(CLIENT, _generate("g1"))
+    scheduler.tokenize(CLIENT, TokenizeRequest(id="t1", text="hello world"))
+    time.sleep(0.3)
+    assert scheduler.state == "loading" and replies.by_id == {}
+    assert scheduler.snapshot()["queue_depth"] == 1
+    go.set()
+    result = replies.final("g1")
+    assert isinstance(result, GenerateResult) and result.usage.completion_tokens == 4
+    tokens = replies.final("t1")
+    assert isinstance(tokens, TokenizeReply) and tokens.token_ids == engine.encode(prompt="hello world")
+    assert scheduler.state == "ready"
+
+
+def test_deadline_counts_while_loading(loading):
+    scheduler, replies, go = loading()
+    scheduler.submit(CLIENT, _generate("short", timeout_s=0.2))
+    scheduler.submit(CLIENT, _generate("patient", timeout_s=60))
+    time.sleep(0.4)
+    scheduler.expire_queued()  # what the server's socket loop does on every poll while models load
+    timed_out = replies.final("short", timeout=1)
+    assert isinstance(timed_out, ErrorReply) and timed_out.code == "TIMEOUT"
+    assert "patient" not in replies.by_id and scheduler.state == "loading"
+    go.set()
+    assert isinstance(replies.final("patient"), GenerateResult)
+
+
+def test_queue_bound_applies_while_loading(loading):
+    scheduler, replies, go = loading(Limits(queue_size=2, heartbeat_timeout_s=0))
+    scheduler.submit(CLIENT, _generate("a"))
+    scheduler.submit(CLIENT, _generate("b"))
+    with pytest.raises(Busy):
+        scheduler.submit(CLIENT, _generate("c"))
+    go.set()
+    assert all(isinstance(replies.final(r), GenerateResult) for r in ("a", "b"))
+
+
+def test_failed_load_answers_every_queued_request(loading):
+    scheduler, replies, go = loading(error=RuntimeError("weights are corrupt"))
+    scheduler.submit(CLIENT, _generate("g1"))
+    scheduler.submit((b"other",), _generate("g2", stream=True))
+    scheduler.tokenize(CLIENT, TokenizeRequest(id="t1", text="hi"))
+    go.set()
+    for rid in ("g1", "g2", "t1"):
+        reply = replies.final(rid, timeout=10)
+        assert isinstance(reply, ErrorReply) and reply.code == NotReady.code
+        assert "weights are corrupt" in reply.message
+    assert scheduler.state == "failed"
+    with pytest.raises(NotReady, match="weights are corrupt"):
+        scheduler.submit(CLIENT, _generate("late"))
+    with pytest.raises(NotReady, match="weights are corrupt"):
+        scheduler.tokenize(CLIENT, TokenizeRequest(id="t2", text="hi"))
+
+
+def test_draining_still_refuses_new_work(loading):
+    scheduler, replies, go = loading()
+    go.set()
+    scheduler.submit(CLIENT, _generate("warm"))
+    assert isinstance(replies.final("warm"), GenerateResult)
+    scheduler.drain()
+    with pytest.raises(NotReady, match="draining"):
+        scheduler.submit(CLIENT, _generate("late"))
+    with pytest.raises(NotReady, match="draining"):
+        scheduler.tokenize(CLIENT, TokenizeRequest(id="t", text="hi"))

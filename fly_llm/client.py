@@ -34,7 +34,7 @@ from fly_llm.errors import BadRequest, Busy, FLyUnavailable, Timeout, error_from
 from fly_llm.protocol import (
     CancelRequest, ChatMessage, ErrorReply, GenerateRequest, GenerateResult, HealthReply, HealthRequest,
     HeartbeatRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenChunk, TokenizeReply,
-    TokenizeRequest, _describe, decode_reply, encode,
+    TokenizeRequest, decode_reply, encode, invalid,
 )
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -94,11 +94,11 @@ def build_options(*, temperature: float | None = None, top_p: float | None = Non
 
 @contextmanager
 def _checked() -> Iterator[None]:
-    """Turn pydantic's ValidationError into BadRequest, so callers see one error hierarchy."""
+    """Turn pydantic's ValidationError into BadRequest (TooLong for a size cap), as the daemon does."""
     try:
         yield
     except ValidationError as exc:
-        raise BadRequest(_describe(exc)) from None
+        raise invalid(exc) from None
 
 
 def _messages(messages: Messages | None) -> list[ChatMessage] | None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16
+"""Most stop strings one request may give (beyond: TOO_LONG)."""
+MAX_STOP_CHARS = 256
+"""Longest stop string, in characters (beyond: TOO_LONG)."""
 
 
 class _Settings(BaseModel):
@@ -53,7 +58,8 @@ class SamplingParams(_Settings):
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] = Field(default_factory=list,
+                                                                         max_length=MAX_STOP_STRINGS)
 
     @field_validator("stop")
     @classmethod

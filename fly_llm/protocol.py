@@ -11,14 +11,19 @@ from __future__ import annotations
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from fly_llm.config import FLyConfig, FLyOverrides, SamplingParams
 from fly_llm.decoding.stats import RequestStats
-from fly_llm.errors import BadRequest
+from fly_llm.errors import BadRequest, TooLong
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Default cap on one frame; the daemon may configure a smaller one."""
+MAX_PROMPT_CHARS = 1024 * 1024
+"""Most characters in a prompt, a tokenize text, or all chat messages' contents together (beyond: TOO_LONG)."""
+MAX_MESSAGES = 1024
+"""Most chat messages in one request (beyond: TOO_LONG)."""
 
 RequestId = Annotated[str, Field(min_length=1, max_length=128)]
 UNKNOWN_ID = "-"
@@ -41,14 +46,22 @@ class ChatMessage(BaseModel):
     content: str
 
 
+def _check_messages(messages: list[ChatMessage] | None) -> None:
+    """Raise a size error (TOO_LONG on the wire) when the messages' contents exceed MAX_PROMPT_CHARS together."""
+    total = sum(len(m.content) for m in messages or ())
+    if total > MAX_PROMPT_CHARS:
+        raise PydanticCustomError("too_long", "messages hold {total} characters, over the limit of {limit}",
+                                  {"total": total, "limit": MAX_PROMPT_CHARS})
+
+
 # ---- requests (client → daemon) ----
 
 class GenerateRequest(_Message):
     """Generate from a prompt string or from chat messages (exactly one of them)."""
 
     kind: Literal["generate"] = "generate"
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     fly: FLyOverrides = Field(default_factory=FLyOverrides)
     stream: bool = False
@@ -60,6 +73,7 @@ class GenerateRequest(_Message):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt must not be empty")
+        _check_messages(self.messages)
         return self
 
 
@@ -96,13 +110,14 @@ class TokenizeRequest(_Message):
     """Count/encode text (or chat messages through the chat template) with the daemon's tokenizer."""
 
     kind: Literal["tokenize"] = "tokenize"
-    text: str | None = None
-    messages: list[ChatMessage] | None = None
+    text: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.text is None) == (self.messages is None):
             raise ValueError("give exactly one of 'text' or 'messages'")
+        _check_messages(self.messages)
         return self
 
 
@@ -218,13 +233,13 @@ def encode(message: BaseModel) -> bytes:
 
 def decode_request(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> GenerateRequest | CancelRequest | \
         HeartbeatRequest | InfoRequest | HealthRequest | StatusRequest | TokenizeRequest:
-    """Parse a client frame; raises BadRequest (never anything else) on any malformed input."""
+    """Parse a client frame; raises BadRequest (TooLong for a size cap, see `invalid`) on any bad input."""
     if len(frame) > max_bytes:
         raise BadRequest(f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
     try:
         return _REQUEST.validate_json(frame)
     except ValidationError as exc:
-        raise BadRequest(_describe(exc)) from None
+        raise invalid(exc) from None
 
 
 def decode_reply(frame: bytes) -> TokenChunk | GenerateResult | ErrorReply | InfoReply | HealthReply | \
@@ -234,6 +249,15 @@ def decode_reply(frame: bytes) -> TokenChunk | GenerateResult | ErrorReply | Inf
         return _REPLY.validate_json(frame)
     except ValidationError as exc:
         raise BadRequest(f"unreadable reply from daemon: {_describe(exc)}") from None
+
+
+_SIZE_ERRORS = frozenset({"too_long", "string_too_long"})
+
+
+def invalid(exc: ValidationError) -> BadRequest:
+    """The error for a failed validation: TooLong when every problem is a size cap, else BadRequest."""
+    too_long = all(err.get("type") in _SIZE_ERRORS for err in exc.errors())
+    return (TooLong if too_long else BadRequest)(_describe(exc))
 
 
 def _describe(exc: ValidationError) -> str:

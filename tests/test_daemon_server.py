@@ -77,6 +77,7 @@ class CountingEngine:
         time.sleep(self.step_s)
         if self.fail_next_step:
             self.fail_next_step = False
+            self.rows.clear()  # FLyEngine.step drops every request when it fails
             raise RuntimeError("boom")
         outputs = []
         for rid, row in list(self.rows.items()):

@@ -129,3 +129,25 @@ def _generate(client: FLyClient, prompt: str, sampling, fly) -> list[int] | Inte
         return client.generate(prompt, sampling, fly).token_ids
     except Internal as exc:
         return exc
+
+
+def test_a_failure_outside_a_step_fails_everything_and_the_daemon_exits_nonzero(pair_and_reference, tmp_path):
+    (target, draft, tokenizer), _ = pair_and_reference
+    engine = FaultyEngine(target, tokenizer, draft, FLyConfig(loose=False), rate=0.0, seed=0)
+    endpoint = f"ipc://{tmp_path}/m.sock"
+    server = Server(endpoint, lambda: engine, Limits())
+    exit_code: list[int] = []
+    thread = threading.Thread(target=lambda: exit_code.append(server.serve()), daemon=True)
+    thread.start()
+    with FLyClient(endpoint, timeout=30, max_retries=0) as client:
+        assert client.generate("x", *build_options(max_tokens=2)).usage.completion_tokens >= 1
+
+        def broken() -> bool:
+            raise InjectedFault("the loop itself broke")
+
+        engine.has_unfinished = broken
+        with pytest.raises(Internal, match="the loop itself broke"):
+            client.generate("x", *build_options(max_tokens=2))
+    thread.join(15)
+    assert exit_code == [1] and server.scheduler.state == "failed"
+    assert "the loop itself broke" in server.scheduler.detail

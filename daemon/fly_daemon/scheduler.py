@@ -169,14 +169,7 @@ class Scheduler:
 
     def abandon_queue(self, error: FLyError) -> None:
         """While no engine exists (loading, or loading failed), answer every queued request with `error`."""
-        with self._lock:
-            if self.engine is not None:
-                return
-            tokenize = list(self._tokenize)
-            self._tokenize.clear()
-        self._end_queued(lambda job: error)
-        for envelope, request in tokenize:
-            self._emit(envelope, ErrorReply(id=request.id, code=error.code, message=error.message))
+        self._fail_all(error, only_without_engine=True)
 
     def drain(self, force: bool = False) -> None:
         """Stop admitting; finish running requests within the drain timeout (at once if `force`), cancel the rest."""
@@ -246,6 +239,16 @@ class Scheduler:
         if self.state == "loading":
             self.state, self.detail = "ready", ""
         log.info("ready: target=%s draft=%s", self.engine.target_name, self.engine.draft_name)
+        try:
+            self._serve()
+        except Exception as exc:  # noqa: BLE001 - never die silently: fail everything, say why, let the daemon exit
+            log.exception("the model thread failed")
+            with self._lock:
+                self.state, self.detail = "failed", f"the model thread failed: {exc}"
+            self._fail_all(Internal(self.detail))
+
+    def _serve(self) -> None:
+        """The model thread's loop: reap, admit, step, until drained."""
         while True:
             self._wake.clear()  # a submit after this line makes the wait below return at once
             self._answer_tokenize()
@@ -355,8 +358,7 @@ class Scheduler:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, the daemon keeps serving
             log.exception("engine step failed")
-            for job in by_engine_id.values():
-                self.engine.abort_request(job.engine_id)
+            for job in by_engine_id.values():  # the engine dropped them all (FLyEngine.step resets on failure)
                 self._forget(job)
                 self._fail(job, Internal(f"engine step failed: {exc}"))
             return
@@ -398,6 +400,24 @@ class Scheduler:
             stats=out.stats, model=self.engine.target_name,
             time_to_first_token_s=None if job.first_token_at is None else job.first_token_at - job.submitted,
             elapsed_s=now - job.submitted))
+
+    def _fail_all(self, error: FLyError, only_without_engine: bool = False) -> None:
+        """Answer every request the scheduler holds (queued, running, tokenize) with `error`.
+
+        With `only_without_engine` nothing happens once the engine exists (checked under the lock), so
+        the socket thread may call it while the model thread loads.
+        """
+        with self._lock:
+            if only_without_engine and self.engine is not None:
+                return
+            jobs, tokenize = list(self._jobs.values()), list(self._tokenize)
+            self._jobs.clear()
+            self._waiting.clear()
+            self._tokenize.clear()
+        for job in jobs:
+            self._fail(job, error)
+        for envelope, request in tokenize:
+            self._emit(envelope, ErrorReply(id=request.id, code=error.code, message=error.message))
 
     def _fail(self, job: Job, error: FLyError) -> None:
         self.requests_total += 1

@@ -19,7 +19,7 @@ class _Settings(BaseModel):
 
 
 class FLyConfig(_Settings):
-    """Speculation settings (DESIGN.md §1). `loose=False` is exact, lossless SPD."""
+    """Speculation settings (docs/design.md §1). `loose=False` is exact, lossless SPD."""
 
     k: int = Field(15, ge=1, le=64, description="Upper bound on draft tokens per round.")
     window: int = Field(6, ge=0, le=64, description="Deferred window W; 0 accepts any gated mismatch.")

@@ -1,4 +1,4 @@
-"""The embedded default pair (DESIGN.md §5): Qwen2.5-Coder 1.5B target / 0.5B draft, GGUF Q4_K_M.
+"""The embedded default pair (docs/design.md §5): Qwen2.5-Coder 1.5B target / 0.5B draft, GGUF Q4_K_M.
 
 The GGUF files ship as pinned split wheels (the `fly-llm[models]` extra). They are located with
 importlib (no package code is run), joined in order, checked against a pinned size and sha256,

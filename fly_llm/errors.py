@@ -1,6 +1,6 @@
 """One exception hierarchy for the engine, daemon, client and adapters.
 
-Every error has a stable `code` (DESIGN.md §4) that travels on the wire.
+Every error has a stable `code` (docs/design.md §4.2) that travels on the wire.
 """
 
 from __future__ import annotations

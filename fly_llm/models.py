@@ -1,4 +1,4 @@
-"""Load the target and draft models a ModelSpec names (DESIGN.md §5).
+"""Load the target and draft models a ModelSpec names (docs/design.md §5).
 
 A source is a Hugging Face model id (resolved through the normal HF cache, so it works offline
 once cached), a local model directory, or a `.gguf` file (converted once to the safetensors

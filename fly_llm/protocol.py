@@ -1,4 +1,4 @@
-"""Wire messages between clients and the daemon (DESIGN.md §4): pydantic models as JSON, never pickle.
+"""Wire messages between clients and the daemon (docs/design.md §4): pydantic models as JSON, never pickle.
 
 Every frame is one JSON object with the protocol version `v`, a message `kind` and a request `id`
 chosen by the client. One DEALER socket carries many concurrent requests; replies carry the id of

@@ -1,4 +1,4 @@
-"""The client side imports without torch or transformers (DESIGN.md §2)."""
+"""The client side imports without torch or transformers (docs/design.md §2.2)."""
 
 from __future__ import annotations
 

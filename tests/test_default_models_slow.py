@@ -33,7 +33,7 @@ FLY_QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def pair():
-    """The default pair, loaded in float32 (exactness is asserted in float32, DESIGN.md §1.2)."""
+    """The default pair, loaded in float32 (exactness is asserted in float32, docs/design.md §1.2)."""
     return load_models(ModelSpec(dtype="float32", device="cpu"), progress=False)
 
 

@@ -1,1 +1,1 @@
-"""fly-daemon: FLy generation served over ZeroMQ with continuous batching (DESIGN.md §2–4)."""
+"""fly-daemon: FLy generation served over ZeroMQ with continuous batching (docs/design.md §2–4)."""

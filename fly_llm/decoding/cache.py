@@ -1,4 +1,4 @@
-"""Batched KV-cache bookkeeping for ragged rows (DESIGN.md §3).
+"""Batched KV-cache bookkeeping for ragged rows (docs/design.md §3.1).
 
 One batched cache per model. Every forward appends the same number of columns to every row;
 columns a row does not keep (rejected draft tokens, padding) stay in the buffers but are zeroed

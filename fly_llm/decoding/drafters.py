@@ -1,4 +1,4 @@
-"""Draft stages and the draft cascade (DESIGN.md §1.1).
+"""Draft stages and the draft cascade (docs/design.md §1.1).
 
 Two stages, in the spirit of Hugging Face's candidate generators:
 

@@ -1,4 +1,4 @@
-"""FLyEngine: batched speculative decoding with FLy's loose acceptance (DESIGN.md §1–3).
+"""FLyEngine: batched speculative decoding with FLy's loose acceptance (docs/design.md §1–3).
 
 One `step()` is one round for every row of the batch:
 

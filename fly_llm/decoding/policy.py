@@ -1,4 +1,4 @@
-"""Adaptive drafting (DESIGN.md §3): per request and round, how many tokens to draft and with which stages.
+"""Adaptive drafting (docs/design.md §1.4): per request and round, how many tokens to draft and with which stages.
 
 `FLyConfig.k` is an upper bound. From each request's own acceptance history the policy estimates,
 per stage, the chance α that the next draft token is accepted, and picks the plan with the highest

@@ -1,4 +1,4 @@
-"""FLy's acceptance rule (DESIGN.md §1, §1.3) as a pure function over batched tensors.
+"""FLy's acceptance rule (docs/design.md §1, §1.3) as a pure function over batched tensors.
 
 No model calls and no scheduling: `verify` takes each row's draft tokens and the target's
 logits for the K+1 positions of one round, and says how many draft tokens each row keeps

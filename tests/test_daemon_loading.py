@@ -21,7 +21,7 @@ from fly_llm.protocol import ErrorReply, GenerateRequest, GenerateResult, Tokeni
 from fly_daemon.scheduler import Limits, Scheduler
 
 CLIENT = (b"client",)
-NO_HEARTBEATS = Limits(heartbeat_timeout_s=0)  # these tests send none
+NO_HEARTBEATS = Limits(heartbeat_timeout=0)  # these tests send none
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_deadline_counts_while_loading(loading):
 
 
 def test_queue_bound_applies_while_loading(loading):
-    scheduler, replies, go = loading(Limits(queue_size=2, heartbeat_timeout_s=0))
+    scheduler, replies, go = loading(Limits(queue_size=2, heartbeat_timeout=0))
     scheduler.submit(CLIENT, _generate("a"))
     scheduler.submit(CLIENT, _generate("b"))
     with pytest.raises(Busy):

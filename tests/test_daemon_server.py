@@ -134,7 +134,7 @@ def test_generate_stream_and_text(endpoint):
 
 
 def test_request_without_heartbeats_is_cancelled_but_a_client_keeps_its_own(endpoint):
-    limits = Limits(heartbeat_timeout_s=1.5)
+    limits = Limits(heartbeat_timeout=1.5)
     with serving(endpoint, CountingEngine(step_s=0.01), limits), FLyClient(endpoint, timeout=30) as client:
         raw = _raw(endpoint)
         raw.send(_generate_frame("silent", 100_000 // 100))
@@ -240,7 +240,7 @@ def test_failed_step_fails_its_batch_and_the_daemon_keeps_serving(endpoint):
 
 def test_draining_refuses_new_work(endpoint):
     engine = CountingEngine(step_s=0.01)
-    with serving(endpoint, engine, Limits(drain_timeout_s=0.5)) as server, FLyClient(endpoint, timeout=10) as c:
+    with serving(endpoint, engine, Limits(drain_timeout=0.5)) as server, FLyClient(endpoint, timeout=10) as c:
         raw = _raw(endpoint)
         raw.send(_generate_frame("long", 100_000 // 100))
         time.sleep(0.2)

@@ -99,7 +99,7 @@ def test_daemon_survives_random_step_failures(pair_and_reference, tmp_path):
     (target, draft, tokenizer), reference = pair_and_reference
     engine = FaultyEngine(target, tokenizer, draft, FLyConfig(loose=False), rate=0.15, seed=2)
     endpoint = f"ipc://{tmp_path}/f.sock"
-    server = Server(endpoint, lambda: engine, Limits(heartbeat_timeout_s=0))
+    server = Server(endpoint, lambda: engine, Limits(heartbeat_timeout=0))
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     sampling, fly = build_options(max_tokens=MAX_NEW, loose=False)

@@ -1,11 +1,13 @@
-"""Settings precedence: CLI > FLY_* environment > TOML file > defaults."""
+"""Settings precedence through pydantic-settings: CLI > FLY_* environment > TOML table > defaults, per table."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from fly_llm.config import FLyConfig, ModelSpec
-from fly_llm.settings import SettingsError, load_settings, read_config_file
+from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
 TOML = """
 [model]
@@ -16,8 +18,18 @@ dtype = "float32"
 window = 3
 k = 9
 [daemon]
-anything = "left for the daemon"
+queue_size = 7
+max_batch_size = 3
+max_tokens_limit = 99
 """
+
+
+@pytest.fixture(autouse=True)
+def no_fly_env(monkeypatch, tmp_path):
+    """No FLY_* variable from the outer environment, and no default config file."""
+    for name in [n for n in os.environ if n.upper().startswith("FLY_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
 
 
 @pytest.fixture
@@ -27,40 +39,67 @@ def config_file(tmp_path):
     return path
 
 
-def test_defaults_without_any_source(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # no default config file there
-    monkeypatch.delenv("FLY_CONFIG", raising=False)
-    assert load_settings(env={}) == (ModelSpec(), FLyConfig())
+def test_defaults_without_any_source():
+    assert load_settings(ModelSpec) == ModelSpec()
+    assert load_settings(FLyConfig) == FLyConfig()
+    assert load_settings(DaemonSettings) == DaemonSettings()
 
 
-def test_precedence_cli_over_env_over_file(config_file):
-    env = {"FLY_TARGET": "from-env", "FLY_WINDOW": "5", "FLY_LOOSE": "false", "FLY_ENDPOINT": "ipc:///x"}
+def test_precedence_cli_over_env_over_file(config_file, monkeypatch):
+    for name, value in {"FLY_TARGET": "from-env", "FLY_WINDOW": "5", "FLY_LOOSE": "false",
+                        "FLY_ENDPOINT": "ipc:///x"}.items():
+        monkeypatch.setenv(name, value)
     cli = {"target": "from-cli", "device-map": "auto", "k": None, "loose": None}
-    spec, fly = load_settings(config_file, cli=cli, env=env)
+    spec, fly = (load_settings(model, config_file, cli) for model in (ModelSpec, FLyConfig))
     assert spec == ModelSpec(target="from-cli", draft="file-draft", dtype="float32", device_map="auto")
     assert fly.window == 5 and fly.k == 9 and fly.loose is False
     assert fly.entropy_threshold == FLyConfig().entropy_threshold
 
 
+@pytest.mark.parametrize(("model", "name", "file", "env", "flag"), [
+    (ModelSpec, "draft", "file-draft", "env-draft", "flag-draft"),
+    (FLyConfig, "k", 9, "11", 13),
+    (DaemonSettings, "max_tokens_limit", 99, "98", 97),
+])
+def test_flag_over_env_over_file_over_default(config_file, monkeypatch, model, name, file, env, flag):
+    """Each table, one source removed at a time: the highest one left wins."""
+    default = model.model_fields[name].default
+    assert getattr(load_settings(model, config_file, {name.replace("_", "-"): flag}), name) == flag
+    monkeypatch.setenv(f"FLY_{name.upper()}", env)
+    assert getattr(load_settings(model, config_file, {name: flag}), name) == flag
+    assert str(getattr(load_settings(model, config_file, {name: None}), name)) == env
+    monkeypatch.delenv(f"FLY_{name.upper()}")
+    assert getattr(load_settings(model, config_file), name) == file
+    assert getattr(load_settings(model), name) == default
+
+
+def test_daemon_settings_are_the_scheduler_limits(config_file):
+    settings = load_settings(DaemonSettings, config_file, {"heartbeat-timeout": 0.5})
+    assert (settings.queue_size, settings.max_batch_size, settings.heartbeat_timeout) == (7, 3, 0.5)
+    assert settings.max_tokens_limit == 99 and settings.drain_timeout == DaemonSettings().drain_timeout
+
+
 def test_config_file_from_env(config_file, monkeypatch):
     monkeypatch.setenv("FLY_CONFIG", str(config_file))
-    spec, _ = load_settings(env={})
-    assert spec.target == "from-file"
-    assert read_config_file()["daemon"]["anything"] == "left for the daemon"
+    assert load_settings(ModelSpec).target == "from-file"
+    assert load_settings(DaemonSettings).queue_size == 7
 
 
-def test_invalid_values_are_clear_errors(config_file, tmp_path):
+def test_invalid_values_are_clear_errors(config_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLY_WINDOW", "wide")
     with pytest.raises(SettingsError, match="window"):
-        load_settings(config_file, env={"FLY_WINDOW": "wide"})
+        load_settings(FLyConfig, config_file)
     with pytest.raises(SettingsError, match="dtype"):
-        load_settings(config_file, cli={"dtype": "int3"}, env={})
+        load_settings(ModelSpec, config_file, {"dtype": "int3"})
     bad = tmp_path / "bad.toml"
     bad.write_text("[model]\ntarget = \n")
     with pytest.raises(SettingsError, match="cannot read"):
-        load_settings(bad, env={})
+        load_settings(ModelSpec, bad)
     typo = tmp_path / "typo.toml"
-    typo.write_text("[fly]\nwindoww = 2\n")
+    typo.write_text("[fly]\nwindoww = 2\n[daemon]\nmax_tokens = 5\n")
     with pytest.raises(SettingsError, match="windoww"):
-        load_settings(typo, env={})
+        load_settings(FLyConfig, typo)
+    with pytest.raises(SettingsError, match="max_tokens"):
+        load_settings(DaemonSettings, typo)
     with pytest.raises(SettingsError, match="not found"):
-        load_settings(tmp_path / "missing.toml", env={})
+        load_settings(ModelSpec, tmp_path / "missing.toml")

@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 from fly_llm.client import FLyClient, build_options, default_endpoint
+from fly_llm.config import FLyConfig, ModelSpec
 from fly_llm.errors import FLyError, FLyUnavailable
 from fly_llm.protocol import GenerateResult
-from fly_llm.settings import SettingsError, load_settings, read_config_file, section_settings
 
 from fly_daemon.runtime import AlreadyRunning, check_endpoint, daemon_files, running_pid
-from fly_daemon.settings import DaemonSettings
+from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +117,7 @@ def _endpoint_arg(parser: argparse.ArgumentParser) -> None:
 
 def _daemon_settings(args: argparse.Namespace) -> DaemonSettings:
     """The [daemon] settings: CLI flags > FLY_* environment > config file > defaults."""
-    return section_settings(DaemonSettings, "daemon", read_config_file(args.config), cli=vars(args))
+    return load_settings(DaemonSettings, args.config, vars(args))
 
 
 def _endpoint(args: argparse.Namespace) -> str:
@@ -128,7 +128,8 @@ def _endpoint(args: argparse.Namespace) -> str:
 
 def _start(args: argparse.Namespace) -> int:
     endpoint = _endpoint(args)
-    load_settings(args.config, cli=vars(args))  # report bad model/FLy settings here, not in a detached log
+    for model in (ModelSpec, FLyConfig):  # report bad model/FLy settings here, not in a detached log
+        load_settings(model, args.config, vars(args))
     try:
         check_endpoint(endpoint)
     except ValueError as exc:
@@ -148,7 +149,8 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s fly-daemon: %(message)s", datefmt="%H:%M:%S")
-    spec, fly = load_settings(args.config, cli=vars(args))
+    spec = load_settings(ModelSpec, args.config, vars(args))
+    fly = load_settings(FLyConfig, args.config, vars(args))
     settings = _daemon_settings(args)
     curve = None
     if settings.curve_secret_key or settings.curve_clients:
@@ -168,7 +170,7 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
 
     metrics = Metrics()
     try:
-        server = Server(endpoint, load_engine, settings.limits(), metrics=metrics,
+        server = Server(endpoint, load_engine, settings, metrics=metrics,
                         max_frame_bytes=settings.max_frame_bytes, curve=curve)
     except ValueError as exc:
         print(f"fly-daemon: {exc}", file=sys.stderr)

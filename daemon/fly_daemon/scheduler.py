@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
-from fly_llm.decoding.stats import RequestStats
 from fly_llm.errors import BadRequest, Busy, Cancelled, FLyError, Internal, NotReady, Timeout, TooLong
 from fly_llm.protocol import (
     ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest, Usage,
 )
+from fly_llm.decoding.stats import RequestStats
 
 from fly_daemon.metrics import Metrics
 
@@ -37,17 +37,23 @@ Envelope = tuple[bytes, ...]
 Emit = Callable[[Envelope, BaseModel], None]
 
 
-@dataclass(frozen=True)
-class Limits:
-    """What the scheduler admits: queue and batch sizes, token caps, heartbeat and drain deadlines."""
+class Limits(BaseModel):
+    """What the scheduler admits: queue and batch sizes, token caps, heartbeat and drain deadlines.
 
-    queue_size: int = 256
-    max_batch_size: int = 16
-    max_batch_tokens: int = 65_536
-    max_tokens: int = 4096
-    max_prompt_tokens: int | None = None
-    heartbeat_timeout_s: float = 5.0
-    drain_timeout_s: float = 10.0
+    The field names are the daemon's setting names (`--max-tokens-limit`, `FLY_HEARTBEAT_TIMEOUT`, …):
+    fly_daemon.settings.DaemonSettings extends this model.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    queue_size: int = Field(256, ge=1, le=100_000, description="Requests waiting beyond the batch; more get BUSY.")
+    max_batch_size: int = Field(16, ge=1, le=4096, description="Requests in one engine step.")
+    max_batch_tokens: int = Field(65_536, ge=1, description="Cap on prompt + max_tokens over the running batch.")
+    max_tokens_limit: int = Field(4096, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="None = the context window - 1.")
+    heartbeat_timeout: float = Field(5.0, ge=0, description="Seconds without a client heartbeat before a "
+                                                             "request is cancelled; 0 = never.")
+    drain_timeout: float = Field(10.0, ge=0, description="Seconds running requests get to finish on stop.")
 
 
 @dataclass(eq=False)
@@ -109,9 +115,9 @@ class Scheduler:
 
     def submit(self, envelope: Envelope, request: GenerateRequest) -> None:
         """Queue a request (while models load too); raises NotReady, TooLong, BadRequest (duplicate id) or Busy."""
-        if request.sampling.max_tokens > self.limits.max_tokens:
+        if request.sampling.max_tokens > self.limits.max_tokens_limit:
             raise TooLong(f"max_tokens {request.sampling.max_tokens} exceeds the daemon's limit "
-                          f"{self.limits.max_tokens}")
+                          f"{self.limits.max_tokens_limit}")
         now = time.monotonic()
         with self._lock:
             self._check_open()
@@ -175,7 +181,7 @@ class Scheduler:
         """Stop admitting; finish running requests within the drain timeout (at once if `force`), cancel the rest."""
         if self.state in ("loading", "ready"):
             self.state, self.detail = "draining", "stopping"
-            self._drain_deadline = time.monotonic() + self.limits.drain_timeout_s
+            self._drain_deadline = time.monotonic() + self.limits.drain_timeout
         if force and self.state == "draining":
             self._drain_deadline = time.monotonic()
         self._wake.set()
@@ -291,8 +297,8 @@ class Scheduler:
         timeout = job.request.timeout_s
         if timeout is not None and now - job.submitted > timeout:
             return Timeout(f"request {job.request.id} passed its deadline of {timeout} s")
-        if self.limits.heartbeat_timeout_s and now - job.last_seen > self.limits.heartbeat_timeout_s:
-            return Cancelled(f"no heartbeat from the client for {self.limits.heartbeat_timeout_s} s")
+        if self.limits.heartbeat_timeout and now - job.last_seen > self.limits.heartbeat_timeout:
+            return Cancelled(f"no heartbeat from the client for {self.limits.heartbeat_timeout} s")
         return None
 
     def _admit(self) -> None:

@@ -180,7 +180,7 @@ class Server:
                     self._forward(router, pull)
                     return
                 log.info("draining: no new requests; running ones get %.0f s",
-                         self.scheduler.limits.drain_timeout_s)
+                         self.scheduler.limits.drain_timeout)
                 self.scheduler.drain(force=stops_seen > 1)
             if not model_thread.is_alive():
                 self._forward(router, pull)
@@ -266,7 +266,7 @@ class Server:
         limits = self.scheduler.limits
         return InfoReply(
             id=rid, version=fly_llm.__version__, target=engine.target_name, draft=engine.draft_name,
-            context_window=engine.context_window, max_tokens_limit=limits.max_tokens,
+            context_window=engine.context_window, max_tokens_limit=limits.max_tokens_limit,
             max_prompt_tokens=limits.max_prompt_tokens or engine.context_window - 1,
             device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
             fly_defaults=engine.config, sampling_defaults=SamplingParams())

@@ -1,43 +1,114 @@
-"""The daemon's own settings: the `[daemon]` table of the config file, FLY_* variables, CLI flags.
+"""The daemon's settings, read with pydantic-settings: one table of the config file per model.
 
-Same precedence and names as fly_llm.settings (CLI > environment > file > default): the field
-`queue_size` is `queue_size = 64` under `[daemon]`, `FLY_QUEUE_SIZE`, `--queue-size`.
+Precedence: CLI flag > FLY_<NAME> environment variable > config file > built-in default. One name
+per setting everywhere: ModelSpec's `device_map` is `device_map = ...` in the file's `[model]`
+table, `FLY_DEVICE_MAP` in the environment and `--device-map` on the command line; FLyConfig's
+`window` is `[fly] window`, `FLY_WINDOW`, `--window`; DaemonSettings' `queue_size` is
+`[daemon] queue_size`, `FLY_QUEUE_SIZE`, `--queue-size`.
+
+    # ~/.config/fly-llm/config.toml   (or --config PATH, or $FLY_CONFIG)
+    [model]
+    target = "Qwen/Qwen2.5-7B-Instruct"
+    draft = "Qwen/Qwen2.5-0.5B-Instruct"
+    [fly]
+    window = 4
+    [daemon]
+    queue_size = 64
 """
 
 from __future__ import annotations
 
+import os
+import tomllib
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+import platformdirs
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from fly_llm.config import FLyConfig, ModelSpec
 from fly_llm.protocol import MAX_FRAME_BYTES
 
 from fly_daemon.scheduler import Limits
 
-_LIMITS = Limits()
+M = TypeVar("M", bound=BaseModel)
+ENV_PREFIX = "FLY_"
 
 
-class DaemonSettings(BaseModel):
-    """Where the daemon listens and what it admits."""
+class SettingsError(ValueError):
+    """A config file that cannot be read, or a setting with an invalid value."""
 
-    model_config = ConfigDict(extra="forbid")
+
+class DaemonSettings(Limits):
+    """Where the daemon listens and what it admits (the scheduler's Limits are fields here too)."""
 
     endpoint: str | None = Field(None, description="ipc:///path.sock or tcp://127.0.0.1:PORT; None = default.")
-    queue_size: int = Field(_LIMITS.queue_size, ge=1, le=100_000)
-    max_batch_size: int = Field(_LIMITS.max_batch_size, ge=1, le=4096)
-    max_batch_tokens: int = Field(_LIMITS.max_batch_tokens, ge=1)
-    max_tokens_limit: int = Field(_LIMITS.max_tokens, ge=1, le=1_000_000)
-    max_prompt_tokens: int | None = Field(None, ge=1, description="None = the context window - 1.")
     max_frame_bytes: int = Field(MAX_FRAME_BYTES, ge=1024, le=256 * 2**20)
-    heartbeat_timeout: float = Field(_LIMITS.heartbeat_timeout_s, ge=0, description="0 = never cancel.")
-    drain_timeout: float = Field(_LIMITS.drain_timeout_s, ge=0)
     metrics_port: int | None = Field(None, ge=1, le=65535)
     curve_secret_key: Path | None = None
     curve_clients: Path | None = None
 
-    def limits(self) -> Limits:
-        """The scheduler's limits from these settings."""
-        return Limits(queue_size=self.queue_size, max_batch_size=self.max_batch_size,
-                      max_batch_tokens=self.max_batch_tokens, max_tokens=self.max_tokens_limit,
-                      max_prompt_tokens=self.max_prompt_tokens, heartbeat_timeout_s=self.heartbeat_timeout,
-                      drain_timeout_s=self.drain_timeout)
+
+TABLES: dict[type[BaseModel], str] = {ModelSpec: "model", FLyConfig: "fly", DaemonSettings: "daemon"}
+"""The config-file table of each settings model."""
+
+
+def default_config_file() -> Path:
+    """`$FLY_CONFIG`, else `<user config dir>/fly-llm/config.toml` (XDG on Linux)."""
+    return Path(os.environ.get("FLY_CONFIG") or Path(platformdirs.user_config_dir("fly-llm")) / "config.toml")
+
+
+def load_settings(model: type[M], config_file: Path | str | None = None,
+                  cli: Mapping[str, Any] | None = None) -> M:
+    """`model` (a key of TABLES) from CLI values > FLY_<FIELD> env > its config-file table > defaults.
+
+    CLI keys may use dashes or underscores; None values and keys that are not fields of `model` are
+    ignored, so one argparse namespace can feed every table.
+    """
+    file, table = _config_file(config_file), TABLES[model]
+
+    class Sources(model, BaseSettings):  # type: ignore[valid-type,misc]  # the file is known only now
+        model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)
+
+        @classmethod
+        def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                       env_settings: PydanticBaseSettingsSource, **_: PydanticBaseSettingsSource,
+                                       ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return init_settings, env_settings, _TomlTable(settings_cls, file, table)
+
+    flags = {key.replace("-", "_"): value for key, value in (cli or {}).items() if value is not None}
+    try:
+        return model.model_validate(dict(Sources(**{n: v for n, v in flags.items() if n in model.model_fields})))
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise SettingsError(f"invalid [{table}] settings ({problems})") from exc
+
+
+def _config_file(path: Path | str | None) -> Path | None:
+    """The config file to read: `path`, else the default one; None when the default does not exist."""
+    explicit = path is not None or "FLY_CONFIG" in os.environ
+    file = Path(path).expanduser() if path is not None else default_config_file()
+    if file.is_file():
+        return file
+    if explicit:
+        raise SettingsError(f"config file not found: {file}")
+    return None
+
+
+class _TomlTable(TomlConfigSettingsSource):
+    """One table (`[model]`, `[fly]`, `[daemon]`) of the TOML config file."""
+
+    def __init__(self, settings_cls: type[BaseSettings], file: Path | None, table: str):
+        self.table = table
+        super().__init__(settings_cls, file)
+
+    def _read_file(self, file_path: Path) -> dict[str, Any]:
+        try:
+            data = super()._read_file(file_path).get(self.table, {})
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"cannot read config file {file_path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise SettingsError(f"[{self.table}] in the config file must be a table")
+        return data

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.policy import AdaptivePolicy, Costs
+from fly_llm.loading import load_engine
 
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -95,7 +96,7 @@ def run(engine: FLyEngine, timer: ForwardTimer, name: str, fly: FLyConfig, promp
 def load(args) -> FLyEngine:
     """The engine on the given models, or on the tiny random pair of the tests."""
     if args.target:
-        return FLyEngine.from_pretrained(args.target, args.draft, dtype=args.dtype, device=args.device)
+        return load_engine(ModelSpec(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tiny_models import make_pair
 

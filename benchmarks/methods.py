@@ -22,7 +22,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from fly_llm.config import FLyConfig, SamplingParams
-from fly_llm.decoding.stats import RequestStats
+from fly_llm.stats import RequestStats
 
 PROMPT_LOOKUP_TOKENS = 10
 

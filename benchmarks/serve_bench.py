@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks.engine_bench import PROMPTS as ENGINE_PROMPTS
 from fly_llm.client import FLyClient, build_options
-from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.errors import FLyUnavailable
 
 PROMPTS = ENGINE_PROMPTS + [
@@ -50,12 +50,12 @@ def _in_process(target: str | None, draft: str | None, args: argparse.Namespace,
     """(sequential tokens/s, one-batch tokens/s) of the engine in this process."""
     import torch
 
-    from fly_llm.decoding.engine import FLyEngine
+    from fly_llm.loading import load_engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = FLyEngine.from_pretrained(target, draft, FLyConfig(loose=not args.exact), dtype=args.dtype,
-                                       device=args.device)
+    engine = load_engine(ModelSpec(target=target, draft=draft, dtype=args.dtype, device=args.device),
+                         FLyConfig(loose=not args.exact))
     sampling = SamplingParams(max_tokens=args.max_tokens)
     engine.generate(prompts[0], SamplingParams(max_tokens=4))  # warm-up
     start = time.perf_counter()

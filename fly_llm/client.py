@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -29,7 +27,8 @@ import zmq.asyncio
 import zmq.auth
 from pydantic import ValidationError
 
-from fly_llm.config import FLyOverrides, SamplingParams
+from fly_llm.config import REQUEST_OPTIONS, FLyOverrides, SamplingParams
+from fly_llm.endpoints import default_endpoint, runtime_dir  # noqa: F401  (public API)
 from fly_llm.errors import BadRequest, Busy, FLyUnavailable, Timeout, error_from_code
 from fly_llm.protocol import (
     CancelRequest, ChatMessage, ErrorReply, GenerateRequest, GenerateResult, HealthReply, HealthRequest,
@@ -53,43 +52,14 @@ Messages = list[ChatMessage | dict[str, Any]]
 
 # ---- endpoint and options ----
 
-def runtime_dir() -> Path:
-    """The private (0700) directory for the daemon's socket, pidfile and log.
-
-    $FLY_RUNTIME_DIR, else $XDG_RUNTIME_DIR/fly-llm, else <tmp>/fly-llm-<uid>. Created if missing;
-    refused if it belongs to someone else, tightened to 0700 otherwise.
-    """
-    if os.environ.get("FLY_RUNTIME_DIR"):
-        path = Path(os.environ["FLY_RUNTIME_DIR"])
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "fly-llm"
-    else:
-        path = Path(tempfile.gettempdir()) / f"fly-llm-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.stat()
-    if info.st_uid != os.getuid():
-        raise PermissionError(f"runtime directory {path} belongs to another user")
-    if info.st_mode & 0o077:
-        path.chmod(0o700)
-    return path
-
-
-def default_endpoint() -> str:
-    """$FLY_ENDPOINT, else the ipc socket `daemon.sock` in the private runtime directory."""
-    return os.environ.get("FLY_ENDPOINT") or f"ipc://{runtime_dir() / 'daemon.sock'}"
-
-
-def build_options(*, temperature: float | None = None, top_p: float | None = None,
-                  max_tokens: int | None = None, stop: list[str] | None = None, seed: int | None = None,
-                  k: int | None = None, window: int | None = None, entropy_threshold: float | None = None,
-                  loose: bool | None = None) -> tuple[SamplingParams, FLyOverrides]:
-    """Sampling parameters and FLy overrides from optional values; None keeps the daemon's default."""
-    sampling = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "stop": stop,
-                "seed": seed}
-    fly = {"k": k, "window": window, "entropy_threshold": entropy_threshold, "loose": loose}
+def build_options(**options: Any) -> tuple[SamplingParams, FLyOverrides]:
+    """Sampling parameters and FLy overrides from REQUEST_OPTIONS values; None keeps the daemon's default."""
+    if unknown := set(options) - set(REQUEST_OPTIONS):
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; accepted: {', '.join(REQUEST_OPTIONS)}")
+    given = {name: value for name, value in options.items() if value is not None}
     with _checked():
-        return (SamplingParams(**{n: v for n, v in sampling.items() if v is not None}),
-                FLyOverrides(**{n: v for n, v in fly.items() if v is not None}))
+        return (SamplingParams(**{n: v for n, v in given.items() if n in SamplingParams.model_fields}),
+                FLyOverrides(**{n: v for n, v in given.items() if n in FLyOverrides.model_fields}))
 
 
 @contextmanager

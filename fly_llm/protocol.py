@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from pydantic_core import PydanticCustomError
 
 from fly_llm.config import FLyConfig, FLyOverrides, SamplingParams
-from fly_llm.decoding.stats import RequestStats
 from fly_llm.errors import BadRequest, TooLong
+from fly_llm.stats import FinishReason, RequestStats
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -128,10 +128,6 @@ Request = Annotated[
 ]
 
 # ---- replies (daemon → client) ----
-
-FinishReason = Literal["stop", "length"]
-"""'stop': EOS or a stop string; 'length': max_tokens reached."""
-
 
 class Usage(BaseModel):
     prompt_tokens: int

@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 CLIENT_MODULES = ["fly_llm.client", "fly_llm.protocol", "fly_llm.config", "fly_llm.errors",
-                  "fly_llm.decoding.stats", "fly_llm.decoding.text"]
+                  "fly_llm.stats", "fly_llm.endpoints", "fly_llm.decoding.text"]
 
 
 def test_client_modules_import_with_torch_hidden():

@@ -52,11 +52,11 @@ def test_stream_concatenates_to_generate(client):
 
 
 def test_exact_mode_matches_in_process_engine(client, tiny_pair_dirs):
-    from fly_llm.config import FLyConfig, SamplingParams
-    from fly_llm.decoding.engine import FLyEngine
+    from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+    from fly_llm.loading import load_engine
 
-    engine = FLyEngine.from_pretrained(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]), FLyConfig(loose=False),
-                                       dtype="float32", device="cpu")
+    spec = ModelSpec(target=str(tiny_pair_dirs[0]), draft=str(tiny_pair_dirs[1]), dtype="float32", device="cpu")
+    engine = load_engine(spec, FLyConfig(loose=False))
     local = engine.generate(PROMPTS, SamplingParams(max_tokens=24))
     sampling, fly = build_options(**EXACT)
     remote = client.batch(PROMPTS, sampling, fly)

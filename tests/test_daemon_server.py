@@ -23,9 +23,9 @@ import zmq.auth
 
 from fly_llm.client import FLyClient, build_options, default_endpoint
 from fly_llm.config import FLyConfig
-from fly_llm.decoding.stats import RequestStats
 from fly_llm.errors import Cancelled, FLyUnavailable, Internal, NotReady, TooLong
 from fly_llm.protocol import ErrorReply, GenerateResult, decode_reply
+from fly_llm.stats import RequestStats
 
 from fly_daemon.metrics import Metrics
 from fly_daemon import runtime

@@ -160,13 +160,12 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
         curve = CurveKeys(settings.curve_secret_key, settings.curve_clients)
 
     def load_engine():
-        from fly_llm.decoding.engine import FLyEngine
+        from fly_llm.loading import load_engine
 
         logging.getLogger("fly_daemon").info("loading models: target=%s draft=%s (%s, %s)",
                                              spec.target or "embedded default", spec.draft or "default",
                                              spec.dtype, spec.device)
-        return FLyEngine.from_pretrained(spec.target, spec.draft, fly, dtype=spec.dtype, device=spec.device,
-                                         device_map=spec.device_map, draft_quantization=spec.draft_quantization)
+        return load_engine(spec, fly)
 
     metrics = Metrics()
     try:

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from fly_llm.client import runtime_dir
+from fly_llm.endpoints import runtime_dir
 
 
 class AlreadyRunning(RuntimeError):

@@ -23,7 +23,7 @@ from fly_llm.errors import BadRequest, Busy, Cancelled, FLyError, Internal, NotR
 from fly_llm.protocol import (
     ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest, Usage,
 )
-from fly_llm.decoding.stats import RequestStats
+from fly_llm.stats import RequestStats
 
 from fly_daemon.metrics import Metrics
 

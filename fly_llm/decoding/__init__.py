@@ -1,5 +1,5 @@
-"""The FLy decoding algorithm: verify (the rule), drafters, cache, engine, stats.
+"""The FLy decoding algorithm: verify (the rule), drafters, cache, policy, engine, text.
 
-Import the submodules directly; this package imports nothing itself, so `fly_llm.decoding.stats`
-and `fly_llm.decoding.text` stay importable without torch.
+Import the submodules directly; this package imports nothing itself, so `fly_llm.decoding.text`
+stays importable without torch.
 """

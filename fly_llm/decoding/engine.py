@@ -18,20 +18,17 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.drafters import Cascade, ModelStage, NgramStage
-from fly_llm.decoding.policy import AdaptivePolicy, Costs, PolicyState
-from fly_llm.decoding.stats import RequestStats
+from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
 from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import RowRules, RowSampling, verify
 from fly_llm.errors import BadRequest, TooLong
-
-FinishReason = Literal["stop", "length"]
+from fly_llm.stats import FinishReason, RequestStats
 
 
 @dataclass
@@ -105,25 +102,6 @@ class FLyEngine:
         self._rows: list[_Request] = []
         self._waiting: list[_Request] = []
         self.reset()
-
-    @classmethod
-    def from_pretrained(cls, target: str | None = None, draft: str | None = None, config: FLyConfig | None = None,
-                        *, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
-                        draft_quantization: str = "auto", measure_costs: bool = True) -> "FLyEngine":
-        """Load a target/draft pair (HF id, local dir, GGUF; None = the embedded default pair).
-
-        With `measure_costs` the adaptive policy's costs are timed on these models once, here
-        (`Costs.measure`, a few seconds), instead of taken from the defaults.
-        """
-        from fly_llm.models import load_models
-
-        loaded = load_models(ModelSpec(target=target, draft=draft, dtype=dtype, device=device, device_map=device_map,
-                                       draft_quantization=draft_quantization))
-        policy = AdaptivePolicy(Costs.measure(loaded.target, loaded.draft)) if measure_costs else None
-        engine = cls(loaded.target, loaded.tokenizer, loaded.draft, config, context_window=loaded.context_window,
-                     policy=policy)
-        engine.target_name, engine.draft_name = loaded.target_name, loaded.draft_name
-        return engine
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -1,4 +1,6 @@
-"""Speculation counters per request and in total (pure Python: no torch, importable by clients).
+"""What a request reports about its generation: why it stopped and its speculation counters.
+
+Shared by the engine and the wire format, so it lives in neither (pure Python: no torch).
 
 Invariant per request: emitted == accepted_native + accepted_loose + rounds - trimmed,
 where each round emits its kept draft prefix plus one target token (correction or bonus),
@@ -8,7 +10,12 @@ Plain-decoding rounds (K = 0) count as rounds with nothing drafted.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, computed_field
+
+FinishReason = Literal["stop", "length"]
+"""'stop': EOS or a stop string; 'length': max_tokens reached."""
 
 
 class RequestStats(BaseModel):

@@ -69,6 +69,11 @@ class SamplingParams(_Settings):
         return stop
 
 
+REQUEST_OPTIONS: tuple[str, ...] = (*SamplingParams.model_fields, *FLyOverrides.model_fields)
+"""The options one request may set, declared once as the fields of SamplingParams and FLyOverrides
+(client.build_options, the LangChain and LlamaIndex adapters take exactly these names)."""
+
+
 class ModelSpec(_Settings):
     """Which models to load and where. target None = the embedded default pair."""
 

@@ -19,7 +19,6 @@ from langchain_core.messages import (
 )
 
 from langchain_fly import ChatFLy
-from langchain_fly._base import merge_stops
 from langchain_fly.chat_models import to_wire
 from test_langchain_llm import TokenCounter, max_batch_seen, next_batch_size
 
@@ -54,21 +53,14 @@ def test_messages_become_chat_turns() -> None:
         to_wire([LCChatMessage(role="narrator", content="x")])
 
 
-def test_stop_lists_merge() -> None:
-    assert merge_stops(None, None) == []
-    assert merge_stops(["a"], None) == ["a"]
-    assert merge_stops(["a", "b"], ["b", "c"]) == ["a", "b", "c"]
-    assert merge_stops(["a"], []) == []  # stop=[] in the call: no stop strings at all
-    assert merge_stops([], ["x"]) == ["x"]
-
-
 def test_tracing_params() -> None:
     chat = ChatFLy(endpoint=OFFLINE, model="qwen-coder", temperature=0.2, max_tokens=9, stop=["a"])
     params = chat._get_ls_params(stop=["b"])
     assert params["ls_provider"] == "fly" and params["ls_model_type"] == "chat"
     assert params["ls_model_name"] == "qwen-coder"
     assert params["ls_temperature"] == 0.2 and params["ls_max_tokens"] == 9
-    assert params["ls_stop"] == ["a", "b"]
+    assert params["ls_stop"] == ["b"]  # a call's stop replaces the instance's
+    assert chat._get_ls_params()["ls_stop"] == ["a"]
     assert ChatFLy(endpoint=OFFLINE)._get_ls_params()["ls_model_name"] == "fly"
 
 

@@ -126,7 +126,7 @@ async def test_async_invoke_and_stream(llm: FLyLLM) -> None:
     assert "".join(counter.tokens) == expected
 
 
-def test_stop_strings_cut_and_merge(tiny_daemon: str, llm: FLyLLM) -> None:
+def test_stop_strings_cut_and_a_call_replaces_the_instance_stops(tiny_daemon: str, llm: FLyLLM) -> None:
     full = llm.invoke("The dog sleeps", max_tokens=48)
     assert len(full) >= 12, "the tiny model should say something to cut"
     first, second = full[8:10], full[4:6]
@@ -134,8 +134,11 @@ def test_stop_strings_cut_and_merge(tiny_daemon: str, llm: FLyLLM) -> None:
     assert llm.invoke("The dog sleeps", max_tokens=48, stop=[first]) == cut
     with_instance_stop = FLyLLM(endpoint=tiny_daemon, temperature=0, loose=False, max_tokens=48, stop=[first])
     assert with_instance_stop.invoke("The dog sleeps") == cut
-    both = full[:min(full.find(first), full.find(second))]
-    assert with_instance_stop.invoke("The dog sleeps", stop=[second]) == both  # call + instance merge
+    assert full.find(second) < full.find(first)
+    assert with_instance_stop.invoke("The dog sleeps", stop=[second]) == full[:full.find(second)]
+    later = next(full[i:i + 2] for i in range(full.find(first) + 2, len(full) - 1)
+                 if full.find(full[i:i + 2]) > full.find(first))
+    assert with_instance_stop.invoke("The dog sleeps", stop=[later]) == full[:full.find(later)]  # first not kept
     assert with_instance_stop.invoke("The dog sleeps", stop=[]) == full  # stop=[] means none
 
 

@@ -159,6 +159,17 @@ def test_stop_string_cuts_the_text(tiny_daemon, reference, method):
     assert call(per_call, method, stop=[stop])[0] == cut
 
 
+@pytest.mark.parametrize("method", ["complete", "astream_chat"])
+def test_a_call_stop_replaces_the_field(tiny_daemon, reference, method):
+    full = reference["chat" if "chat" in method else "complete"]
+    stop = full[2:4]
+    later = next(full[i:i + 2] for i in range(full.index(stop) + 2, len(full) - 1)
+                 if full.index(full[i:i + 2]) > full.index(stop))
+    as_field = FLyLLM(endpoint=tiny_daemon, max_tokens=MAX_TOKENS, stop=[stop])
+    assert call(as_field, method, stop=[later])[0] == full[:full.index(later)]  # the field's stop is not kept
+    assert call(as_field, method, stop=[])[0] == full
+
+
 def test_call_options_override_fields(llm):
     _, _, raw = call(llm, "complete", max_tokens=3)
     assert raw["usage"]["completion_tokens"] <= 3

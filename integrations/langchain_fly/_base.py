@@ -12,23 +12,9 @@ from langchain_core.language_models import LangSmithParams
 from langchain_core.messages.ai import UsageMetadata
 from pydantic import BaseModel, Field
 
-from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
+from fly_llm.client import REQUEST_OPTIONS, AsyncFLyClient, FLyClient, build_options, default_endpoint
 from fly_llm.config import FLyOverrides, SamplingParams
 from fly_llm.protocol import GenerateResult
-
-OPTION_NAMES = ("temperature", "top_p", "max_tokens", "seed", "k", "window", "entropy_threshold", "loose")
-"""Request options a call may override as keyword arguments (`invoke(..., max_tokens=20)`)."""
-
-
-def merge_stops(instance: list[str] | None, call: list[str] | None) -> list[str]:
-    """The stop strings of one call: the instance's, then the call's, without repeats.
-
-    `stop=[]` in the call means no stop strings at all (it clears the instance's list).
-    """
-    if call is not None and not call:
-        return []
-    return list(dict.fromkeys([*(instance or []), *(call or [])]))
-
 
 class FLyBase(BaseModel):
     """Fields and daemon plumbing shared by `FLyLLM` and `ChatFLy` (a mixin, listed first).
@@ -47,7 +33,7 @@ class FLyBase(BaseModel):
     max_tokens: int | None = None
     """Most tokens to generate per request."""
     stop: list[str] | None = None
-    """Stop strings; merged with the call's `stop` (a call's `stop=[]` clears them)."""
+    """Stop strings; a call's `stop` replaces them (`stop=[]`: none for that call)."""
     seed: int | None = None
     """Seed for reproducible sampling."""
     timeout: float | None = None
@@ -83,15 +69,15 @@ class FLyBase(BaseModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         """What tells two configurations apart (tracing, caching)."""
-        options = {name: getattr(self, name) for name in OPTION_NAMES}
-        return {"endpoint": self.endpoint, "model": self.model, "stop": self.stop, **options}
+        options = {name: getattr(self, name) for name in REQUEST_OPTIONS}
+        return {"endpoint": self.endpoint, "model": self.model, **options}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         """Standard tracing parameters, with provider `fly`."""
         params = super()._get_ls_params(stop=stop, **kwargs)  # type: ignore[misc]
         params["ls_provider"] = "fly"
         params["ls_model_name"] = kwargs.get("model") or self.model or "fly"
-        if stops := merge_stops(self.stop, stop):
+        if stops := self.stop if stop is None else stop:
             params["ls_stop"] = stops
         return params
 
@@ -105,18 +91,17 @@ class FLyBase(BaseModel):
 
     def _request_options(self, stop: list[str] | None,
                          kwargs: dict[str, Any]) -> tuple[SamplingParams, FLyOverrides, float | None]:
-        """(sampling, FLy overrides, timeout) for one call: call kwargs override the fields."""
+        """(sampling, FLy overrides, timeout) for one call: the call's options (and `stop`) replace the fields."""
         requested = kwargs.get("model")
         if requested is not None and requested != self.model:
             raise ValueError(
                 f"{type(self).__name__} cannot switch models per call: the daemon at {self.endpoint} serves "
                 f"one model pair. Start a daemon with `fly-daemon start --target {requested}` and point "
                 f"`endpoint` at it.")
-        unknown = set(kwargs) - {*OPTION_NAMES, "model", "stream", "timeout"}
-        if unknown:
-            raise TypeError(f"unknown option(s) {sorted(unknown)}; accepted: {', '.join(OPTION_NAMES)}, timeout")
-        options = {name: kwargs.get(name, getattr(self, name)) for name in OPTION_NAMES}
-        sampling, fly = build_options(stop=merge_stops(self.stop, stop), **options)
+        call = {name: value for name, value in kwargs.items() if name not in ("model", "stream", "timeout")}
+        if stop is not None:
+            call["stop"] = stop  # a call's stop replaces the instance's, like every other option
+        sampling, fly = build_options(**{**{name: getattr(self, name) for name in REQUEST_OPTIONS}, **call})
         return sampling, fly, kwargs.get("timeout", self.timeout)
 
     def _model_name(self, result: GenerateResult) -> str:

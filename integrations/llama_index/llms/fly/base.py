@@ -25,11 +25,8 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
+from fly_llm.client import REQUEST_OPTIONS, AsyncFLyClient, FLyClient, build_options, default_endpoint
 from fly_llm.protocol import GenerateResult, InfoReply, TokenChunk
-
-_OPTIONS = ("temperature", "top_p", "max_tokens", "stop", "seed", "k", "window", "entropy_threshold", "loose")
-"""Request options: fields of FLyLLM that a call may override as keyword arguments."""
 
 _ROLES = {
     MessageRole.DEVELOPER: "system",
@@ -106,7 +103,11 @@ class FLyLLM(LLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        """Context window, output budget and model name, from the daemon's `info` (fetched once)."""
+        """Context window, output budget and model name, from the daemon's `info`.
+
+        LlamaIndex reads this property often, so `info` is asked once per instance and cached
+        (a restarted daemon with other models needs a new FLyLLM).
+        """
         if self._info is None:
             self._info = self.client.info()
         return LLMMetadata(
@@ -125,10 +126,8 @@ class FLyLLM(LLM):
 
     def _request(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Sampling, FLy options and timeout of one call: the fields, overridden by the call's keywords."""
-        unknown = set(kwargs) - {*_OPTIONS, "timeout"}
-        if unknown:
-            raise TypeError(f"unknown option(s) {sorted(unknown)}; accepted: {', '.join(_OPTIONS)}, timeout")
-        sampling, fly = build_options(**{name: kwargs.get(name, getattr(self, name)) for name in _OPTIONS})
+        call = {name: value for name, value in kwargs.items() if name != "timeout"}
+        sampling, fly = build_options(**{**{name: getattr(self, name) for name in REQUEST_OPTIONS}, **call})
         return {"sampling": sampling, "fly": fly, "timeout": kwargs.get("timeout", self.timeout)}
 
     def _prompt(self, prompt: str, formatted: bool) -> str:

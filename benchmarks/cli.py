@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", choices=list(methods), default=None,
                    help=f"methods to run (default: {' '.join(default_methods())}; {LLAMACPP} where "
                         "llama-cpp-python is installed); 'target' always runs, as the reference")
-    p.add_argument("--ablate", action="store_true", help="add the FLy ablations (window, gate, cascade)")
+    p.add_argument("--ablate", action="store_true", help="add the FLy ablations (window, gate, cascade, fixed K, draft confidence)")
     p.add_argument("--target", default=None, help="target model (HF id, local dir, .gguf); default: embedded")
     p.add_argument("--draft", default=None, help="draft model; 'none' = n-gram only; default: embedded")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])

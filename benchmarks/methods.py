@@ -58,6 +58,10 @@ def _fly_variants() -> list[Method]:
         ("fly-no-gate", "FLy, entropy gate off", {"entropy_threshold": 0.0}),
         ("fly-model-only", "FLy, cascade off: draft model only, no n-gram stage", {"ngram": False}),
         ("fly-ngram-only", "FLy, n-gram stage only, no draft model", {"draft_model": False}),
+        ("fly-fixed-k8", "FLy, adaptive policy off: K=8 every round", {"adaptive": False, "k": 8}),
+        ("fly-fixed-k15", "FLy, adaptive policy off: K=15 every round", {"adaptive": False, "k": 15}),
+        ("fly-confidence", "FLy, draft model stops at a token it gives < 0.4 (HF's default)",
+         {"draft_confidence": 0.4}),
     ]
     for name, description, update in ablations:
         config = base.model_copy(update=update)

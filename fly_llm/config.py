@@ -35,6 +35,9 @@ class FLyConfig(_Settings):
     max_ngram: int = Field(4, ge=1, le=16)
     ngram_tokens: int = Field(6, ge=1, le=64, description="Tokens one n-gram proposal copies.")
     draft_model: bool = Field(True, description="Use the draft model stage when one is loaded.")
+    draft_confidence: float = Field(
+        0.0, ge=0.0, le=1.0, description="Stop a row's draft-model drafting after a token the draft model gives "
+                                         "less than this probability (0: off). Drafts only: exact mode stays exact.")
     adaptive: bool = Field(True, description="Adapt K and the stages per request from acceptance history.")
 
 

@@ -104,3 +104,27 @@ def test_ngram_only_plan_chains_lookups():
     cascade.add_row(context)
     assert cascade.propose([context], [DraftPlan(k=7, ngram=True, model=False)]) == [[3, 4, 5, 6, 7, 8, 1]]
     assert cascade.propose([context], [DraftPlan(k=0, ngram=True, model=False)]) == [[]]
+
+
+def test_confidence_stopping_cuts_a_row_at_its_first_unsure_token_and_no_other_row():
+    """float64, so the stage's incremental probabilities equal a full forward's to ~1e-15."""
+    _, draft, tokenizer = make_pair("llama", dtype=torch.float64)
+    contexts = [tokenizer.encode("def add(a, b):"), tokenizer.encode("The quick brown fox")]
+
+    def stage() -> ModelStage:
+        s = ModelStage(draft, torch.device("cpu"))
+        for context in contexts:
+            s.add_row(context)
+        return s
+
+    full = stage().propose(contexts, [8, 8])
+    ids = torch.tensor([contexts[0] + full[0]])
+    with torch.no_grad():
+        probs = torch.softmax(draft(ids).logits[0, len(contexts[0]) - 1:-1], -1).max(-1).values.tolist()
+    assert [len(d) for d in full] == [8, 8]
+    cut = min(range(4), key=lambda i: probs[i])  # the least sure of the first four tokens
+    threshold = probs[cut] + 1e-9
+    assert all(p >= threshold for p in probs[:cut])
+    drafts = stage().propose(contexts, [8, 8], confidence=[threshold, 0.0])
+    assert drafts[0] == full[0][:cut + 1]  # the unsure token is still drafted, then the row stops
+    assert drafts[1] == full[1]  # the row without a threshold is untouched

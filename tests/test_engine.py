@@ -62,6 +62,14 @@ def test_exact_mode_is_lossless(pair, k, stages):
         assert engine.stats.draft_model_rounds > 0
 
 
+@pytest.mark.parametrize("threshold", [0.3, 0.9])
+def test_exact_mode_is_lossless_with_draft_confidence_stopping(pair, threshold):
+    _, target, draft, tokenizer, reference = pair
+    engine = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False, draft_confidence=threshold))
+    gens = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW))
+    _check_lossless(gens, reference, tokenizer.eos_token_id)
+
+
 def test_exact_mode_is_lossless_adaptive_and_without_draft(pair):
     _, target, draft, tokenizer, reference = pair
     for engine in (FLyEngine(target, tokenizer, draft, FLyConfig(loose=False)),

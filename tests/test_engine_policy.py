@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fly_llm.config import FLyConfig, SamplingParams
@@ -15,9 +16,11 @@ torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
 FLY = FLyConfig()
 
 
-def _feed(policy: AdaptivePolicy, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int, n: int):
+def _feed(policy: AdaptivePolicy, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int, n: int,
+          loose: int = 0, window: int | None = FLY.window, model_forwards: int = 0):
+    """n rounds with this outcome; window=None: the loose rule was off (as the engine reports it)."""
     for _ in range(n):
-        policy.observe(state, plan, drafted, accepted)
+        policy.observe(state, plan, drafted, accepted, model_forwards, loose=loose, window=window)
 
 
 def test_fixed_mode_uses_configured_stages_and_caps_k_by_budget():
@@ -47,7 +50,7 @@ def test_failing_ngrams_and_draft_fall_back_to_plain_decoding_then_probe():
     for _ in range(300):
         plan = policy.plan(state, FLY, budget=100, batch_size=1, has_model=True)
         plans.append(plan)
-        policy.observe(state, plan, plan.k if plan.k else 0, 0)
+        policy.observe(state, plan, plan.k if plan.k else 0, 0, window=FLY.window)
     model_rounds = [i for i, p in enumerate(plans) if p.model]
     assert PLAIN in plans or all(p.k <= 2 for p in plans if p.ngram and not p.model)
     assert 0 < len(model_rounds) < 10  # probes, spaced further and further apart
@@ -65,8 +68,9 @@ def test_good_draft_model_is_used_when_ngrams_miss():
 
 def test_bigger_batches_speculate_less():
     policy, state = AdaptivePolicy(), PolicyState()
-    _feed(policy, state, DraftPlan(15, True, False), drafted=10, accepted=7, n=20)
-    ks = [policy.plan(state, FLY, budget=100, batch_size=b, has_model=False).k for b in (1, 8, 64)]
+    _feed(policy, state, DraftPlan(15, True, False), drafted=10, accepted=7, n=20, window=None)
+    exact = FLyConfig(loose=False)  # with FLy on, these rounds say nothing about rescues (none was possible)
+    ks = [policy.plan(state, exact, budget=100, batch_size=b, has_model=False).k for b in (1, 8, 64)]
     assert ks[0] > ks[1] > ks[2]
 
 
@@ -100,7 +104,51 @@ def test_cheap_cascade_rounds_make_the_draft_model_pay():
         state = PolicyState()
         _feed(policy, state, DraftPlan(6, True, False), drafted=0, accepted=0, n=20)  # lookups miss alone
         for _ in range(20):
-            policy.observe(state, DraftPlan(8, True, True), 8, 6, model_forwards=int(8 * steps_per_token))
+            policy.observe(state, DraftPlan(8, True, True), 8, 6, model_forwards=int(8 * steps_per_token),
+                           window=FLY.window)
         plans[steps_per_token] = policy.plan(state, FLY, budget=100, batch_size=1, has_model=True)
     assert plans[1.0].model and plans[0.25].model
     assert plans[0.25].k > plans[1.0].k
+
+
+CHEAP_DRAFT = Costs(target_token=0.007, draft_step=0.1)
+
+
+def test_fly_aware_policy_drafts_beyond_the_window_where_fly_rescues_mismatches():
+    """Native acceptance alone buys K <= W, where FLy's window cannot act; with the rescues FLy
+    makes counted, the policy drafts past W. With the loose rule off, the old choice holds."""
+    policy, model = AdaptivePolicy(CHEAP_DRAFT), DraftPlan(15, False, True)
+    fly_on, fly_off = PolicyState(), PolicyState()
+    # FLy on: 10 drafted, 8 kept of which 2 loosely (rescued mismatches), then a rejection: α = 6/9.
+    _feed(policy, fly_on, model, drafted=10, accepted=8, n=30, loose=2, model_forwards=10)
+    # FLy off, the same native acceptance: 2 kept, then a rejection: α = 2/3.
+    _feed(policy, fly_off, model, drafted=10, accepted=2, n=30, window=None, model_forwards=10)
+    only_model = FLyConfig(ngram=False)
+    plan_on = policy.plan(fly_on, only_model, budget=100, batch_size=1, has_model=True)
+    plan_off = policy.plan(fly_off, FLyConfig(ngram=False, loose=False), budget=100, batch_size=1, has_model=True)
+    assert plan_on.model and plan_on.k > FLY.window
+    assert plan_off.model and plan_off.k <= FLY.window
+    assert fly_on.rescue.rho > 0.5 and fly_on.model.alpha == pytest.approx(fly_off.model.alpha, abs=0.01)
+
+
+def test_without_history_fly_tries_k_beyond_the_window_and_learns_when_it_does_not_pay():
+    policy, state = AdaptivePolicy(CHEAP_DRAFT), PolicyState()
+    only_model, exact = FLyConfig(ngram=False), FLyConfig(ngram=False, loose=False)
+    assert policy.plan(state, only_model, budget=100, batch_size=1, has_model=True).k > FLY.window
+    assert policy.plan(PolicyState(), exact, budget=100, batch_size=1, has_model=True).k <= FLY.window
+    for _ in range(30):  # FLy never rescues anything: the first mismatch ends every round
+        plan = policy.plan(state, only_model, budget=100, batch_size=1, has_model=True)
+        policy.observe(state, plan, plan.k, min(plan.k, 2), plan.k, loose=0, window=FLY.window)
+    assert state.rescue.rho < 0.3  # from the prior 0.5; rounds with K <= W then tell nothing more
+    assert policy.plan(state, only_model, budget=100, batch_size=1, has_model=True).k <= FLY.window
+
+
+def test_rescue_counts_only_mismatches_where_the_rule_could_act():
+    policy, state = AdaptivePolicy(), PolicyState()
+    before = (state.rescue.rescued, state.rescue.eligible)
+    policy.observe(state, DraftPlan(8, False, True), 8, 3, loose=0, window=6)  # rejected at 3 >= 8-6: strict
+    assert (state.rescue.rescued, state.rescue.eligible) == pytest.approx((before[0] * 0.9, before[1] * 0.9))
+    policy.observe(state, DraftPlan(8, False, True), 8, 1, loose=0, window=6)  # rejected at 1 < 2: eligible
+    assert state.rescue.eligible == pytest.approx(before[1] * 0.81 + 1)
+    policy.observe(state, DraftPlan(8, False, True), 8, 8, loose=1, window=6)  # one rescue, nothing rejected
+    assert state.rescue.rescued == pytest.approx(before[0] * 0.729 + 1)

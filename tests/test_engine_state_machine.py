@@ -1,7 +1,8 @@
 """A stateful property test of FLyEngine: any sequence of adds, steps, aborts and drains.
 
 Rules add requests with random prompts (1–120 tokens, exactly 1 often), max_tokens, k, and
-per-request options (adaptive, n-gram stage, draft model, loose, greedy or seeded sampling), run
+per-request options (adaptive, n-gram stage, draft model, draft-confidence stopping, loose,
+greedy or seeded sampling), run
 steps, abort running or waiting requests, and run until the engine is empty and then go on.
 After every rule: no exception, `engine.check()` (both caches' invariants, one row per running
 request in every stage), and every exact-mode greedy request's tokens so far are a prefix of the
@@ -70,12 +71,13 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(prompt=prompts(), max_tokens=st.integers(1, MAX_NEW), k=st.integers(1, 15), adaptive=st.booleans(),
           ngram=st.booleans(), draft_model=st.booleans(), loose=st.booleans(),
-          seed=st.one_of(st.none(), st.integers(0, 2**31)))
-    def add(self, prompt, max_tokens, k, adaptive, ngram, draft_model, loose, seed):
+          seed=st.one_of(st.none(), st.integers(0, 2**31)), confidence=st.sampled_from([0.0, 0.0, 0.5, 0.9]))
+    def add(self, prompt, max_tokens, k, adaptive, ngram, draft_model, loose, seed, confidence):
         rid = f"r{self.next_id}"
         self.next_id += 1
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0 if seed is None else 0.8, seed=seed)
-        fly = FLyConfig(k=k, adaptive=adaptive, ngram=ngram, draft_model=draft_model, loose=loose)
+        fly = FLyConfig(k=k, adaptive=adaptive, ngram=ngram, draft_model=draft_model, loose=loose,
+                        draft_confidence=confidence)
         self.engine.add_request(rid, prompt, sampling, fly)
         self.requests[rid] = (tuple(prompt), not loose and seed is None, max_tokens)
         self.tokens[rid] = []

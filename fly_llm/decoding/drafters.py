@@ -120,12 +120,13 @@ class ModelStage:
         self.kv.truncate(valid)
 
     def propose(self, contexts: list[list[int]], ks: list[int], ngram: NgramStage | None = None,
-                ngram_rows: list[bool] | None = None) -> list[list[int]]:
-        """Draft ks[b] tokens per row (0 = row not drafting; it is left untouched).
+                ngram_rows: list[bool] | None = None, confidence: list[float] | None = None) -> list[list[int]]:
+        """Draft up to ks[b] tokens per row (0 = row not drafting; it is left untouched).
 
         With `ngram`, each forward also checks an n-gram proposal for the rows in `ngram_rows`
         (default all): the longest prefix equal to the draft model's own greedy choices is kept,
-        plus the model's next token.
+        plus the model's next token. With `confidence`, row b stops drafting after a token of its
+        own to which the draft model gives less than confidence[b] probability (0: never).
         """
         rows = len(contexts)
         drafts: list[list[int]] = [[] for _ in range(rows)]
@@ -153,6 +154,7 @@ class ModelStage:
             choices = logits.argmax(-1).tolist()
             offset = width - keep_last  # column of choices[b][0] in the forward
             valid = before
+            own: dict[int, int] = {}  # row -> column of the model's own token in `choices`
             for b in active:
                 proposal = proposals[b]
                 first = len(feeds[b]) - len(proposal) - 1 - offset
@@ -160,8 +162,10 @@ class ModelStage:
                 m = common_prefix(proposal, greedy)
                 valid[b] = len(contexts[b]) + len(drafts[b]) + m
                 drafts[b] += proposal[:m] + [greedy[m]]
+                own[b] = first + m
             self.kv.truncate(valid)
-            active = [b for b in active if len(drafts[b]) < ks[b]]
+            unsure = _unconfident(logits, own, confidence) if confidence else set()
+            active = [b for b in active if len(drafts[b]) < ks[b] and b not in unsure]
         return drafts
 
     def _lookup(self, ngram: NgramStage, b: int, context: list[int], tokens: list[int], room: int) -> list[int]:
@@ -182,6 +186,16 @@ class ModelStage:
         self.kv.truncate(target)
         for b in behind:
             self.forwards[b] += 1
+
+
+def _unconfident(logits: torch.Tensor, columns: dict[int, int], confidence: list[float]) -> set[int]:
+    """Rows whose greedy token at `columns[b]` has a draft probability below confidence[b] (> 0)."""
+    rows = [b for b in columns if confidence[b] > 0]
+    if not rows:
+        return set()
+    picked = logits[rows, [columns[b] for b in rows]].float()
+    top = torch.softmax(picked, -1).max(-1).values.tolist()
+    return {b for b, p in zip(rows, top) if p < confidence[b]}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -237,16 +251,18 @@ class Cascade:
         if self.model is not None:
             self.model.rollback(valid)
 
-    def propose(self, contexts: list[list[int]], plans: list[DraftPlan]) -> list[list[int]]:
+    def propose(self, contexts: list[list[int]], plans: list[DraftPlan],
+                confidence: list[float] | None = None) -> list[list[int]]:
         """Draft tokens per row following its plan (stages a plan asks for but the cascade lacks are skipped).
 
+        `confidence[b]` stops row b's draft-model drafting early (see `ModelStage.propose`).
         Afterwards `model_forwards[b]` says how many draft-model forwards row b took.
         """
         drafts: list[list[int]] = [[] for _ in contexts]
         model_ks = [p.k if p.model and self.model is not None else 0 for p in plans]
         self.model_forwards = [0] * len(contexts)
         if any(model_ks):
-            drafts = self.model.propose(contexts, model_ks, self.ngram, [p.ngram for p in plans])
+            drafts = self.model.propose(contexts, model_ks, self.ngram, [p.ngram for p in plans], confidence)
             self.model_forwards = self.model.forwards
         if self.ngram is not None:
             for b, (plan, context) in enumerate(zip(plans, contexts)):

@@ -209,7 +209,8 @@ class FLyEngine:
         contexts = [r.tokens for r in rows]
         plans = [self.policy.plan(r.policy, r.fly, r.max_new - len(r.output) - 1, len(rows), self.draft is not None)
                  for r in rows]
-        drafts = [d[:p.k] for d, p in zip(self._cascade.propose(contexts, plans), plans)]
+        confidence = [r.fly.draft_confidence for r in rows]
+        drafts = [d[:p.k] for d, p in zip(self._cascade.propose(contexts, plans, confidence), plans)]
         accepted, tokens, native, loose = self._verify(rows, contexts, drafts)
         valid = [len(c) + a for c, a in zip(contexts, accepted)]  # context + kept drafts, both caches
         self._kv.truncate(valid)
@@ -220,7 +221,8 @@ class FLyEngine:
             n, a = len(draft), accepted[b]
             req.stats.record_round(n, native[b], loose[b], a, used_draft_model=plan.model and n > 0 and
                                    self.draft is not None, used_ngram=plan.ngram and n > 0)
-            self.policy.observe(req.policy, plan, n, a, self._cascade.model_forwards[b])
+            self.policy.observe(req.policy, plan, n, a, self._cascade.model_forwards[b], loose=sum(loose[b][:a]),
+                                window=req.fly.window if req.fly.loose else None)
             outputs.append(self._emit(req, tokens[b]))
             if req.finish_reason is not None:
                 finished.append(b)

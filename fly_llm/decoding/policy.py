@@ -1,22 +1,28 @@
 """Adaptive drafting (docs/design.md §1.4): per request and round, how many tokens to draft and with which stages.
 
-`FLyConfig.k` is an upper bound. From each request's own acceptance history the policy estimates,
-per stage, the chance α that the next draft token is accepted, and picks the plan with the highest
-expected tokens per unit of time:
+`FLyConfig.k` is an upper bound. From each request's own history the policy estimates, per
+stage, the chance α that the target agrees with the next draft token (native acceptance), and,
+shared by the stages, the chance ρ that FLy's rule rescues a native mismatch at a position where
+the rule may act (a position with at least W draft tokens after it: the last W are strict). It
+picks the plan with the highest expected tokens per unit of time:
 
-    tokens(α, K) = 1 + α + α² + … + α^K          (kept drafts plus the target's own token)
-    time         = 1 + B·target_token·K  (+ draft_step·s·K when the draft model runs)
+    tokens(K) = 1 + Σ_{j=1..K} Π_{i<j} a_i,   a_i = α + (1-α)·ρ where i < K-W, else α
+    time      = 1 + B·target_token·K  (+ draft_step·s·K when the draft model runs)
 
 in units of one plain target forward, with B the batch size (a longer verify forward delays every
 row, so a big batch speculates less) and s the request's measured draft-model forwards per drafted
-token (1 for the model alone, less in the n-gram → model cascade when the copies hold). Plain decoding (K = 0, time 1, one token) is always a
-candidate, so a plan is only chosen when it is expected to beat target-only decoding. n-gram
-proposals are nearly free, so n-gram rounds run whenever they are expected to pay; the draft model
-runs only when its acceptance is high enough to pay for its forwards. A stage that is not chosen is
-re-tried now and then with a short draft (its probe interval doubles while it keeps losing), so the
-estimate can recover when the text changes. Rounds are never timed: the costs are fixed (the
-defaults, or `Costs.measure` once at start-up), so the choices — and hence FLy-mode output — depend
-only on the tokens.
+token (1 for the model alone, less in the n-gram → model cascade when the copies hold). With the
+loose rule off ρ = 0 and tokens(K) is the geometric 1 + α + … + α^K. So with FLy on, plans with
+K > W, where the deferred window can act, are valued by what FLy accepts; ρ starts from an
+optimistic prior, so such plans are tried while a request has no history, and ρ then follows what
+the rule really rescued. Plain decoding (K = 0, time 1, one token) is always a candidate, so a plan
+is only chosen when it is expected to beat target-only decoding. n-gram proposals are nearly free,
+so n-gram rounds run whenever they are expected to pay; the draft model runs only when its
+acceptance is high enough to pay for its forwards. A stage that is not chosen is re-tried now and
+then with a short draft (its probe interval doubles while it keeps losing), so the estimate can
+recover when the text changes. Rounds are never timed: the costs are fixed (the defaults, or
+`Costs.measure` once at start-up), so the choices — and hence FLy-mode output — depend only on the
+tokens.
 
 With `FLyConfig.adaptive = False` every round drafts k tokens with the configured stages.
 """
@@ -68,13 +74,29 @@ class _Acceptance:
     accepted: float
     rejected: float
 
-    def update(self, accepted: int, drafted: int, decay: float) -> None:
+    def update(self, accepted: int, rejected: int, decay: float) -> None:
         self.accepted = self.accepted * decay + accepted
-        self.rejected = self.rejected * decay + (1 if accepted < drafted else 0)
+        self.rejected = self.rejected * decay + rejected
 
     @property
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
+
+
+@dataclass
+class _Rescue:
+    """Decayed counts of native mismatches where FLy's rule could act, and how many it accepted."""
+
+    rescued: float
+    eligible: float
+
+    def update(self, rescued: int, eligible: int, decay: float) -> None:
+        self.rescued = self.rescued * decay + rescued
+        self.eligible = self.eligible * decay + eligible
+
+    @property
+    def rho(self) -> float:
+        return self.rescued / self.eligible
 
 
 @dataclass
@@ -83,6 +105,7 @@ class PolicyState:
 
     ngram: _Acceptance = field(default_factory=lambda: _Acceptance(1.0, 1.0))
     model: _Acceptance = field(default_factory=lambda: _Acceptance(1.5, 1.0))
+    rescue: _Rescue = field(default_factory=lambda: _Rescue(0.5, 1.0))  # optimistic: try K > W early
     ngram_hit: float = 0.5  # decayed share of n-gram lookups that found a proposal
     model_steps: float = 1.0  # decayed draft-model forwards per drafted token (< 1 when n-grams help)
     since_model: int = _FIRST_PROBE  # rounds since the draft model last ran (a new request probes it at once)
@@ -108,28 +131,38 @@ class AdaptivePolicy:
         if not fly.adaptive:
             return DraftPlan(k=k_max, ngram=can_ngram, model=can_model)
         per_token = self.costs.target_token * batch_size
+        loose = _Loose(state.rescue.rho, fly.window) if fly.loose else _Loose()
         best, best_speed = PLAIN, 1.0
         if can_ngram:
-            k, gain = _best_k(state.ngram.alpha, k_max, per_token)
+            k, gain = _best_k(state.ngram.alpha, k_max, per_token, loose)
             speed = (1 + state.ngram_hit * gain) / (1 + per_token * k)  # a miss is a plain round
             if speed > best_speed:
                 best, best_speed = DraftPlan(k=k, ngram=True, model=False), speed
         if can_model:
             model_cost = per_token + self.costs.draft_step * state.model_steps
-            if _speed(state.model.alpha, k_max, model_cost) > best_speed:
-                k, _ = _best_k(state.model.alpha, k_max, model_cost)
+            if _speed(state.model.alpha, k_max, model_cost, loose) > best_speed:
+                k, _ = _best_k(state.model.alpha, k_max, model_cost, loose)
                 return DraftPlan(k=k, ngram=can_ngram, model=True)
-            could_win = _speed(_OPTIMISTIC_ALPHA, k_max, model_cost) > best_speed
+            could_win = _speed(_OPTIMISTIC_ALPHA, k_max, model_cost, loose) > best_speed
             if could_win and state.since_model >= state.model_probe_every:
                 state.probing = True
                 return DraftPlan(k=min(4, k_max), ngram=can_ngram, model=True)
         return best
 
     def observe(self, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int,
-                model_forwards: int = 0) -> None:
-        """Learn from one round's outcome (`model_forwards`: draft-model forwards it took)."""
+                model_forwards: int = 0, *, loose: int = 0, window: int | None = None) -> None:
+        """Learn from one round's outcome.
+
+        `accepted` counts every kept draft token, `loose` those FLy's rule kept although the target
+        disagreed; `window` is the round's W when the loose rule was on (None: off, so the round
+        says nothing about ρ); `model_forwards` is how many draft-model forwards the round took.
+        """
+        if window is not None and drafted:
+            rejected_where_eligible = accepted < drafted - window
+            state.rescue.update(loose, loose + rejected_where_eligible, self.decay)
+        native, misses = accepted - loose, loose + (accepted < drafted)
         if plan.model:
-            state.model.update(accepted, drafted, self.decay)
+            state.model.update(native, misses, self.decay)
             if drafted:
                 steps = model_forwards / drafted
                 state.model_steps = state.model_steps * self.decay + (1 - self.decay) * steps
@@ -141,26 +174,39 @@ class AdaptivePolicy:
             if plan.ngram:
                 state.ngram_hit = state.ngram_hit * self.decay + (1 - self.decay) * (drafted > 0)
                 if drafted:
-                    state.ngram.update(accepted, drafted, self.decay)
+                    state.ngram.update(native, misses, self.decay)
 
 
-def _speed(alpha: float, k_max: int, cost_per_token: float) -> float:
+@dataclass(frozen=True)
+class _Loose:
+    """What FLy's rule adds to a plan: rescue chance ρ at positions with ≥ W drafts after them."""
+
+    rho: float = 0.0
+    window: int = 0
+
+
+def _speed(alpha: float, k_max: int, cost_per_token: float, loose: _Loose = _Loose()) -> float:
     """Expected tokens per unit of time at the best K."""
-    k, gain = _best_k(alpha, k_max, cost_per_token)
+    k, gain = _best_k(alpha, k_max, cost_per_token, loose)
     return (1 + gain) / (1 + cost_per_token * k)
 
 
-def _best_k(alpha: float, k_max: int, cost_per_token: float) -> tuple[int, float]:
+def _best_k(alpha: float, k_max: int, cost_per_token: float, loose: _Loose = _Loose()) -> tuple[int, float]:
     """The K in 1..k_max with the best (expected extra tokens) / time, and those extra tokens."""
-    best_k, best_gain, best_speed = 1, alpha, (1 + alpha) / (1 + cost_per_token)
-    gain, term = alpha, alpha
-    for k in range(2, k_max + 1):
-        term *= alpha
-        gain += term
+    rescued = alpha + (1 - alpha) * loose.rho
+    best_k, best_gain, best_speed = 1, 0.0, 0.0
+    for k in range(1, k_max + 1):
+        m = max(k - loose.window, 0)  # positions where the rule may rescue a mismatch
+        gain = _geometric(rescued, m) + rescued ** m * _geometric(alpha, k - m)
         speed = (1 + gain) / (1 + cost_per_token * k)
         if speed > best_speed:
             best_k, best_gain, best_speed = k, gain, speed
     return best_k, best_gain
+
+
+def _geometric(x: float, n: int) -> float:
+    """x + x² + … + xⁿ."""
+    return n if x == 1 else x * (1 - x ** n) / (1 - x)
 
 
 @torch.inference_mode()

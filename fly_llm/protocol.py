@@ -178,6 +178,8 @@ class InfoReply(_Message):
     dtype: str
     fly_defaults: FLyConfig
     sampling_defaults: SamplingParams
+    chat_template: bool = False
+    """The target's tokenizer has a chat template, so `messages` work (False from older daemons)."""
 
 
 HealthState = Literal["loading", "ready", "draining", "failed"]

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from fly_llm.client import FLyClient, build_options
+
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fly_daemon.cli", *args], capture_output=True, text=True,
@@ -37,3 +39,19 @@ def test_bad_settings_are_refused_before_starting(tmp_path):
     assert out.returncode == 2 and "unsupported endpoint" in out.stderr
     out = _cli("start", "--foreground", "--endpoint", "tcp://0.0.0.0:5999", "--target", str(tmp_path))
     assert out.returncode == 2 and "CURVE" in out.stderr
+
+
+def test_generate_sends_a_chat_message_by_default_and_the_text_with_raw(tiny_daemon):
+    prompt = "Write a Python function that reverses a string."
+    sampling, fly = build_options(max_tokens=12, loose=False)
+    with FLyClient(tiny_daemon) as client:
+        assert client.info().chat_template  # the tiny tokenizer has a ChatML template
+        chat = client.chat([{"role": "user", "content": prompt}], sampling, fly).text
+        raw = client.generate(prompt, sampling, fly).text
+    assert chat != raw
+    flags = ("--endpoint", tiny_daemon, "--max-tokens", "12", "--no-loose")
+    out = _cli("generate", prompt, *flags)
+    assert out.returncode == 0 and out.stdout == chat
+    assert _cli("generate", "--raw", prompt, *flags).stdout == raw
+    assert _cli("generate", "--chat", prompt, *flags).stdout == chat  # the old opt-in is still accepted
+    assert "--raw" in _cli("generate", "--help").stdout

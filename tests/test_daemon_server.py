@@ -50,6 +50,7 @@ class CountingEngine:
 
     context_window = 64
     target_name, draft_name, device, dtype = "counting", None, "cpu", "float32"
+    tokenizer = None  # no chat template
 
     def __init__(self, step_s: float = 0.0) -> None:
         self.config = FLyConfig()

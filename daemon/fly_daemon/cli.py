@@ -3,7 +3,8 @@
     fly-daemon start                  # the embedded default pair, detached; prints where and when ready
     fly-daemon start --foreground --target DIR --draft DIR --endpoint ipc:///tmp/fly.sock
     fly-daemon status                 # state, models, uptime, queue, batch, throughput, acceptance
-    fly-daemon generate "def fib(n):" # streams to the terminal
+    fly-daemon generate "Write a Python function that reverses a string."  # chat; streams the answer
+    fly-daemon generate --raw "def fib(n):"  # plain completion of the text
     fly-daemon stop                   # graceful: running requests finish within --drain-timeout
 """
 
@@ -92,10 +93,13 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the raw status reply")
     status.set_defaults(func=_status)
 
-    gen = sub.add_parser("generate", help="stream a completion to the terminal")
+    gen = sub.add_parser("generate", help="stream an answer to the terminal (a chat turn unless --raw)",
+                         description="Send PROMPT as a user chat message through the model's chat template "
+                                     "(when it has none, or with --raw, as plain text to complete).")
     _endpoint_arg(gen)
     gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--raw", action="store_true", help="plain completion: the model continues the prompt text")
+    gen.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # accepted: chat is the default now
     gen.add_argument("--max-tokens", type=int)
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--seed", type=int)
@@ -284,9 +288,10 @@ def _generate(args: argparse.Namespace) -> int:
     sampling, fly = build_options(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                   k=args.k, window=args.window, entropy_threshold=args.entropy_threshold,
                                   loose=False if args.no_loose else None)
-    source = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     with FLyClient(endpoint, timeout=args.timeout) as client:
         try:
+            chat = not args.raw and _has_chat_template(client)
+            source = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
             for item in client.stream(**source, sampling=sampling, fly=fly):
                 if isinstance(item, GenerateResult):
                     rate = item.usage.completion_tokens / item.elapsed_s if item.elapsed_s else 0.0
@@ -298,6 +303,13 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"\nfly-daemon: {exc}", file=sys.stderr)
             return 1
     return 0
+
+
+def _has_chat_template(client: FLyClient) -> bool:
+    """Whether the served model has a chat template (waits while the daemon loads its models)."""
+    while client.health().state == "loading":
+        time.sleep(0.5)
+    return client.info().chat_template
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ from langchain_core.language_models import LangSmithParams
 from langchain_core.messages.ai import UsageMetadata
 from pydantic import BaseModel, Field
 
-from fly_llm.client import REQUEST_OPTIONS, AsyncFLyClient, FLyClient, build_options, default_endpoint
-from fly_llm.config import FLyOverrides, SamplingParams
+from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
+from fly_llm.config import REQUEST_OPTIONS, FLyOverrides, SamplingParams
 from fly_llm.protocol import GenerateResult
 
 class FLyBase(BaseModel):

@@ -25,7 +25,8 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from fly_llm.client import REQUEST_OPTIONS, AsyncFLyClient, FLyClient, build_options, default_endpoint
+from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
+from fly_llm.config import REQUEST_OPTIONS
 from fly_llm.protocol import GenerateResult, InfoReply, TokenChunk
 
 _ROLES = {

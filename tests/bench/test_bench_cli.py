@@ -92,7 +92,7 @@ def test_without_a_draft_the_methods_that_need_one_are_skipped(tiny_pair_dirs, t
 def test_llamacpp_decodes_the_targets_gguf(tiny_pair_dirs, tmp_path):
     """Method (f) on a float32 GGUF of the tiny target: llama.cpp's greedy tokens are the target's."""
     pytest.importorskip("llama_cpp")
-    from tiny_models import write_tiny_gguf
+    from support.tiny_models import write_tiny_gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target_dir, draft_dir = tiny_pair_dirs

@@ -9,7 +9,7 @@ import fly_llm.decoding.engine as engine_module
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.verify import target_entropy
-from tiny_models import make_pair
+from support.tiny_models import make_pair
 
 torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fly_llm.decoding.text import Detokenizer, StopChecker
-from tiny_models import make_tokenizer
+from support.tiny_models import make_tokenizer
 
 
 def test_detokenizer_holds_back_incomplete_utf8():

@@ -1,7 +1,7 @@
 """ChatFLy and the example chain on the real embedded pair (Qwen2.5-Coder 1.5B / 0.5B) in a daemon.
 
 Slow (minutes on a CPU; needs `fly-llm[models]`). Run with
-`python -m pytest tests/test_langchain_real.py -m slow -s`.
+`python -m pytest tests/adapters/test_langchain_real.py -m slow -s`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ TASK = "Write a Python function add(a, b) that returns the sum of a and b."
 @pytest.fixture(scope="module")
 def real_daemon(tmp_path_factory):
     """Endpoint of a daemon serving the embedded pair (float32, cpu) on a private socket."""
-    from daemon_process import start_daemon
+    from support.daemon_process import start_daemon
 
     from fly_llm.default_models import ensure_default_pair
 
@@ -44,7 +44,7 @@ def test_chat_answers_a_coding_task(real_daemon: str) -> None:
 
 
 def test_example_chain_streams_an_answer(real_daemon: str) -> None:
-    example = Path(__file__).parents[1] / "examples" / "langchain_chain.py"
+    example = Path(__file__).parents[2] / "examples" / "langchain_chain.py"
     run = subprocess.run([sys.executable, str(example), "--endpoint", real_daemon, "--max-tokens", "64", TASK],
                          capture_output=True, text=True, timeout=1800, check=True)
     assert "def add" in run.stdout

@@ -1,4 +1,4 @@
-"""Requests that arrive while the models load wait in the queue (Scheduler, in-process, real tiny engine).
+"""The scheduler in-process on a real tiny engine: the loading queue, batch limits, failed steps.
 
 The scheduler runs in its own thread as in the daemon; its `load_engine` blocks on an Event, so a
 test decides when loading ends (or fails). Replies are collected from `emit`. The socket-level
@@ -26,7 +26,7 @@ NO_HEARTBEATS = Limits(heartbeat_timeout=0)  # these tests send none
 
 @pytest.fixture(scope="module")
 def engine():
-    from tiny_models import make_pair
+    from support.tiny_models import make_pair
 
     from fly_llm.decoding.engine import FLyEngine
 
@@ -153,3 +153,37 @@ def test_draining_still_refuses_new_work(loading):
         scheduler.submit(CLIENT, _generate("late"))
     with pytest.raises(NotReady, match="draining"):
         scheduler.tokenize(CLIENT, TokenizeRequest(id="t", text="hi"))
+
+
+def test_batch_limit_holds_and_a_failed_step_fails_only_its_batch(engine):
+    """Five requests, at most two in the engine: the first step fails (its two get INTERNAL, the
+    engine resets), the three still queued are then served, each with the target's greedy answer."""
+    from fly_llm.decoding.engine import FLyEngine
+
+    class FailsOnce(FLyEngine):
+        failed, widest = False, 0
+
+        def _round(self):
+            self.widest = max(self.widest, self.num_active)
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("injected")
+            return super()._round()
+
+    failing = FailsOnce(engine.target, engine.tokenizer, engine.draft, FLyConfig(loose=False))
+    replies = Replies()
+    scheduler = Scheduler(lambda: failing, replies, Limits(max_batch_size=2, heartbeat_timeout=0))
+    for i in range(5):
+        scheduler.submit(CLIENT, _generate(f"r{i}", max_tokens=6))
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    try:
+        finals = [replies.final(f"r{i}") for i in range(5)]
+    finally:
+        scheduler.drain(force=True)
+        thread.join(30)
+    assert [type(f).__name__ for f in finals] == ["ErrorReply"] * 2 + ["GenerateResult"] * 3
+    assert all(f.code == "INTERNAL" and "injected" in f.message for f in finals[:2])
+    expected = engine.generate("def add(a, b):", SamplingParams(max_tokens=6), FLyConfig(loose=False))[0].token_ids
+    assert all(f.token_ids == expected for f in finals[2:])
+    assert failing.widest <= 2 and scheduler.state in ("ready", "draining")

@@ -153,7 +153,7 @@ def test_streaming_field_streams_invoke(chat: ChatFLy, tiny_daemon: str) -> None
 
 
 def test_example_chain_runs(tiny_daemon: str) -> None:
-    example = Path(__file__).parents[1] / "examples" / "langchain_chain.py"
+    example = Path(__file__).parents[2] / "examples" / "langchain_chain.py"
     run = subprocess.run([sys.executable, str(example), "--endpoint", tiny_daemon, "--max-tokens", "8", "hello"],
                          capture_output=True, text=True, timeout=120, check=True)
     assert run.stdout.strip()

@@ -22,11 +22,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from daemon_process import start_daemon
+from support.daemon_process import start_daemon
 from fly_llm.client import FLyClient, build_options
 from fly_llm.errors import Busy, FLyUnavailable, Timeout, TooLong
 from fly_llm.protocol import GenerateResult
-from tiny_models import CORPUS
+from support.tiny_models import CORPUS
 
 MAX_NEW = 16
 BURSTS = 30

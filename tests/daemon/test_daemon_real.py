@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon_process import start_daemon
+from support.daemon_process import start_daemon
 from fly_llm.client import FLyClient, build_options
 
 

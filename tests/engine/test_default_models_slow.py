@@ -4,7 +4,7 @@ The tests share one loaded pair and run in file order: exactness in float32 firs
 bfloat16 (the second test casts the pair).
 
 Slow (minutes on a CPU) and needs `fly-llm[models]`; builds the safetensors cache on first use.
-Run with `python -m pytest tests/test_default_models_slow.py -m slow -s`.
+Run with `python -m pytest tests/engine/test_default_models_slow.py -m slow -s`.
 """
 
 from __future__ import annotations

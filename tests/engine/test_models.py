@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_pair, make_tokenizer, save_tiny_pair, write_tiny_gguf
+from support.tiny_models import make_pair, make_tokenizer, save_tiny_pair, write_tiny_gguf
 
 from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine

@@ -112,7 +112,7 @@ class TestChatFLyUnit(ChatFLyCapabilities, ChatModelUnitTests):
     @pytest.mark.xfail(strict=True, reason=(
         "dumpd works (snapshot matches), but the standard test loads with allowed_objects='all', "
         "which is langchain-core's own allowlist of partner packages; a third-party class cannot be on "
-        "it. ChatFLy loads with allowed_objects=[ChatFLy] (tests/test_langchain_chat.py)."))
+        "it. ChatFLy loads with allowed_objects=[ChatFLy] (tests/adapters/test_langchain_chat.py)."))
     def test_serdes(self, model: ChatFLy, snapshot) -> None:
         super().test_serdes(model, snapshot)
 

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from fly_llm.decoding.cache import BatchKV
-from tiny_models import make_pair
+from support.tiny_models import make_pair
 
 torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
 

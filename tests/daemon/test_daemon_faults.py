@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_process import DaemonProcess, start_daemon
+from support.daemon_process import DaemonProcess, start_daemon
 from fly_llm.client import FLyClient, build_options
 from fly_llm.errors import Busy, Cancelled, FLyUnavailable, NotReady
 
@@ -28,7 +28,7 @@ LONG_OPTIONS = build_options(max_tokens=LONG, loose=False, k=1)
 @pytest.fixture(scope="module")
 def slow_pair_dirs(tmp_path_factory) -> tuple[Path, Path]:
     """(target_dir, draft_dir) of a pair like the tiny one but ~30M parameters each."""
-    from tiny_models import save_tiny_pair
+    from support.tiny_models import save_tiny_pair
 
     return save_tiny_pair(tmp_path_factory.mktemp("slow_llama"), "llama", **SLOW_SIZE)
 

@@ -9,7 +9,7 @@ from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.drafters import DraftPlan
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.policy import PLAIN, AdaptivePolicy, Costs, PolicyState
-from tiny_models import make_pair
+from support.tiny_models import make_pair
 
 torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fly_llm.decoding.drafters import Cascade, DraftPlan, ModelStage, NgramStage
-from tiny_models import make_pair
+from support.tiny_models import make_pair
 
 torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
 

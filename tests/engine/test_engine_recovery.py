@@ -22,7 +22,7 @@ from fly_llm.errors import Internal
 
 from fly_daemon.scheduler import Limits
 from fly_daemon.server import Server
-from tiny_models import make_pair
+from support.tiny_models import make_pair
 
 torch.set_num_threads(1)
 

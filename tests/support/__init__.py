@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny random-weight model pairs (`tiny_models`) and daemon subprocesses (`daemon_process`)."""

@@ -1,7 +1,7 @@
 """Serving speed: aggregate tokens/s through the daemon at concurrency 1, 2, 4, 8, 16 vs one request
 after another, and daemon + ZeroMQ vs the in-process engine on the same requests (overhead %).
 
-    python benchmarks/serve_bench.py                          # tiny random pair (tests/tiny_models.py)
+    python benchmarks/serve_bench.py                          # tiny random pair (tests/support/tiny_models.py)
     python benchmarks/serve_bench.py --target DIR --draft DIR --dtype bfloat16 --max-tokens 64
     python benchmarks/serve_bench.py --embedded --dtype bfloat16 --requests 8 --concurrency 1 2 4 8
 
@@ -33,14 +33,24 @@ PROMPTS = ENGINE_PROMPTS + [
 ]
 
 
-def _models(args: argparse.Namespace, workdir: Path) -> tuple[str | None, str | None]:
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that say which models a benchmark's daemon serves, and how."""
+    p.add_argument("--target", help="target model dir / HF id (default: the tiny random pair)")
+    p.add_argument("--draft", help="draft model dir / HF id, or 'none'")
+    p.add_argument("--embedded", action="store_true", help="the embedded default pair (real models)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, help="torch CPU threads, the same in-process and in the daemon")
+
+
+def resolve_models(args: argparse.Namespace, workdir: Path) -> tuple[str | None, str | None]:
     """(target, draft) to load; (None, None) is the embedded default pair."""
     if args.embedded:
         return None, None
     if args.target:
         return args.target, args.draft or "none"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tiny_models import save_tiny_pair
+    from support.tiny_models import save_tiny_pair
 
     target, draft = save_tiny_pair(workdir / "tiny", "llama")
     return str(target), str(draft)
@@ -69,8 +79,9 @@ def _in_process(target: str | None, draft: str | None, args: argparse.Namespace,
     return sequential, batched
 
 
-def _start_daemon(target: str | None, draft: str | None, args: argparse.Namespace,
+def start_daemon(target: str | None, draft: str | None, args: argparse.Namespace,
                   workdir: Path) -> tuple[subprocess.Popen, str]:
+    """Start a daemon subprocess on `args`' models and options; return it and its endpoint once ready."""
     endpoint = f"ipc://{workdir / 'bench.sock'}"
     log = open(workdir / "daemon.log", "ab")
     models = [] if target is None else ["--target", target, "--draft", draft]
@@ -125,29 +136,24 @@ def _through_daemon(endpoint: str, prompts: list[str], concurrency: int, max_tok
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark and print the table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="target model dir / HF id (default: the tiny random pair)")
-    p.add_argument("--draft", help="draft model dir / HF id, or 'none'")
-    p.add_argument("--embedded", action="store_true", help="the embedded default pair (real models)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    add_model_arguments(p)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--requests", type=int, default=16, help="requests per measurement")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--exact", action="store_true", help="exact speculative decoding instead of FLy")
-    p.add_argument("--threads", type=int, help="torch CPU threads, the same in-process and in the daemon")
     args = p.parse_args(argv)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
 
     with tempfile.TemporaryDirectory(prefix="fly-serve-bench-") as tmp:
         workdir = Path(tmp)
-        target, draft = _models(args, workdir)
+        target, draft = resolve_models(args, workdir)
         print(f"models: target={target or 'embedded'} draft={draft or 'embedded'} ({args.dtype}, {args.device}, "
               f"threads {args.threads or 'default'}); {args.requests} requests × {args.max_tokens} tokens, "
               f"{'exact SPD' if args.exact else 'FLy'}", flush=True)
         local_seq, local_batch = _in_process(target, draft, args, prompts)
         print(f"in-process engine: {local_seq:8.1f} tok/s one after another, {local_batch:8.1f} tok/s in one batch",
               flush=True)
-        proc, endpoint = _start_daemon(target, draft, args, workdir)
+        proc, endpoint = start_daemon(target, draft, args, workdir)
         try:
             _through_daemon(endpoint, prompts[:2], 1, 4)  # warm-up
             print(f"{'concurrency':>11} {'tok/s':>9} {'vs sequential':>14} {'largest batch':>14}", flush=True)

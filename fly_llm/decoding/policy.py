@@ -68,44 +68,32 @@ class Costs:
 
 
 @dataclass
-class _Acceptance:
-    """Decayed counts for a geometric estimate of the per-token acceptance probability."""
+class _Rate:
+    """Decayed counts of successes and failures; `value` estimates the success probability.
 
-    accepted: float
-    rejected: float
+    Per stage it is the native acceptance α (a kept native draft token vs a mismatch); shared, it
+    is FLy's rescue rate ρ (a mismatch the rule kept vs one it could have kept but did not).
+    """
 
-    def update(self, accepted: int, rejected: int, decay: float) -> None:
-        self.accepted = self.accepted * decay + accepted
-        self.rejected = self.rejected * decay + rejected
+    hits: float
+    misses: float
 
-    @property
-    def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
-
-
-@dataclass
-class _Rescue:
-    """Decayed counts of native mismatches where FLy's rule could act, and how many it accepted."""
-
-    rescued: float
-    eligible: float
-
-    def update(self, rescued: int, eligible: int, decay: float) -> None:
-        self.rescued = self.rescued * decay + rescued
-        self.eligible = self.eligible * decay + eligible
+    def update(self, hits: int, misses: int, decay: float) -> None:
+        self.hits = self.hits * decay + hits
+        self.misses = self.misses * decay + misses
 
     @property
-    def rho(self) -> float:
-        return self.rescued / self.eligible
+    def value(self) -> float:
+        return self.hits / (self.hits + self.misses)
 
 
 @dataclass
 class PolicyState:
     """One request's acceptance history."""
 
-    ngram: _Acceptance = field(default_factory=lambda: _Acceptance(1.0, 1.0))
-    model: _Acceptance = field(default_factory=lambda: _Acceptance(1.5, 1.0))
-    rescue: _Rescue = field(default_factory=lambda: _Rescue(0.5, 1.0))  # optimistic: try K > W early
+    ngram: _Rate = field(default_factory=lambda: _Rate(1.0, 1.0))
+    model: _Rate = field(default_factory=lambda: _Rate(1.5, 1.0))
+    rescue: _Rate = field(default_factory=lambda: _Rate(0.5, 0.5))  # optimistic: try K > W early
     ngram_hit: float = 0.5  # decayed share of n-gram lookups that found a proposal
     model_steps: float = 1.0  # decayed draft-model forwards per drafted token (< 1 when n-grams help)
     since_model: int = _FIRST_PROBE  # rounds since the draft model last ran (a new request probes it at once)
@@ -131,17 +119,17 @@ class AdaptivePolicy:
         if not fly.adaptive:
             return DraftPlan(k=k_max, ngram=can_ngram, model=can_model)
         per_token = self.costs.target_token * batch_size
-        loose = _Loose(state.rescue.rho, fly.window) if fly.loose else _Loose()
+        loose = _Loose(state.rescue.value, fly.window) if fly.loose else _Loose()
         best, best_speed = PLAIN, 1.0
         if can_ngram:
-            k, gain = _best_k(state.ngram.alpha, k_max, per_token, loose)
+            k, gain = _best_k(state.ngram.value, k_max, per_token, loose)
             speed = (1 + state.ngram_hit * gain) / (1 + per_token * k)  # a miss is a plain round
             if speed > best_speed:
                 best, best_speed = DraftPlan(k=k, ngram=True, model=False), speed
         if can_model:
             model_cost = per_token + self.costs.draft_step * state.model_steps
-            if _speed(state.model.alpha, k_max, model_cost, loose) > best_speed:
-                k, _ = _best_k(state.model.alpha, k_max, model_cost, loose)
+            if _speed(state.model.value, k_max, model_cost, loose) > best_speed:
+                k, _ = _best_k(state.model.value, k_max, model_cost, loose)
                 return DraftPlan(k=k, ngram=can_ngram, model=True)
             could_win = _speed(_OPTIMISTIC_ALPHA, k_max, model_cost, loose) > best_speed
             if could_win and state.since_model >= state.model_probe_every:
@@ -159,7 +147,7 @@ class AdaptivePolicy:
         """
         if window is not None and drafted:
             rejected_where_eligible = accepted < drafted - window
-            state.rescue.update(loose, loose + rejected_where_eligible, self.decay)
+            state.rescue.update(loose, rejected_where_eligible, self.decay)
         native, misses = accepted - loose, loose + (accepted < drafted)
         if plan.model:
             state.model.update(native, misses, self.decay)

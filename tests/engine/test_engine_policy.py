@@ -128,7 +128,7 @@ def test_fly_aware_policy_drafts_beyond_the_window_where_fly_rescues_mismatches(
     plan_off = policy.plan(fly_off, FLyConfig(ngram=False, loose=False), budget=100, batch_size=1, has_model=True)
     assert plan_on.model and plan_on.k > FLY.window
     assert plan_off.model and plan_off.k <= FLY.window
-    assert fly_on.rescue.rho > 0.5 and fly_on.model.alpha == pytest.approx(fly_off.model.alpha, abs=0.01)
+    assert fly_on.rescue.value > 0.5 and fly_on.model.value == pytest.approx(fly_off.model.value, abs=0.01)
 
 
 def test_without_history_fly_tries_k_beyond_the_window_and_learns_when_it_does_not_pay():
@@ -139,16 +139,16 @@ def test_without_history_fly_tries_k_beyond_the_window_and_learns_when_it_does_n
     for _ in range(30):  # FLy never rescues anything: the first mismatch ends every round
         plan = policy.plan(state, only_model, budget=100, batch_size=1, has_model=True)
         policy.observe(state, plan, plan.k, min(plan.k, 2), plan.k, loose=0, window=FLY.window)
-    assert state.rescue.rho < 0.3  # from the prior 0.5; rounds with K <= W then tell nothing more
+    assert state.rescue.value < 0.3  # from the prior 0.5; rounds with K <= W then tell nothing more
     assert policy.plan(state, only_model, budget=100, batch_size=1, has_model=True).k <= FLY.window
 
 
 def test_rescue_counts_only_mismatches_where_the_rule_could_act():
     policy, state = AdaptivePolicy(), PolicyState()
-    before = (state.rescue.rescued, state.rescue.eligible)
+    before = (state.rescue.hits, state.rescue.misses)
     policy.observe(state, DraftPlan(8, False, True), 8, 3, loose=0, window=6)  # rejected at 3 >= 8-6: strict
-    assert (state.rescue.rescued, state.rescue.eligible) == pytest.approx((before[0] * 0.9, before[1] * 0.9))
-    policy.observe(state, DraftPlan(8, False, True), 8, 1, loose=0, window=6)  # rejected at 1 < 2: eligible
-    assert state.rescue.eligible == pytest.approx(before[1] * 0.81 + 1)
+    assert (state.rescue.hits, state.rescue.misses) == pytest.approx((before[0] * 0.9, before[1] * 0.9))
+    policy.observe(state, DraftPlan(8, False, True), 8, 1, loose=0, window=6)  # rejected at 1 < 2: a miss
+    assert state.rescue.misses == pytest.approx(before[1] * 0.81 + 1)
     policy.observe(state, DraftPlan(8, False, True), 8, 8, loose=1, window=6)  # one rescue, nothing rejected
-    assert state.rescue.rescued == pytest.approx(before[0] * 0.729 + 1)
+    assert state.rescue.hits == pytest.approx(before[0] * 0.729 + 1)

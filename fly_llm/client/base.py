@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -42,7 +43,7 @@ class Connection:
             self.inbox.close([request.id])
 
 
-class ClientBase:
+class ClientBase(ABC):
     """A client of a fly-daemon at `endpoint`: `timeout` bounds each call (seconds), `max_retries` is
     how often a safe call is re-sent."""
 
@@ -53,11 +54,13 @@ class ClientBase:
         self._lock = threading.Lock()
         self._heartbeat = Heartbeat(self.endpoint)
 
+    @abstractmethod
     def _conn(self) -> Connection:
-        raise NotImplementedError
+        """This client's connection, opened on first use."""
 
+    @abstractmethod
     def _drop_conn(self) -> None:
-        raise NotImplementedError
+        """Close the connection (a later call opens a new one)."""
 
     def _request(self, prompt: str | None, messages: Messages | None, sampling: SamplingParams | None,
                  fly: FLyOverrides | None, timeout: float | None, stream: bool = False) -> GenerateRequest:

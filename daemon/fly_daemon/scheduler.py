@@ -101,7 +101,7 @@ class Scheduler:
         self.max_batch_size_seen = 0
         self.stats = RequestStats()
         self._busy_s = 0.0
-        self._load_engine = lambda: self._load(load_engine)
+        self._load_engine = load_engine
         self._emit = emit
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -224,23 +224,15 @@ class Scheduler:
 
     # ---- the model thread ----
 
-    def _load(self, load_engine: Callable[[], "FLyEngine"]) -> "FLyEngine":
-        """Build the engine (what `run` calls); if that fails, mark the daemon failed and answer what was queued."""
-        try:
-            return load_engine()
-        except Exception as exc:
-            with self._lock:
-                self.state, self.detail = "failed", f"loading models failed: {exc}"
-            self.abandon_queue(NotReady(self.detail))
-            raise
-
     def run(self) -> None:
         """Load the engine, then serve until drained (the body of the model thread)."""
         try:
             self.engine = self._load_engine()
         except Exception as exc:  # noqa: BLE001 - any load failure ends the daemon with its message
             log.exception("loading models failed")
-            self.state, self.detail = "failed", f"loading models failed: {exc}"
+            with self._lock:
+                self.state, self.detail = "failed", f"loading models failed: {exc}"
+            self.abandon_queue(NotReady(self.detail))  # what was queued while loading gets the reason
             return
         if self.state == "loading":
             self.state, self.detail = "ready", ""

@@ -14,7 +14,7 @@ The daemon renders `tools` with the target's chat template, constrains decoding 
 from __future__ import annotations
 
 import json
-import re
+import secrets
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -144,31 +144,23 @@ class Structure(_Strict):
         return not self.tools and (self.response_format is None or self.response_format.type == "text")
 
 
-_CALL = re.compile(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE), re.DOTALL)
-
-
-def parse_call(body: str, index: int) -> ToolCall:
-    """A ToolCall from the JSON between the tags; ValueError if it is not {"name": str, "arguments": object}."""
+def parse_call(body: str) -> ToolCall:
+    """A ToolCall (with a fresh id) from the JSON between the tags; ValueError unless {"name": str, "arguments": {…}}."""
     data = json.loads(body)
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         raise ValueError("a tool call must be a JSON object with a string 'name'")
     arguments = data.get("arguments", {})
     if not isinstance(arguments, dict):
         raise ValueError("a tool call's 'arguments' must be a JSON object")
-    return ToolCall(id=f"call_{index}", name=data["name"], arguments=arguments)
+    return ToolCall(id=f"call_{secrets.token_hex(8)}", name=data["name"], arguments=arguments)
 
 
-def split_tool_calls(text: str) -> tuple[str, list[ToolCall], list[str]]:
-    """Split generated text into (text outside calls, parsed calls, bodies that did not parse)."""
-    calls: list[ToolCall] = []
-    invalid: list[str] = []
-    for match in _CALL.finditer(text):
-        try:
-            calls.append(parse_call(match.group(1), len(calls)))
-        except ValueError:
-            invalid.append(match.group(1).strip())
-    content = _CALL.sub("", text).strip() if calls or invalid else text
-    return content, calls, invalid
+def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """Split generated text into (text outside the calls, the calls); a block that does not parse stays text."""
+    stream = ToolCallStream()
+    shown, calls = stream.feed(text)
+    content = shown + stream.finish()
+    return (content.strip() if calls else content), calls
 
 
 class ToolCallStream:
@@ -181,7 +173,6 @@ class ToolCallStream:
     def __init__(self) -> None:
         self._pending = ""
         self._in_call = False
-        self._calls = 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Add a text delta; return (text to show now, calls completed by it)."""
@@ -195,8 +186,7 @@ class ToolCallStream:
                 body, self._pending = self._pending[:end], self._pending[end + len(TOOL_CLOSE):]
                 self._in_call = False
                 try:
-                    calls.append(parse_call(body, self._calls))
-                    self._calls += 1
+                    calls.append(parse_call(body))
                 except ValueError:
                     shown.append(TOOL_OPEN + body + TOOL_CLOSE)
                 continue

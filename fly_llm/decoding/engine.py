@@ -26,12 +26,13 @@ import torch
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.drafters import Cascade, ModelStage, NgramStage
-from fly_llm.decoding.grammar import GrammarCompiler, GrammarStage, apply_masks
+from fly_llm.decoding.grammar import GrammarCompiler, GrammarStage, apply_masks, grammar_for
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
 from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import RowRules, RowSampling, verify
 from fly_llm.errors import BadRequest, TooLong
 from fly_llm.stats import FinishReason, RequestStats
+from fly_llm.tools import Structure
 
 
 @dataclass
@@ -128,10 +129,10 @@ class FLyEngine:
         return list(self.tokenizer.encode(prompt))
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                    fly: FLyConfig | None = None, grammar: str | None = None) -> None:
+                    fly: FLyConfig | None = None, structure: Structure | None = None) -> None:
         """Queue a request; it is prefilled and joins the batch in the next step().
 
-        `grammar` (llguidance syntax, see `grammar.grammar_for`) constrains its output; it is
+        `structure` (tools / tool_choice / response_format) constrains its output through a grammar
         compiled here, so a bad one raises BadRequest before the request is queued.
         """
         if not prompt_ids:
@@ -144,6 +145,7 @@ class FLyEngine:
         fly = fly or self.config
         if (fly.entropy_measure, fly.entropy_top_k) != (self.config.entropy_measure, self.config.entropy_top_k):
             raise BadRequest("the entropy measure is set per engine, not per request")
+        grammar = grammar_for(structure)
         matcher = self.grammars.matcher(grammar) if grammar is not None else None
         generator = None
         if sampling.temperature > 0:
@@ -334,7 +336,7 @@ class FLyEngine:
         return f"{kind}-{self._local_ids}"
 
     def generate(self, prompts: str | list[str], sampling: SamplingParams | None = None,
-                 fly: FLyConfig | None = None, grammar: str | None = None) -> list[Generation]:
+                 fly: FLyConfig | None = None, structure: Structure | None = None) -> list[Generation]:
         """Generate for one or many prompts (batched together); one Generation per prompt, in order.
 
         Drives step() itself until these prompts finish: for in-process use, not next to a
@@ -344,7 +346,7 @@ class FLyEngine:
         sampling = sampling or SamplingParams()
         ids = [self._new_id("generate") for _ in prompts]
         for rid, prompt in zip(ids, prompts):
-            self.add_request(rid, self.encode(prompt), sampling, fly, grammar)
+            self.add_request(rid, self.encode(prompt), sampling, fly, structure)
         texts: dict[str, list[str]] = {i: [] for i in ids}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         results: dict[str, Generation] = {}

@@ -42,7 +42,7 @@ def pair():
     return _PAIR
 
 
-GRAMMARS = [None, None, None] + [grammar_for(Structure.model_validate(s)) for s in (
+STRUCTURES = [None, None, None] + [Structure.model_validate(s) for s in (
     {"response_format": {"type": "json_schema", "schema": {
         "type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
         "required": ["ok", "n"], "additionalProperties": False}}},
@@ -89,15 +89,15 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(prompt=prompts(), max_tokens=st.integers(1, MAX_NEW), k=st.integers(1, 15), adaptive=st.booleans(),
           ngram=st.booleans(), draft_model=st.booleans(), loose=st.booleans(),
           seed=st.one_of(st.none(), st.integers(0, 2**31)), confidence=st.sampled_from([0.0, 0.0, 0.5, 0.9]),
-          grammar=st.sampled_from(GRAMMARS))
-    def add(self, prompt, max_tokens, k, adaptive, ngram, draft_model, loose, seed, confidence, grammar):
+          structure=st.sampled_from(STRUCTURES))
+    def add(self, prompt, max_tokens, k, adaptive, ngram, draft_model, loose, seed, confidence, structure):
         rid = f"r{self.next_id}"
         self.next_id += 1
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0 if seed is None else 0.8, seed=seed)
         fly = FLyConfig(k=k, adaptive=adaptive, ngram=ngram, draft_model=draft_model, loose=loose,
                         draft_confidence=confidence)
-        self.engine.add_request(rid, prompt, sampling, fly, grammar)
-        self.requests[rid] = (tuple(prompt), not loose and seed is None, max_tokens, grammar)
+        self.engine.add_request(rid, prompt, sampling, fly, structure)
+        self.requests[rid] = (tuple(prompt), not loose and seed is None, max_tokens, grammar_for(structure))
         self.tokens[rid] = []
 
     @rule()

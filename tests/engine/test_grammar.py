@@ -50,8 +50,8 @@ def engine(pair, **fly) -> FLyEngine:
     return FLyEngine(target, tokenizer, draft, FLyConfig(**fly))
 
 
-def schema_grammar(schema: dict) -> str:
-    return grammar_for(Structure(response_format={"type": "json_schema", "schema": schema}))
+def schema_structure(schema: dict) -> Structure:
+    return Structure(response_format={"type": "json_schema", "schema": schema})
 
 
 @pytest.mark.parametrize("loose", [False, True])
@@ -63,7 +63,7 @@ def test_outputs_validate_batched_with_free_rows(pair, loose):
         for j, prompt in enumerate(PROMPTS[:2]):
             rid = f"{name}-{j}"
             eng.add_request(rid, eng.encode(prompt), SamplingParams(max_tokens=120, temperature=0.7 * j, seed=i),
-                            grammar=schema_grammar(schema))
+                            structure=schema_structure(schema))
             rids.append((rid, schema))
     eng.add_request("free", eng.encode("def add(a, b):"), SamplingParams(max_tokens=30))
     texts: dict[str, str] = {}
@@ -86,19 +86,19 @@ def test_exact_mode_equals_hf_generate_under_grammar(pair, k, ngram):
     target, _, tokenizer = pair
     eng = engine(pair, loose=False, k=k, ngram=ngram, adaptive=False)
     eos = sorted(eng._eos)
-    cases = [(p, schema_grammar(s)) for p, s in zip(PROMPTS, SCHEMAS.values())]
-    cases.append(("def add", grammar_for(Structure(response_format={"type": "regex", "pattern": r"[a-c]{2,9}!"}))))
+    cases = [(p, schema_structure(s)) for p, s in zip(PROMPTS, SCHEMAS.values())]
+    cases.append(("def add", Structure(response_format={"type": "regex", "pattern": r"[a-c]{2,9}!"})))
     prompts = [eng.encode(p) for p, _ in cases]
-    for i, (ids, (_, grammar)) in enumerate(zip(prompts, cases)):
-        eng.add_request(f"r{i}", ids, SamplingParams(max_tokens=40), grammar=grammar)
+    for i, (ids, (_, structure)) in enumerate(zip(prompts, cases)):
+        eng.add_request(f"r{i}", ids, SamplingParams(max_tokens=40), structure=structure)
     eng.add_request("free", eng.encode("The dog"), SamplingParams(max_tokens=20))
     got: dict[str, list[int]] = {}
     while eng.has_unfinished():
         for out in eng.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
         eng.check()
-    for i, (ids, (_, grammar)) in enumerate(zip(prompts, cases)):
-        assert got[f"r{i}"] == constrained_greedy(target, tokenizer, ids, grammar, 40, eos), i
+    for i, (ids, (_, structure)) in enumerate(zip(prompts, cases)):
+        assert got[f"r{i}"] == constrained_greedy(target, tokenizer, ids, grammar_for(structure), 40, eos), i
 
 
 def test_forced_tokens_are_drafted_and_counted(pair):
@@ -107,7 +107,7 @@ def test_forced_tokens_are_drafted_and_counted(pair):
                                                "another_long_key_here": {"type": "boolean"}},
               "required": ["the_first_long_key", "another_long_key_here"], "additionalProperties": False}
     eng = engine(pair, loose=False, draft_model=False, ngram=False)
-    [gen] = eng.generate("x", SamplingParams(max_tokens=60), grammar=schema_grammar(schema))
+    [gen] = eng.generate("x", SamplingParams(max_tokens=60), structure=schema_structure(schema))
     assert gen.finish_reason == "stop"
     jsonschema.validate(json.loads(gen.text), schema)
     assert gen.stats.forced >= 10, gen.stats
@@ -126,9 +126,9 @@ def test_required_and_named_tool_choice_yield_valid_calls(pair):
     for choice in ["required", {"type": "function", "function": {"name": "lookup"}}]:
         structure = Structure(tools=tools, tool_choice=choice)
         for prompt in PROMPTS:
-            [gen] = eng.generate(prompt, SamplingParams(max_tokens=80), grammar=grammar_for(structure))
-            _, calls, invalid = split_tool_calls(gen.text)
-            assert calls and not invalid, gen.text
+            [gen] = eng.generate(prompt, SamplingParams(max_tokens=80), structure=structure)
+            content, calls = split_tool_calls(gen.text)
+            assert calls and not content, gen.text
             for call in calls:
                 spec = next(t["function"] for t in tools if t["function"]["name"] == call.name)
                 jsonschema.validate(call.arguments, spec["parameters"])
@@ -139,9 +139,9 @@ def test_required_and_named_tool_choice_yield_valid_calls(pair):
 def test_tool_choice_none_never_starts_a_call(pair):
     tools = [{"type": "function", "function": {"name": "add"}}]
     eng = engine(pair)
-    grammar = grammar_for(Structure(tools=tools, tool_choice="none"))
+    structure = Structure(tools=tools, tool_choice="none")
     for prompt in PROMPTS:
-        [gen] = eng.generate(prompt, SamplingParams(max_tokens=40), grammar=grammar)
+        [gen] = eng.generate(prompt, SamplingParams(max_tokens=40), structure=structure)
         assert "<tool_call>" not in gen.text
 
 
@@ -152,7 +152,7 @@ def test_tool_choice_none_never_starts_a_call(pair):
 def test_bad_grammars_are_bad_requests(pair, response_format, problem):
     eng = engine(pair)
     with pytest.raises(BadRequest) as err:
-        eng.add_request("bad", eng.encode("x"), SamplingParams(), grammar=grammar_for(Structure(response_format=response_format)))
+        eng.add_request("bad", eng.encode("x"), SamplingParams(), structure=Structure(response_format=response_format))
     assert not eng.has_unfinished()
     assert problem in str(err.value).lower() or "grammar" in str(err.value).lower()
 
@@ -161,6 +161,6 @@ def test_valid_prefix_helper_rejects_garbage(pair):
     """The test oracle itself can fail: a token sequence outside the grammar is not accepted."""
     _, _, tokenizer = pair
     eng = engine(pair)
-    grammar = schema_grammar(SCHEMAS["enum_bool"])
+    grammar = grammar_for(schema_structure(SCHEMAS["enum_bool"]))
     bad = tokenizer.encode('{"color": "purple"}')
     assert grammar_valid_prefix(tokenizer, eng.vocab_size, sorted(eng._eos), grammar, bad) < len(bad)

@@ -211,3 +211,21 @@ def apply_masks(logits: torch.Tensor, masks: tuple[list[int], torch.Tensor] | No
     block[..., :vocab].masked_fill_(~allowed.to(logits.device), float("-inf"))
     block[..., vocab:] = float("-inf")
     logits.index_copy_(0, index, block)
+
+
+class GrammarLogitsProcessor:
+    """A Hugging Face `generate` logits processor that constrains one sequence by a grammar.
+
+    The baseline fly-bench's structured runs compare against (target-only decoding under the same
+    grammar); it reuses the grammar stage's masks, one row, one position per step.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, prompt_length: int, vocab_size: int) -> None:
+        self.stage = GrammarStage(vocab_size)
+        self.stage.add_row(matcher, prompt_length)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.stage.observe([input_ids[0].tolist()])
+        logits = scores.unsqueeze(1)
+        apply_masks(logits, self.stage.masks([[]], 1))
+        return logits.squeeze(1)

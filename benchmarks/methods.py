@@ -192,9 +192,10 @@ class Runner:
         if "assistant_model" in kwargs:
             kwargs["assistant_model"] = self.draft
         if structure is not None:
-            from fly_llm.decoding.grammar import GrammarLogitsProcessor, grammar_for
+            from fly_llm.decoding.grammar import GrammarLogitsProcessor
 
-            matcher = self.engine.grammars.matcher(grammar_for(structure))
+            grammars = self.engine.grammars
+            matcher = grammars.matcher(grammars.grammar(structure))
             kwargs["logits_processor"] = [GrammarLogitsProcessor(matcher, len(prompt_ids), self.engine.vocab_size)]
         streamer = _FirstToken()
         input_ids = torch.tensor([prompt_ids], device=self.target.device)

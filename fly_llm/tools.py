@@ -159,7 +159,8 @@ def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     """Split generated text into (text outside the calls, the calls); a block that does not parse stays text."""
     stream = ToolCallStream()
     shown, calls = stream.feed(text)
-    content = shown + stream.finish()
+    rest, _ = stream.finish()
+    content = shown + rest
     return (content.strip() if calls else content), calls
 
 
@@ -168,15 +169,29 @@ class ToolCallStream:
 
     Text that might be the start of TOOL_OPEN is held back until it is clear. A call still open
     when the stream ends is returned as text by `finish` (it never parsed).
+
+    With `names` (the offered tools), an answer that is one bare or ```json-fenced call object
+    of an offered tool also counts as a call: small models (Qwen2.5-Coder among them) often answer
+    a tool request that way instead of with the tags. Such an answer is held back whole and
+    decided at `finish`; it is not constrained by the grammar, so its arguments are as the model wrote them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str] = frozenset()) -> None:
+        self._names = names
         self._pending = ""
         self._in_call = False
+        self._bare: bool | None = None if names else False  # None: too early to tell
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Add a text delta; return (text to show now, calls completed by it)."""
         self._pending += text
+        if self._bare is None:
+            start = self._pending.lstrip()
+            if any(prefix.startswith(start) for prefix in _BARE_STARTS):
+                return "", []
+            self._bare = start.startswith(_BARE_STARTS)
+        if self._bare:
+            return "", []
         shown, calls = [], []
         while True:
             if self._in_call:
@@ -202,11 +217,22 @@ class ToolCallStream:
             break
         return "".join(shown), calls
 
-    def finish(self) -> str:
-        """The text still held back when the stream ends."""
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """When the stream ends: the text still held back, and a bare call if the answer was one."""
         rest = (TOOL_OPEN if self._in_call else "") + self._pending
         self._pending, self._in_call = "", False
-        return rest
+        if self._bare is not False:
+            body = rest.strip().removeprefix("```json").removesuffix("```")
+            try:
+                call = parse_call(body)
+            except ValueError:
+                return rest, []
+            if call.name in self._names:
+                return "", [call]
+        return rest, []
+
+
+_BARE_STARTS = ("{", "```json")
 
 
 def _partial_suffix(text: str, tag: str) -> int:

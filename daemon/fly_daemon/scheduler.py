@@ -131,7 +131,8 @@ class Scheduler:
             job = Job(envelope, request, f"r{next(self._ids)}", now, now)
             structure = request.structure
             if structure is not None and structure.calls_tools:
-                job.tool_calls = ToolCallStream()
+                job.tool_calls = ToolCallStream(frozenset(t.function.name for t in structure.tools)
+                                                if structure.tool_choice in (None, "auto") else frozenset())
             self._jobs[job.key] = job
             self._waiting.append(job)
         self._wake.set()
@@ -391,7 +392,9 @@ class Scheduler:
         text, calls = out.new_text, []
         if job.tool_calls is not None:
             text, calls = job.tool_calls.feed(text)
-            text += job.tool_calls.finish() if out.finished else ""
+            if out.finished:
+                rest, last = job.tool_calls.finish()
+                text, calls = text + rest, calls + last
             job.calls += calls
         job.content.append(text)
         rid = job.request.id

@@ -33,12 +33,16 @@ COMPILED_CACHE_SIZE = 64
 """Compiled grammars kept for reuse (LRU)."""
 
 
-def grammar_for(structure: Structure | None) -> str | None:
-    """The grammar for a request's structure; None when its output is free."""
+def grammar_for(structure: Structure | None, special_tags: frozenset[str] = frozenset()) -> str | None:
+    """The grammar for a request's structure; None when its output is free.
+
+    `special_tags`: the tool-call tags that are single special tokens of the tokenizer (Qwen2.5's
+    `<tool_call>`); the grammar names those as tokens, the others as text.
+    """
     if structure is None or structure.is_free:
         return None
     if structure.tools:
-        return _tools_grammar(structure)
+        return _tools_grammar(structure, special_tags)
     fmt = structure.response_format
     if fmt.type == "regex":
         return llguidance.LLMatcher.grammar_from_regex(fmt.pattern)
@@ -54,7 +58,7 @@ def _json(schema: dict) -> str:
     return "%json " + json.dumps(styled)
 
 
-def _tools_grammar(structure: Structure) -> str:
+def _tools_grammar(structure: Structure, special_tags: frozenset[str]) -> str:
     """Hermes-format calls of the offered tools: forced ('required', a name), optional ('auto') or none."""
     choice = structure.tool_choice or "auto"
     if choice == "none":  # tools are described in the prompt, but no call may start
@@ -66,13 +70,16 @@ def _tools_grammar(structure: Structure) -> str:
     variants = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
                  "required": ["name", "arguments"], "additionalProperties": False} for f in tools]
     body = f"body: {_json({'anyOf': variants} if len(variants) > 1 else variants[0])}\n"
-    tail = f'"\\n" body "\\n{TOOL_CLOSE}"'
+    open_tag, close_tag = (f"<{t[1:-1]}>" if t in special_tags else json.dumps(t) for t in (TOOL_OPEN, TOOL_CLOSE))
+    call = f'call: {open_tag} "\\n" body "\\n" {close_tag}\n'
     if choice == "auto":
+        if TOOL_OPEN in special_tags:  # text cannot hold a special token: the tag itself starts a call
+            return "start: TEXT (call TEXT)*\n" + call + body + "TEXT: /(.|\\n)*/\n"
         return ("start: (call_head call_tail)* TEXT\n"
-                f'call_head[lazy]: TEXT "{TOOL_OPEN}"\n'
-                f"call_tail: {tail}\n" + body + "TEXT: /(.|\\n)*/\n")
+                f"call_head[lazy]: TEXT {open_tag}\n"
+                f'call_tail: "\\n" body "\\n" {close_tag}\n' + body + "TEXT: /(.|\\n)*/\n")
     calls = "call" if isinstance(choice, NamedToolChoice) else 'call ("\\n" call)*'
-    return f"start: {calls}\ncall: \"{TOOL_OPEN}\" {tail}\n" + body
+    return f'start: {calls} "\\n"?\n' + call + body  # the model may end its last call with a newline
 
 
 def _regex_literal(text: str) -> str:
@@ -86,6 +93,7 @@ class GrammarCompiler:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
+        self._special_tags: frozenset[str] | None = None
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.compile_s = 0.0
@@ -100,6 +108,19 @@ class GrammarCompiler:
                                                            eos_token=self.eos_ids or None)
             self.compile_s += time.perf_counter() - start
         return self._tokenizer
+
+    @property
+    def special_tags(self) -> frozenset[str]:
+        """The tool-call tags that are one special token each for llguidance (Qwen2.5's `<tool_call>`)."""
+        if self._special_tags is None:
+            ids = {tag: self._hf_tokenizer.encode(tag, add_special_tokens=False) for tag in (TOOL_OPEN, TOOL_CLOSE)}
+            self._special_tags = frozenset(tag for tag, tokens in ids.items()
+                                           if len(tokens) == 1 and self.tokenizer.is_special_token(tokens[0]))
+        return self._special_tags
+
+    def grammar(self, structure: Structure | None) -> str | None:
+        """The grammar of a request's structure for this tokenizer (None: free output)."""
+        return grammar_for(structure, self.special_tags) if structure is not None and not structure.is_free else None
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher at the start of `grammar`; BadRequest if it does not compile."""

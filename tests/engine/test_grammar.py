@@ -164,3 +164,30 @@ def test_valid_prefix_helper_rejects_garbage(pair):
     grammar = grammar_for(schema_structure(SCHEMAS["enum_bool"]))
     bad = tokenizer.encode('{"color": "purple"}')
     assert grammar_valid_prefix(tokenizer, eng.vocab_size, sorted(eng._eos), grammar, bad) < len(bad)
+
+
+def test_tool_tags_that_are_special_tokens_are_named_as_tokens():
+    """Qwen2.5's <tool_call> is one special token: the grammars must name it as a token, not as text."""
+    from fly_llm.decoding.grammar import GrammarCompiler
+    from support.tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    open_id, close_id = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    assert compiler.special_tags == {"<tool_call>", "</tool_call>"}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}}}]
+    call = [open_id, *tokenizer.encode('\n{"name": "f", "arguments": {"x": 2}}\n'), close_id]
+    text = tokenizer.encode("The dog sleeps.")
+    eos = [tokenizer.eos_token_id]
+
+    def accepts(choice, tokens) -> bool:
+        matcher = compiler.matcher(compiler.grammar(Structure(tools=tools, tool_choice=choice)))
+        return matcher.validate_tokens(tokens) == len(tokens)
+
+    assert accepts("auto", text + call + text + eos) and accepts("auto", text + eos)
+    assert accepts("required", call + eos) and not accepts("required", text + call + eos)
+    assert accepts("none", text + eos) and not accepts("none", text + call + eos)
+    forced = compiler.matcher(compiler.grammar(Structure(tools=tools, tool_choice="required"))).compute_ff_tokens()
+    assert forced[0] == open_id

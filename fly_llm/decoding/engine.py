@@ -26,7 +26,7 @@ import torch
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.drafters import Cascade, ModelStage, NgramStage
-from fly_llm.decoding.grammar import GrammarCompiler, GrammarStage, apply_masks, grammar_for
+from fly_llm.decoding.grammar import GrammarCompiler, GrammarStage, apply_masks
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
 from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import RowRules, RowSampling, verify
@@ -145,8 +145,7 @@ class FLyEngine:
         fly = fly or self.config
         if (fly.entropy_measure, fly.entropy_top_k) != (self.config.entropy_measure, self.config.entropy_top_k):
             raise BadRequest("the entropy measure is set per engine, not per request")
-        grammar = grammar_for(structure)
-        matcher = self.grammars.matcher(grammar) if grammar is not None else None
+        matcher = self.grammars.for_structure(structure)
         generator = None
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)

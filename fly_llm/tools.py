@@ -23,6 +23,8 @@ TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 MAX_TOOLS = 128
 """Most tools one request may offer."""
+STRUCTURE_OPTIONS = ("tools", "tool_choice", "response_format")
+"""The request options that constrain the output (the clients' keywords next to sampling and FLy options)."""
 
 _NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 

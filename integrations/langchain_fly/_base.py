@@ -15,9 +15,8 @@ from pydantic import BaseModel, Field
 from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
 from fly_llm.config import REQUEST_OPTIONS
 from fly_llm.protocol import GenerateResult
+from fly_llm.tools import STRUCTURE_OPTIONS
 
-STRUCTURE_OPTIONS = ("tools", "tool_choice", "response_format")
-"""Call options that constrain the output; they go to the client next to sampling and FLy options."""
 
 class FLyBase(BaseModel):
     """Fields and daemon plumbing shared by `FLyLLM` and `ChatFLy` (a mixin, listed first).

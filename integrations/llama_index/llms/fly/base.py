@@ -35,12 +35,9 @@ from llama_index.core.types import PydanticProgramMode
 from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
 from fly_llm.config import REQUEST_OPTIONS
 from fly_llm.protocol import GenerateResult, InfoReply, TokenChunk, ToolCall
-from fly_llm.tools import check_tools, closed_schema, tool_choice_for
+from fly_llm.tools import STRUCTURE_OPTIONS, check_tools, closed_schema, tool_choice_for
 from llama_index.llms.fly._messages import answer, first_call_only, to_wire, tool_selections
 from llama_index.llms.fly._structured import parse_partial, parse_structured, response_format_for
-
-STRUCTURE_OPTIONS = ("tools", "tool_choice", "response_format")
-"""Call options that constrain the output; they go to the client next to sampling and FLy options."""
 
 
 class FLyLLM(FunctionCallingLLM):

@@ -194,8 +194,7 @@ class Runner:
         if structure is not None:
             from fly_llm.decoding.grammar import GrammarLogitsProcessor
 
-            grammars = self.engine.grammars
-            matcher = grammars.matcher(grammars.grammar(structure))
+            matcher = self.engine.grammars.for_structure(structure)
             kwargs["logits_processor"] = [GrammarLogitsProcessor(matcher, len(prompt_ids), self.engine.vocab_size)]
         streamer = _FirstToken()
         input_ids = torch.tensor([prompt_ids], device=self.target.device)

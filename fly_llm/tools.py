@@ -17,12 +17,14 @@ import json
 import secrets
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 MAX_TOOLS = 128
 """Most tools one request may offer."""
+STRUCTURE_OPTIONS = ("tools", "tool_choice", "response_format")
+"""The request options that constrain the output (the clients' keywords next to sampling and FLy options)."""
 
 _NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 
@@ -58,6 +60,7 @@ class NamedToolChoice(_Strict):
 
 
 ToolChoice = Union[Literal["auto", "none", "required"], NamedToolChoice]
+_TOOL_CHOICE: TypeAdapter[ToolChoice | None] = TypeAdapter(ToolChoice | None)
 
 
 class TextFormat(_Strict):
@@ -142,6 +145,88 @@ class Structure(_Strict):
     def is_free(self) -> bool:
         """Nothing constrains the output."""
         return not self.tools and (self.response_format is None or self.response_format.type == "text")
+
+
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a JSON Schema in which an object that lists `properties` allows no other key, unless it says so.
+
+    JSON Schema lets such an object carry any further key, and a model decoding under that grammar
+    may wander into made-up keys until it runs out of tokens. An object that states
+    `additionalProperties` or `patternProperties`, and an object without `properties` (a free
+    dict), keep their meaning. Only schema positions are walked, never `enum`, `const` or defaults.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(sub) for sub in out[key]]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
+            and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def tool_choice_for(choice: Any, names: list[str]) -> str | dict | None:
+    """A framework's tool_choice in the wire form: "auto", "none", "required" or a named function.
+
+    "any" and True mean "required" (LangChain's and Anthropic's word), a bare name of an offered
+    tool names that tool, None and False leave it unset; anything else is a ValueError listing
+    what would do.
+    """
+    if choice is None or choice is False:
+        return None
+    if choice is True or choice == "any":
+        return "required"
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, str) and choice in names:
+        return {"type": "function", "function": {"name": choice}}
+    if isinstance(choice, dict):
+        return choice
+    raise ValueError(f"unknown tool_choice {choice!r}: use 'auto', 'none', 'required' (or 'any'), or the name "
+                     f"of an offered tool ({', '.join(names) or 'none offered'})")
+
+
+def check_tools(tools: list[dict], tool_choice: str | dict | None = None) -> None:
+    """Validate OpenAI-style tools and a tool_choice as the daemon will; a ValueError names the tool and why.
+
+    Catches bad names and shapes and a choice naming no offered tool before anything is sent.
+    Duplicate names are refused when a request is built (frameworks bind lists they never send),
+    and whether a schema compiles to a grammar only the daemon knows (its BAD_REQUEST names the tool).
+    """
+    for i, tool in enumerate(tools):
+        try:
+            ToolSpec.model_validate(tool)
+        except ValidationError as exc:
+            name = (tool.get("function") or {}).get("name") if isinstance(tool, dict) else None
+            raise ValueError(f"tool {name or f'#{i}'!r}: {_reason(exc)}") from None
+    try:
+        choice = _TOOL_CHOICE.validate_python(tool_choice)
+    except ValidationError as exc:
+        raise ValueError(f"tool_choice {tool_choice!r}: {_reason(exc)}") from None
+    names = [t["function"]["name"] for t in tools]
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise ValueError(f"tool_choice names the unknown tool {choice.function.name!r} (offered: {names})")
+
+
+def _reason(exc: ValidationError) -> str:
+    """The first problem of a validation error, with where it is."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ()))
+    message = err.get("msg", "invalid").removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 def parse_call(body: str) -> ToolCall:

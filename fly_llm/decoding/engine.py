@@ -145,8 +145,7 @@ class FLyEngine:
         fly = fly or self.config
         if (fly.entropy_measure, fly.entropy_top_k) != (self.config.entropy_measure, self.config.entropy_top_k):
             raise BadRequest("the entropy measure is set per engine, not per request")
-        grammar = self.grammars.grammar(structure)
-        matcher = self.grammars.matcher(grammar) if grammar is not None else None
+        matcher = self.grammars.for_structure(structure)
         generator = None
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)

@@ -4,7 +4,7 @@
   request's tools / tool_choice / response_format, or None when nothing constrains it.
 - `GrammarCompiler`: builds llguidance's view of the tokenizer once, compiles grammars into
   matchers (a bounded cache of compiled prototypes, copied per request) and reports bad ones as
-  BadRequest naming the problem.
+  BadRequest naming the problem (and the tool, when one tool's parameters are the cause).
 - `GrammarStage`: the cascade's grammar stage. Each row has its own matcher (or none), kept at
   the row's committed tokens between rounds. It proposes the tokens the grammar forces (free
   drafts), cuts a draft at its first forbidden token, and gives the allowed-token masks for the
@@ -121,6 +121,26 @@ class GrammarCompiler:
     def grammar(self, structure: Structure | None) -> str | None:
         """The grammar of a request's structure for this tokenizer (None: free output)."""
         return grammar_for(structure, self.special_tags) if structure is not None and not structure.is_free else None
+
+    def for_structure(self, structure: Structure | None) -> llguidance.LLMatcher | None:
+        """A matcher for a request's structure (None when its output is free).
+
+        When the grammar does not compile, the first tool whose parameters fail on their own is
+        named in the BadRequest (checked only then, so good requests pay nothing for it).
+        """
+        grammar = self.grammar(structure)
+        if grammar is None:
+            return None
+        try:
+            return self.matcher(grammar)
+        except BadRequest:
+            for tool in structure.tools or ():
+                error = llguidance.LLMatcher.validate_grammar(f"start: {_json(tool.function.parameters)}\n")
+                if error:
+                    reason = error.splitlines()[0].split(": ", 1)[-1]
+                    raise BadRequest(f"tool {tool.function.name!r}: its parameters schema cannot be used: "
+                                     f"{reason}") from None
+            raise
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher at the start of `grammar`; BadRequest if it does not compile."""

@@ -13,8 +13,10 @@ from langchain_core.messages.ai import UsageMetadata
 from pydantic import BaseModel, Field
 
 from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
-from fly_llm.config import REQUEST_OPTIONS, FLyOverrides, SamplingParams
+from fly_llm.config import REQUEST_OPTIONS
 from fly_llm.protocol import GenerateResult
+from fly_llm.tools import STRUCTURE_OPTIONS
+
 
 class FLyBase(BaseModel):
     """Fields and daemon plumbing shared by `FLyLLM` and `ChatFLy` (a mixin, listed first).
@@ -50,6 +52,9 @@ class FLyBase(BaseModel):
     """FLy: entropy gate θ in nats (<= 0.01 disables the gate)."""
     loose: bool | None = None
     """FLy: loose acceptance on; False is exact (lossless) speculative decoding."""
+    response_format: dict[str, Any] | None = None
+    """Constrain the output by a grammar: {"type": "json_schema", "schema": {...}}, {"type": "json_object"}
+    or {"type": "regex", "pattern": "..."}; a call's `response_format` replaces it."""
 
     @classmethod
     def is_lc_serializable(cls) -> bool:
@@ -70,7 +75,7 @@ class FLyBase(BaseModel):
     def _identifying_params(self) -> dict[str, Any]:
         """What tells two configurations apart (tracing, caching)."""
         options = {name: getattr(self, name) for name in REQUEST_OPTIONS}
-        return {"endpoint": self.endpoint, "model": self.model, **options}
+        return {"endpoint": self.endpoint, "model": self.model, **options, "response_format": self.response_format}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         """Standard tracing parameters, with provider `fly`."""
@@ -89,20 +94,23 @@ class FLyBase(BaseModel):
         """Count the tokens of `text` with the daemon's tokenizer."""
         return self._client.tokenize(text).count
 
-    def _request_options(self, stop: list[str] | None,
-                         kwargs: dict[str, Any]) -> tuple[SamplingParams, FLyOverrides, float | None]:
-        """(sampling, FLy overrides, timeout) for one call: the call's options (and `stop`) replace the fields."""
+    def _request_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The client's keyword arguments for one call: sampling, fly, timeout and whichever of tools,
+        tool_choice and response_format are set. The call's options (and `stop`) replace the fields."""
         requested = kwargs.get("model")
         if requested is not None and requested != self.model:
             raise ValueError(
                 f"{type(self).__name__} cannot switch models per call: the daemon at {self.endpoint} serves "
                 f"one model pair. Start a daemon with `fly-daemon start --target {requested}` and point "
                 f"`endpoint` at it.")
-        call = {name: value for name, value in kwargs.items() if name not in ("model", "stream", "timeout")}
+        call = {name: value for name, value in kwargs.items()
+                if name not in ("model", "stream", "timeout", *STRUCTURE_OPTIONS)}
         if stop is not None:
             call["stop"] = stop  # a call's stop replaces the instance's, like every other option
         sampling, fly = build_options(**{**{name: getattr(self, name) for name in REQUEST_OPTIONS}, **call})
-        return sampling, fly, kwargs.get("timeout", self.timeout)
+        structure = {name: kwargs.get(name, getattr(self, name, None)) for name in STRUCTURE_OPTIONS}
+        return {"sampling": sampling, "fly": fly, "timeout": kwargs.get("timeout", self.timeout),
+                **{name: value for name, value in structure.items() if value is not None}}
 
     def _model_name(self, result: GenerateResult) -> str:
         return result.model or self.model or "fly"

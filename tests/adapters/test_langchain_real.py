@@ -19,18 +19,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 TASK = "Write a Python function add(a, b) that returns the sum of a and b."
 
 
-@pytest.fixture(scope="module")
-def real_daemon(tmp_path_factory):
-    """Endpoint of a daemon serving the embedded pair (float32, cpu) on a private socket."""
-    from support.daemon_process import start_daemon
-
-    from fly_llm.default_models import ensure_default_pair
-
-    daemon = start_daemon(*ensure_default_pair(progress=False), tmp_path_factory.mktemp("real_daemon"), "real")
-    yield daemon.endpoint
-    daemon.stop()
-
-
 def test_chat_answers_a_coding_task(real_daemon: str) -> None:
     chat = ChatFLy(endpoint=real_daemon, max_tokens=64, temperature=0, timeout=1800)
     message = chat.invoke([("system", "You write Python."), ("human", TASK)])

@@ -2,8 +2,14 @@
 
 The unit suite needs no daemon. The integration suite talks to a real daemon on the tiny
 random-weight pair (`tiny_daemon`), so it checks behaviour — invoke, stream, batch, usage, stop,
-async — never wording. Every capability switched off below says why; the tests it skips are
-skipped by langchain-tests itself because of that flag.
+async, tool calls, structured output — never wording. Every capability switched off below says
+why; the tests it skips are skipped by langchain-tests itself because of that flag.
+
+A few standard tests ask for what only a trained model gives: an argument's value (3), a string
+that ends, a prompt's instruction followed. On random weights the grammar still makes every
+answer valid, but not that answer; those tests are expected failures below (`MODEL_BOUND`, each
+with its reason), and tests/adapters/test_langchain_tools.py checks the same paths on schemas a
+random model can finish.
 """
 
 from __future__ import annotations
@@ -27,24 +33,28 @@ class ChatFLyCapabilities:
 
     @property
     def has_tool_calling(self) -> bool:
-        """Off: the daemon has no tool-call format or constrained decoding, and the small local
-        models do not emit reliable tool calls; ChatFLy does not implement `bind_tools`."""
-        return False
+        """On: `bind_tools`; the daemon decodes calls under a grammar of the offered tools."""
+        return True
 
     @property
     def has_tool_choice(self) -> bool:
-        """Off: no tool calling (see `has_tool_calling`)."""
-        return False
+        """On: "auto", "none", "any"/"required" and a tool's name."""
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        """Off: `with_structured_output` needs tool calling or a JSON mode; the daemon has neither."""
-        return False
+        """On: `with_structured_output` (json_schema, function_calling, json_mode)."""
+        return True
+
+    @property
+    def structured_output_kwargs(self) -> dict:
+        """The default method: the answer decoded under the schema's grammar."""
+        return {"method": "json_schema"}
 
     @property
     def supports_json_mode(self) -> bool:
-        """Off: the daemon cannot constrain decoding to JSON."""
-        return False
+        """On: `method="json_mode"` decodes any JSON object."""
+        return True
 
     @property
     def supports_image_inputs(self) -> bool:
@@ -73,18 +83,19 @@ class ChatFLyCapabilities:
 
     @property
     def supports_image_tool_message(self) -> bool:
-        """Off: text-only models and no tool calling."""
+        """Off: the served models are text-only (tool results are text)."""
         return False
 
     @property
     def supports_pdf_tool_message(self) -> bool:
-        """Off: text-only models and no tool calling."""
+        """Off: the served models are text-only (tool results are text)."""
         return False
 
     @property
     def supports_anthropic_inputs(self) -> bool:
-        """Off: Anthropic-style inputs carry tool-use and image blocks ChatFLy cannot send."""
-        return False
+        """On: an Anthropic-format tool, `tool_use` and `thinking` blocks in earlier answers (the calls
+        travel as `tool_calls`, reasoning is not sent back); its image part follows `supports_image_inputs`."""
+        return True
 
     @property
     def supports_model_override(self) -> bool:
@@ -117,9 +128,69 @@ class TestChatFLyUnit(ChatFLyCapabilities, ChatModelUnitTests):
         super().test_serdes(model, snapshot)
 
 
+def model_bound(reason: str) -> pytest.MarkDecorator:
+    """An expected failure that only a trained model would pass (not strict: greedy output of random
+    weights may one day happen to pass)."""
+    return pytest.mark.xfail(reason=f"random weights: {reason}", strict=False)
+
+
+VALUE = model_bound("the call is valid (an integer, as the schema says) but its value is the model's pick, not 3")
+ENDLESS_STRING = model_bound("a free-length JSON string never closes within the tiny model's 512-token context, "
+                             "so the answer stops at max_tokens (finish_reason 'length'), valid but unfinished")
+BOTH_MODELS = [{}, {"output_version": "v1"}]
+
+
 class TestChatFLyIntegration(ChatFLyCapabilities, ChatModelIntegrationTests):
     """The integration suite against a real daemon on the tiny pair (found through $FLY_ENDPOINT)."""
 
     @pytest.fixture(autouse=True)
     def _daemon_endpoint(self, tiny_daemon: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("FLY_ENDPOINT", tiny_daemon)
+
+    @VALUE
+    @pytest.mark.parametrize("model", BOTH_MODELS, indirect=True)
+    def test_tool_calling(self, model: ChatFLy) -> None:
+        super().test_tool_calling(model)
+
+    @VALUE
+    async def test_tool_calling_async(self, model: ChatFLy) -> None:
+        await super().test_tool_calling_async(model)
+
+    @ENDLESS_STRING
+    def test_bind_runnables_as_tools(self, model: ChatFLy) -> None:
+        super().test_bind_runnables_as_tools(model)
+
+    @ENDLESS_STRING
+    def test_tool_choice(self, model: ChatFLy) -> None:
+        """With "any" the model picks get_weather(location: str)."""
+        super().test_tool_choice(model)
+
+    @model_bound("(the pydantic case) a free-length JSON string never closes within 512 tokens, so the "
+                 "pydantic parser misses the second field; the dict cases pass (XPASS): LangChain's JSON "
+                 "parser takes the cut-off object's finished keys")
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    def test_structured_output(self, model: ChatFLy, schema_type: str) -> None:
+        super().test_structured_output(model, schema_type)
+
+    @model_bound("(the pydantic case) as test_structured_output")
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    async def test_structured_output_async(self, model: ChatFLy, schema_type: str) -> None:
+        await super().test_structured_output_async(model, schema_type)
+
+    @ENDLESS_STRING
+    def test_structured_output_pydantic_2_v1(self, model: ChatFLy) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @model_bound("json_mode leaves the keys to the prompt's instruction; the model answers {} (valid JSON, "
+                 "not the keys asked for)")
+    def test_json_mode(self, model: ChatFLy) -> None:
+        super().test_json_mode(model)
+
+    @model_bound("with tool_choice left to the model (auto) it answers in text instead of calling get_weather")
+    @pytest.mark.parametrize("model", BOTH_MODELS, indirect=True)
+    def test_agent_loop(self, model: ChatFLy) -> None:
+        super().test_agent_loop(model)
+
+    @model_bound("the test needs the model to copy '你好' into the argument (and its free-length string to end)")
+    def test_unicode_tool_call_integration(self, model: ChatFLy) -> None:
+        super().test_unicode_tool_call_integration(model)

@@ -4,11 +4,15 @@ Every call goes through `fly_llm.client`; request options are built by
 `fly_llm.client.build_options`, the same function the LangChain adapter uses. Responses carry the
 daemon's `GenerateResult` as `raw` (a dict with `usage.prompt_tokens` / `usage.completion_tokens`),
 which is what LlamaIndex's `TokenCountingHandler` reads.
+
+It is a `FunctionCallingLLM`: tools and structured output are decoded under a grammar in the
+daemon, so a required call is always a valid call of an offered tool and a structured answer
+always parses (docs/llama_index.md).
 """
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Iterator, Sequence, Type
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -19,26 +23,24 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
-    MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.llm import LLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.tools.types import BaseTool
+from llama_index.core.types import PydanticProgramMode
 
 from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
 from fly_llm.config import REQUEST_OPTIONS
-from fly_llm.protocol import GenerateResult, InfoReply, TokenChunk
-
-_ROLES = {
-    MessageRole.DEVELOPER: "system",
-    MessageRole.FUNCTION: "tool",
-    MessageRole.CHATBOT: "assistant",
-    MessageRole.MODEL: "assistant",
-}
-"""LlamaIndex roles the daemon's chat template knows under another name."""
+from fly_llm.protocol import GenerateResult, InfoReply, TokenChunk, ToolCall
+from fly_llm.tools import STRUCTURE_OPTIONS, check_tools, closed_schema, tool_choice_for
+from llama_index.llms.fly._messages import answer, first_call_only, to_wire, tool_selections
+from llama_index.llms.fly._structured import parse_partial, parse_structured, response_format_for
 
 
-class FLyLLM(LLM):
+class FLyLLM(FunctionCallingLLM):
     """LlamaIndex LLM served by a local fly-llm daemon (FLy loosely speculative decoding).
 
     Start the daemon with `fly-daemon start`, then:
@@ -55,6 +57,11 @@ class FLyLLM(LLM):
     text. Option fields left at None take the daemon's defaults; every call may override them as
     keyword arguments, e.g. `llm.complete(prompt, max_tokens=32, stop=["\\n\\n"])` (a call's value
     replaces the field's, `stop` included); unknown keywords are a TypeError.
+
+    Tools: `chat_with_tools` (and its async / streaming twins), `predict_and_call`, agents such as
+    `FunctionAgent`; calls come back as `ToolCallBlock`s (`get_tool_calls_from_response`).
+    Structured output: `structured_predict` and friends, `as_structured_llm` and pydantic programs
+    decode JSON under the output class's schema (`response_format`, also a field and a call option).
     """
 
     endpoint: str = Field(
@@ -73,6 +80,9 @@ class FLyLLM(LLM):
     window: int | None = Field(default=None, ge=0, description="FLy: deferred window W (0: any gated mismatch).")
     entropy_threshold: float | None = Field(default=None, ge=0.0, description="FLy: entropy gate θ in nats.")
     loose: bool | None = Field(default=None, description="FLy loose acceptance; False: exact, lossless decoding.")
+    response_format: dict[str, Any] | None = Field(
+        default=None, description='Constrain the output by a grammar: {"type": "json_schema", "schema": {...}}, '
+                                  '{"type": "json_object"} or {"type": "regex", "pattern": "..."}.')
 
     _client: FLyClient | None = PrivateAttr(default=None)
     _async_client: AsyncFLyClient | None = PrivateAttr(default=None)
@@ -115,6 +125,7 @@ class FLyLLM(LLM):
             context_window=self._info.context_window,
             num_output=self.max_tokens or self._info.sampling_defaults.max_tokens,
             is_chat_model=True,
+            is_function_calling_model=True,
             model_name=self._info.target,
         )
 
@@ -126,10 +137,13 @@ class FLyLLM(LLM):
         return payload
 
     def _request(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Sampling, FLy options and timeout of one call: the fields, overridden by the call's keywords."""
-        call = {name: value for name, value in kwargs.items() if name != "timeout"}
+        """The client's keywords for one call: sampling, FLy options, timeout and whichever of tools,
+        tool_choice and response_format are set; the fields, overridden by the call's keywords."""
+        call = {name: value for name, value in kwargs.items() if name not in ("timeout", *STRUCTURE_OPTIONS)}
         sampling, fly = build_options(**{**{name: getattr(self, name) for name in REQUEST_OPTIONS}, **call})
-        return {"sampling": sampling, "fly": fly, "timeout": kwargs.get("timeout", self.timeout)}
+        structure = {name: kwargs.get(name, getattr(self, name, None)) for name in STRUCTURE_OPTIONS}
+        return {"sampling": sampling, "fly": fly, "timeout": kwargs.get("timeout", self.timeout),
+                **{name: value for name, value in structure.items() if value is not None}}
 
     def _prompt(self, prompt: str, formatted: bool) -> str:
         return prompt if formatted else self.completion_to_prompt(prompt)
@@ -162,57 +176,157 @@ class FLyLLM(LLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        result = self.client.chat(_to_wire(messages), **self._request(kwargs))
-        return _chat(result.text, None, result.model_dump())
+        result = self.client.chat(to_wire(messages), **self._request(kwargs))
+        return _chat(result.text, None, result.tool_calls, result.model_dump())
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        stream = self.client.stream(messages=_to_wire(messages), **self._request(kwargs))
+        stream = self.client.stream(messages=to_wire(messages), **self._request(kwargs))
         return (_chat(*step) for step in _running(stream))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        result = await self.async_client.chat(_to_wire(messages), **self._request(kwargs))
-        return _chat(result.text, None, result.model_dump())
+        result = await self.async_client.chat(to_wire(messages), **self._request(kwargs))
+        return _chat(result.text, None, result.tool_calls, result.model_dump())
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        stream = self.async_client.stream(messages=_to_wire(messages), **self._request(kwargs))
+        stream = self.async_client.stream(messages=to_wire(messages), **self._request(kwargs))
         return (_chat(*step) async for step in _arunning(stream))
 
 
-def _to_wire(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """LlamaIndex messages as the daemon's chat messages (text content only)."""
-    return [{"role": _ROLES.get(m.role, m.role.value), "content": m.content or ""} for m in messages]
+    # ---- tools ----
+
+    def _prepare_chat_with_tools(self, tools: Sequence[BaseTool], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 tool_choice: str | dict | None = None, **kwargs: Any) -> dict[str, Any]:
+        """The `chat` arguments for a turn with `tools` (what `chat_with_tools` and its twins send).
+
+        `tool_required` forces at least one call; `tool_choice` ("auto", "none", "required", a
+        tool's name or an OpenAI dict) takes precedence. A bad tool or choice is a ValueError naming it.
+        """
+        specs = [_openai_tool(t) for t in tools]
+        choice = tool_choice_for(tool_choice if tool_choice is not None else ("required" if tool_required else None),
+                                 [s["function"]["name"] for s in specs])
+        check_tools(specs, choice)
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role="user", content=user_msg) if isinstance(user_msg, str) else user_msg)
+        structure = {"tools": specs or None, "tool_choice": choice if specs else None}
+        return {"messages": messages, **{k: v for k, v in structure.items() if v is not None}, **kwargs}
+
+    def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[BaseTool],
+                                           allow_parallel_tool_calls: bool = False, **kwargs: Any) -> ChatResponse:
+        """Keep only the first call unless parallel calls are allowed."""
+        if not allow_parallel_tool_calls and len(tool_selections(response.message)) > 1:
+            first_call_only(response.message)
+        return response
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        """The calls in a (possibly streamed, partial) response; ValueError for none when `error_on_no_tool_call`."""
+        calls = tool_selections(response.message)
+        if not calls and error_on_no_tool_call:
+            reason = (response.raw or {}).get("finish_reason")
+            raise ValueError(f"expected at least one tool call, but the model answered without one "
+                             f"(finish_reason {reason!r}); pass tool_required=True to force a call")
+        return calls
+
+    # ---- structured output ----
+
+    def structured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+                           llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> BaseModel:
+        """An `output_cls` answer, decoded under its JSON schema (`pydantic_program_mode` DEFAULT; other
+        modes use LlamaIndex's programs)."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        response = self.chat(self._get_messages(prompt, **prompt_args), **_structured(output_cls, llm_kwargs))
+        return parse_structured(output_cls, response)
+
+    async def astructured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+                                  llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> BaseModel:
+        """`structured_predict`, async."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        messages = self._get_messages(prompt, **prompt_args)
+        return parse_structured(output_cls, await self.achat(messages, **_structured(output_cls, llm_kwargs)))
+
+    def stream_structured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+                                  llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Iterator[BaseModel]:
+        """Partial `output_cls` objects as the JSON arrives (the last one complete)."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        stream = self.stream_chat(self._get_messages(prompt, **prompt_args), **_structured(output_cls, llm_kwargs))
+        return _partials(output_cls, stream)
+
+    async def astream_structured_predict(self, output_cls: Type[BaseModel], prompt: BasePromptTemplate,
+                                         llm_kwargs: dict[str, Any] | None = None,
+                                         **prompt_args: Any) -> AsyncIterator[BaseModel]:
+        """`stream_structured_predict`, async."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        messages = self._get_messages(prompt, **prompt_args)
+        return _apartials(output_cls, await self.astream_chat(messages, **_structured(output_cls, llm_kwargs)))
 
 
-def _advance(text: str, item: TokenChunk | GenerateResult) -> tuple[str, str, dict[str, Any]]:
-    """(running text, delta, raw) after one stream item; the final result has an empty delta and the usage."""
-    delta = item.text if isinstance(item, TokenChunk) else ""
-    return text + delta, delta, item.model_dump()
+def _openai_tool(tool: BaseTool) -> dict[str, Any]:
+    """A LlamaIndex tool in OpenAI's shape, its parameter objects closed (`closed_schema`)."""
+    spec = tool.metadata.to_openai_tool()
+    function = spec["function"]
+    return {**spec, "function": {**function, "parameters": closed_schema(function["parameters"])}}
 
 
-def _running(stream: Iterator[TokenChunk | GenerateResult]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+def _structured(output_cls: Type[BaseModel], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The call options of a structured prediction: the caller's, and the output class's response format."""
+    return {**(llm_kwargs or {}), "response_format": response_format_for(output_cls)}
+
+
+def _partials(output_cls: Type[BaseModel], stream: ChatResponseGen) -> Iterator[BaseModel]:
+    latest = None
+    for response in stream:
+        latest = parse_partial(output_cls, response, latest)
+        yield latest
+
+
+async def _apartials(output_cls: Type[BaseModel], stream: ChatResponseAsyncGen) -> AsyncIterator[BaseModel]:
+    latest = None
+    async for response in stream:
+        latest = parse_partial(output_cls, response, latest)
+        yield latest
+
+
+Step = tuple[str, str, list[ToolCall], dict[str, Any]]
+"""(running text, delta, calls so far, raw) after one stream item."""
+
+
+def _advance(step: Step, item: TokenChunk | GenerateResult) -> Step:
+    """The next step; the final result has an empty delta and carries the usage."""
+    text, _, calls, _ = step
+    if isinstance(item, GenerateResult):
+        return text, "", calls, item.model_dump()
+    return text + item.text, item.text, calls + item.tool_calls, item.model_dump()
+
+
+def _running(stream: Iterator[TokenChunk | GenerateResult]) -> Iterator[Step]:
     """`_advance` over a stream of chunks and the final result."""
-    text = ""
+    step: Step = ("", "", [], {})
     for item in stream:
-        text, delta, raw = _advance(text, item)
-        yield text, delta, raw
+        step = _advance(step, item)
+        yield step
 
 
-async def _arunning(
-    stream: AsyncIterator[TokenChunk | GenerateResult],
-) -> AsyncIterator[tuple[str, str, dict[str, Any]]]:
+async def _arunning(stream: AsyncIterator[TokenChunk | GenerateResult]) -> AsyncIterator[Step]:
     """`_advance` over an async stream of chunks and the final result."""
-    text = ""
+    step: Step = ("", "", [], {})
     async for item in stream:
-        text, delta, raw = _advance(text, item)
-        yield text, delta, raw
+        step = _advance(step, item)
+        yield step
 
 
-def _completion(text: str, delta: str | None, raw: dict[str, Any]) -> CompletionResponse:
+def _completion(text: str, delta: str | None, calls: list[ToolCall], raw: dict[str, Any]) -> CompletionResponse:
     return CompletionResponse(text=text, delta=delta, raw=raw)
 
 
-def _chat(text: str, delta: str | None, raw: dict[str, Any]) -> ChatResponse:
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, raw=raw)
+def _chat(text: str, delta: str | None, calls: list[ToolCall], raw: dict[str, Any]) -> ChatResponse:
+    return ChatResponse(message=answer(text, calls), delta=delta, raw=raw)

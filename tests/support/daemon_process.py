@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -80,3 +81,10 @@ def start_daemon(target: Path | None, draft: Path | None, workdir: Path, name: s
         daemon.kill()
         raise
     return daemon
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (for a daemon's --http or --metrics-port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -41,7 +41,8 @@ def pair():
 def greedy_alone(prompt: tuple[int, ...]) -> tuple[int, ...]:
     """The target's greedy continuation of `prompt` alone (up to MAX_NEW tokens, through EOS)."""
     target, _, tokenizer = pair()
-    out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    out = target.generate(torch.tensor([prompt], device=target.device),
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=target.device),
                           max_new_tokens=MAX_NEW, do_sample=False)
     tokens = out[0, len(prompt):].tolist()
     eos = tokenizer.eos_token_id

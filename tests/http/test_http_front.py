@@ -244,3 +244,14 @@ def test_binding_rules_and_settings(tmp_path, monkeypatch):
     assert load_settings(DaemonSettings, config, {"http": "localhost:1"}).http == "localhost:1"
     with pytest.raises(SettingsError, match="HOST:PORT"):
         load_settings(DaemonSettings, config, {"http": "localhost"})
+
+
+def test_answers_are_not_held_back_by_nagle(tmp_path):
+    """Each response went out ~40 ms late (delayed ACK) before the front's sockets had TCP_NODELAY."""
+    with front(tmp_path) as (_, client):
+        times = []
+        for _ in range(11):
+            began = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            times.append(time.perf_counter() - began)
+    assert sorted(times)[5] < 0.03, times

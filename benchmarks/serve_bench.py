@@ -1,9 +1,12 @@
 """Serving speed: aggregate tokens/s through the daemon at concurrency 1, 2, 4, 8, 16 vs one request
 after another, and daemon + ZeroMQ vs the in-process engine on the same requests (overhead %).
+With --http the same requests also go through the daemon's OpenAI-compatible HTTP front (the official
+`openai` client), taking turns with ZeroMQ at each concurrency: HTTP vs ZeroMQ overhead %.
 
     python benchmarks/serve_bench.py                          # tiny random pair (tests/support/tiny_models.py)
     python benchmarks/serve_bench.py --target DIR --draft DIR --dtype bfloat16 --max-tokens 64
     python benchmarks/serve_bench.py --embedded --dtype bfloat16 --requests 8 --concurrency 1 2 4 8
+    python benchmarks/serve_bench.py --http --threads 1       # + the HTTP front
 
 One run: the in-process engine first (sequential, then all requests in one batch), then it is
 freed and a daemon subprocess serves the same models (one pair in memory at a time). All ratios
@@ -26,6 +29,9 @@ from benchmarks.engine_bench import PROMPTS as ENGINE_PROMPTS
 from fly_llm.client import FLyClient, build_options
 from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.errors import FLyUnavailable
+
+HTTP_ADDRESS = "127.0.0.1:18473"
+"""Where --http serves the OpenAI API during the benchmark."""
 
 PROMPTS = ENGINE_PROMPTS + [
     "Speculative decoding drafts tokens with a small model and",
@@ -79,15 +85,16 @@ def _in_process(target: str | None, draft: str | None, args: argparse.Namespace,
     return sequential, batched
 
 
-def start_daemon(target: str | None, draft: str | None, args: argparse.Namespace,
-                  workdir: Path) -> tuple[subprocess.Popen, str]:
-    """Start a daemon subprocess on `args`' models and options; return it and its endpoint once ready."""
+def start_daemon(target: str | None, draft: str | None, args: argparse.Namespace, workdir: Path,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """Start a daemon subprocess on `args`' models and options (+ `extra` flags); return it and its endpoint
+    once ready."""
     endpoint = f"ipc://{workdir / 'bench.sock'}"
     log = open(workdir / "daemon.log", "ab")
     models = [] if target is None else ["--target", target, "--draft", draft]
     cmd = [sys.executable, "-m", "fly_daemon.cli", "start", "--foreground", "--endpoint", endpoint,
            *models, "--dtype", args.dtype, "--device", args.device,
-           "--max-batch-size", str(max(args.concurrency)), *(["--no-loose"] if args.exact else [])]
+           "--max-batch-size", str(max(args.concurrency)), *(["--no-loose"] if args.exact else []), *extra]
     env = dict(os.environ, FLY_RUNTIME_DIR=str(workdir))
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -105,13 +112,19 @@ def start_daemon(target: str | None, draft: str | None, args: argparse.Namespace
     raise SystemExit(f"daemon did not get ready; see {workdir / 'daemon.log'}")
 
 
-def _through_daemon(endpoint: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[float, int]:
-    """(aggregate tokens/s, largest batch seen) with `concurrency` client threads sharing the prompts."""
+def _through_daemon(endpoint: str, prompts: list[str], concurrency: int, max_tokens: int,
+                    http: bool = False) -> tuple[float, int]:
+    """(aggregate tokens/s, largest batch seen) with `concurrency` client threads sharing the prompts.
+
+    With `http` the requests go through the HTTP front with the official `openai` client instead of ZeroMQ.
+    """
     sampling, fly = build_options(max_tokens=max_tokens)
     todo = list(range(len(prompts)))
     lock = threading.Lock()
     tokens = [0]
     with FLyClient(endpoint, timeout=3600) as client:
+        generate = _http_generate(max_tokens) if http else \
+            (lambda prompt: client.generate(prompt, sampling, fly).usage.completion_tokens)
 
         def worker() -> None:
             while True:
@@ -119,7 +132,7 @@ def _through_daemon(endpoint: str, prompts: list[str], concurrency: int, max_tok
                     if not todo:
                         return
                     i = todo.pop(0)
-                n = client.generate(prompts[i], sampling, fly).usage.completion_tokens
+                n = generate(prompts[i])
                 with lock:
                     tokens[0] += n
 
@@ -133,6 +146,16 @@ def _through_daemon(endpoint: str, prompts: list[str], concurrency: int, max_tok
         return tokens[0] / elapsed, client.status().max_batch_size_seen
 
 
+def _http_generate(max_tokens: int):
+    """A function prompt -> completion tokens, through the HTTP front (a /v1/completions request)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://{HTTP_ADDRESS}/v1", api_key="unused", max_retries=0, timeout=3600)
+    model = client.models.list().data[0].id
+    return lambda prompt: client.completions.create(model=model, prompt=prompt,
+                                                    max_tokens=max_tokens).usage.completion_tokens
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark and print the table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -141,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=16, help="requests per measurement")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--exact", action="store_true", help="exact speculative decoding instead of FLy")
+    p.add_argument("--http", action="store_true", help=f"also through the HTTP front (on {HTTP_ADDRESS})")
     args = p.parse_args(argv)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
 
@@ -153,16 +177,24 @@ def main(argv: list[str] | None = None) -> None:
         local_seq, local_batch = _in_process(target, draft, args, prompts)
         print(f"in-process engine: {local_seq:8.1f} tok/s one after another, {local_batch:8.1f} tok/s in one batch",
               flush=True)
-        proc, endpoint = start_daemon(target, draft, args, workdir)
+        proc, endpoint = start_daemon(target, draft, args, workdir, ("--http", HTTP_ADDRESS) if args.http else ())
         try:
             _through_daemon(endpoint, prompts[:2], 1, 4)  # warm-up
-            print(f"{'concurrency':>11} {'tok/s':>9} {'vs sequential':>14} {'largest batch':>14}", flush=True)
-            rows = []
+            if args.http:
+                _through_daemon(endpoint, prompts[:2], 1, 4, http=True)
+            print(f"{'concurrency':>11} {'tok/s':>9} {'vs sequential':>14} {'largest batch':>14}"
+                  + (f" {'HTTP tok/s':>11} {'HTTP vs ZeroMQ':>15}" if args.http else ""), flush=True)
+            rows, http_overheads = [], []
             for c in args.concurrency:
                 tps, batch = _through_daemon(endpoint, prompts, c, args.max_tokens)
                 rows.append((c, tps))
                 ratio = f"{tps / rows[0][1]:13.2f}×" if rows[0][0] == 1 else "-"
-                print(f"{c:>11} {tps:9.1f} {ratio:>14} {batch:>14}", flush=True)
+                line = f"{c:>11} {tps:9.1f} {ratio:>14} {batch:>14}"
+                if args.http:
+                    http_tps = _through_daemon(endpoint, prompts, c, args.max_tokens, http=True)[0]
+                    http_overheads.append(100 * (tps / http_tps - 1))
+                    line += f" {http_tps:11.1f} {http_overheads[-1]:+14.1f}%"
+                print(line, flush=True)
         finally:
             proc.terminate()
             proc.wait(60)
@@ -173,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     if rows[-1][0] >= args.requests:
         print(f"daemon + ZeroMQ overhead, all {args.requests} at once: {100 * (local_batch / rows[-1][1] - 1):+.1f}% "
               f"(in-process batch {local_batch:.1f} vs daemon {rows[-1][1]:.1f} tok/s)")
+    if http_overheads:
+        print(f"HTTP front vs ZeroMQ overhead: {sum(http_overheads) / len(http_overheads):+.1f}% on average "
+              f"({', '.join(f'{o:+.1f}%' for o in http_overheads)} at concurrency {args.concurrency})")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,12 @@ class NotReady(FLyError):
     code = "NOT_READY"
 
 
+class Unauthorized(FLyError):
+    """The request lacks a valid API key (the HTTP front with --api-key; never sent over ZeroMQ)."""
+
+    code = "UNAUTHORIZED"
+
+
 class Internal(FLyError):
     """An unexpected error inside the daemon."""
 
@@ -75,7 +81,8 @@ class ModelError(FLyError):
 
 _BY_CODE: dict[str, type[FLyError]] = {
     cls.code: cls
-    for cls in (BadRequest, TooLong, Busy, Timeout, Cancelled, NotReady, Internal, FLyUnavailable, ModelError)
+    for cls in (BadRequest, TooLong, Busy, Timeout, Cancelled, NotReady, Unauthorized, Internal, FLyUnavailable,
+                ModelError)
 }
 
 

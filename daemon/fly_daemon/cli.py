@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fly_llm.client import FLyClient, build_options, default_endpoint
 from fly_llm.config import FLyConfig, ModelSpec
@@ -29,6 +30,10 @@ from fly_llm.protocol import GenerateResult
 
 from fly_daemon.runtime import AlreadyRunning, check_endpoint, daemon_files, running_pid
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
+
+if TYPE_CHECKING:
+    from fly_daemon.http import HttpFront
+    from fly_daemon.server import Server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     serve.add_argument("--curve-secret-key", type=Path, help="server certificate (zmq.auth) for a tcp bind")
     serve.add_argument("--curve-clients", type=Path, help="directory of allowed client public certificates")
+    serve.add_argument("--http", metavar="HOST:PORT",
+                       help="also serve the OpenAI-compatible HTTP API here, e.g. 127.0.0.1:8000")
+    serve.add_argument("--api-key", help="Bearer key the HTTP API requires (needed for a non-loopback --http; "
+                                         "prefer FLY_API_KEY: flags show in the process list)")
     start.add_argument("--foreground", action="store_true", help="stay attached; log to the terminal")
     start.add_argument("--wait", type=float, default=900.0, help="detached: seconds to wait for 'ready'")
     start.add_argument("-v", "--verbose", action="store_true")
@@ -183,7 +192,8 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
     try:
         server = Server(endpoint, load_engine, settings, metrics=metrics,
                         max_frame_bytes=settings.max_frame_bytes, curve=curve)
-    except ValueError as exc:
+        http = _http_front(server, settings)
+    except (ValueError, OSError) as exc:  # a bind refused or taken
         print(f"fly-daemon: {exc}", file=sys.stderr)
         return 2
     if settings.metrics_port:
@@ -192,10 +202,26 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
     try:
+        if http is not None:
+            http.start()
         return server.serve()
     except (AlreadyRunning, OSError, ValueError) as exc:  # endpoint taken, unreadable CURVE keys
         print(f"fly-daemon: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if http is not None:
+            http.stop()
+
+
+def _http_front(server: "Server", settings: DaemonSettings) -> "HttpFront | None":
+    """The OpenAI-compatible HTTP front on `settings.http` (bound, not yet serving), or None."""
+    if settings.http is None:
+        return None
+    from fly_daemon.http import HttpFront, create_app
+
+    api_key = settings.api_key.get_secret_value() if settings.api_key else None
+    app = create_app(server.inproc, api_key=api_key, max_body_bytes=settings.max_frame_bytes)
+    return HttpFront(app, settings.http, api_key=api_key)
 
 
 def _detach(args: argparse.Namespace, endpoint: str) -> int:
@@ -222,7 +248,8 @@ def _detach(args: argparse.Namespace, endpoint: str) -> int:
                 time.sleep(0.5)
                 continue
             if health.state == "ready":
-                print(f"fly-daemon: ready on {endpoint}")
+                http = _daemon_settings(args).http
+                print(f"fly-daemon: ready on {endpoint}" + (f" and http://{http}/v1" if http else ""))
                 return 0
             if health.state == "failed":
                 print(f"fly-daemon: {health.detail}", file=sys.stderr)

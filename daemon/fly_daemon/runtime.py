@@ -39,14 +39,25 @@ def check_endpoint(endpoint: str) -> None:
 def is_loopback(endpoint: str) -> bool:
     """True for ipc endpoints and tcp endpoints bound to a loopback address."""
     host = tcp_host(endpoint)
-    if host is None:
-        return True
+    return host is None or is_loopback_host(host)
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for 'localhost' and loopback addresses (127.0.0.0/8, ::1)."""
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def host_port(address: str) -> tuple[str, int]:
+    """(host, port) of 'HOST:PORT' or '[IPV6]:PORT' (the HTTP front's address); ValueError if malformed."""
+    match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})", address)
+    if match is None or int(match.group(2)) > 65535:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:8000), got {address!r}")
+    return match.group(1).strip("[]"), int(match.group(2))
 
 
 def daemon_files(endpoint: str) -> tuple[Path, Path]:

@@ -35,6 +35,9 @@ log = logging.getLogger("fly_daemon")
 
 Envelope = tuple[bytes, ...]
 """The ROUTER routing frames of one client socket."""
+LOCAL: Envelope = ()
+"""The envelope of requests submitted from inside the process (fly_daemon.inproc): no routing frames, so it
+is never a socket's, and no heartbeats (their owner cancels them when it stops waiting)."""
 Emit = Callable[[Envelope, BaseModel], None]
 
 
@@ -296,7 +299,8 @@ class Scheduler:
         timeout = job.request.timeout_s
         if timeout is not None and now - job.submitted > timeout:
             return Timeout(f"request {job.request.id} passed its deadline of {timeout} s")
-        if self.limits.heartbeat_timeout and now - job.last_seen > self.limits.heartbeat_timeout:
+        silent = now - job.last_seen
+        if job.envelope != LOCAL and self.limits.heartbeat_timeout and silent > self.limits.heartbeat_timeout:
             return Cancelled(f"no heartbeat from the client for {self.limits.heartbeat_timeout} s")
         return None
 

@@ -4,6 +4,8 @@ The loop never waits on the model: it parses frames, answers health/info/status 
 generate/cancel/heartbeat/tokenize to the scheduler, and forwards what the model thread emits
 (over an inproc PUSH/PULL pair) to the clients. A malformed frame gets an ErrorReply and changes
 nothing else. A client whose socket is gone (ROUTER_MANDATORY send fails) loses its requests.
+Requests from inside the process (`inproc`, used by the HTTP front) share the scheduler; their
+replies are routed back to them instead of the socket.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from fly_llm.protocol import (
     HeartbeatRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenizeRequest, decode_request, encode,
 )
 
+from fly_daemon.inproc import InProcessClient
 from fly_daemon.metrics import Metrics
 from fly_daemon.runtime import PidLock, check_endpoint, ipc_path, is_loopback
-from fly_daemon.scheduler import Envelope, Limits, Scheduler
+from fly_daemon.scheduler import LOCAL, Envelope, Limits, Scheduler
 
 if TYPE_CHECKING:
     from fly_llm.decoding.engine import FLyEngine
@@ -65,6 +68,8 @@ class Server:
                              "(--curve-secret-key and --curve-clients)")
         self.endpoint = endpoint
         self.scheduler = Scheduler(load_engine, self.emit, limits, metrics)
+        self.inproc = InProcessClient(self.scheduler)
+        """Submits to the same scheduler from inside this process (the HTTP front uses it)."""
         self.max_frame_bytes = max_frame_bytes
         self.started = time.time()
         self._curve = curve
@@ -83,6 +88,9 @@ class Server:
 
     def emit(self, envelope: Envelope, message: BaseModel) -> None:
         """Send `message` to a client from any thread (the model thread's replies go through here)."""
+        if envelope == LOCAL:
+            self.inproc.deliver(envelope, message)
+            return
         push = getattr(self._local, "push", None)
         if push is None:
             push = self._ctx.socket(zmq.PUSH)

@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import platformdirs
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from fly_llm.config import FLyConfig, ModelSpec
 from fly_llm.protocol import MAX_FRAME_BYTES
 
+from fly_daemon.runtime import host_port
 from fly_daemon.scheduler import Limits
 
 M = TypeVar("M", bound=BaseModel)
@@ -49,6 +50,16 @@ class DaemonSettings(Limits):
     metrics_port: int | None = Field(None, ge=1, le=65535)
     curve_secret_key: Path | None = None
     curve_clients: Path | None = None
+    http: str | None = Field(None, description="HOST:PORT of the OpenAI-compatible HTTP front; None = off.")
+    api_key: SecretStr | None = Field(None, description="Bearer key the HTTP front requires (needed to bind a "
+                                                        "non-loopback address).")
+
+    @field_validator("http")
+    @classmethod
+    def _host_port(cls, address: str | None) -> str | None:
+        if address is not None:
+            host_port(address)
+        return address
 
 
 TABLES: dict[type[BaseModel], str] = {ModelSpec: "model", FLyConfig: "fly", DaemonSettings: "daemon"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from support.device import TEST_DEVICE
 from fly_llm.client import AsyncFLyClient, FLyClient, build_options
 from fly_llm.errors import BadRequest, TooLong
 from fly_llm.protocol import GenerateResult, TokenChunk
@@ -55,7 +56,7 @@ def test_exact_mode_matches_in_process_engine(client, tiny_pair_dirs):
     from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
     from fly_llm.loading import load_engine
 
-    spec = ModelSpec(target=str(tiny_pair_dirs[0]), draft=str(tiny_pair_dirs[1]), dtype="float32", device="cpu")
+    spec = ModelSpec(target=str(tiny_pair_dirs[0]), draft=str(tiny_pair_dirs[1]), dtype="float32", device=TEST_DEVICE)
     engine = load_engine(spec, FLyConfig(loose=False))
     local = engine.generate(PROMPTS, SamplingParams(max_tokens=24))
     sampling, fly = build_options(**EXACT)

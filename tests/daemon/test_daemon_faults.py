@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from support.daemon_process import DaemonProcess, start_daemon
+from support.device import TEST_DEVICE
 from fly_llm.client import FLyClient, build_options
 from fly_llm.errors import Busy, Cancelled, FLyUnavailable, NotReady
 
@@ -93,7 +94,7 @@ def test_crash_restart_busy_and_graceful_stop(slow_pair_dirs, tmp_path, long_pro
 
     env = dict(os.environ, FLY_RUNTIME_DIR=str(tmp_path))
     start = _cli("start", "--endpoint", endpoint, "--target", target, "--draft", draft, "--dtype", "float32",
-                 "--device", "cpu", "--queue-size", "2", "--max-batch-size", "2", "--drain-timeout", "120", env=env)
+                 "--device", TEST_DEVICE, "--queue-size", "2", "--max-batch-size", "2", "--drain-timeout", "120", env=env)
     assert start.returncode == 0, start.stdout + start.stderr
     assert "ready" in start.stdout and endpoint in start.stdout
     try:

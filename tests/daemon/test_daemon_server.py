@@ -14,93 +14,21 @@ import socket
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import pytest
 import zmq
 import zmq.auth
 
+from support.engine_double import CountingEngine, serving
 from fly_llm.client import FLyClient, build_options, default_endpoint
-from fly_llm.config import FLyConfig
 from fly_llm.errors import Cancelled, FLyUnavailable, Internal, NotReady, TooLong
 from fly_llm.protocol import ErrorReply, GenerateResult, decode_reply
-from fly_llm.stats import RequestStats
 
 from fly_daemon.metrics import Metrics
 from fly_daemon import runtime
 from fly_daemon.runtime import AlreadyRunning, PidLock, daemon_files, is_loopback, running_pid, tcp_host
 from fly_daemon.scheduler import Limits
 from fly_daemon.server import CurveKeys, Server
-
-
-@dataclass
-class _Output:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    stats: RequestStats = field(default_factory=RequestStats)
-
-
-class CountingEngine:
-    """Test double of FLyEngine: each step gives every request its next number as one token."""
-
-    context_window = 64
-    target_name, draft_name, device, dtype = "counting", None, "cpu", "float32"
-    tokenizer = None  # no chat template
-
-    def __init__(self, step_s: float = 0.0) -> None:
-        self.config = FLyConfig()
-        self.stats = RequestStats()
-        self.step_s = step_s
-        self.fail_next_step = False
-        self.rows: dict[str, list[int]] = {}
-
-    def encode(self, prompt=None, messages=None, tools=None) -> list[int]:
-        text = prompt if prompt is not None else " ".join(m["content"] for m in messages)
-        return [1] * len(text.split())
-
-    def add_request(self, request_id, prompt_ids, sampling, fly=None, structure=None) -> None:
-        if len(prompt_ids) >= self.context_window:
-            raise TooLong("prompt does not fit")
-        self.rows[request_id] = [sampling.max_tokens, 0, len(prompt_ids)]
-
-    def abort_request(self, request_id) -> bool:
-        return self.rows.pop(request_id, None) is not None
-
-    def has_unfinished(self) -> bool:
-        return bool(self.rows)
-
-    def step(self) -> list[_Output]:
-        time.sleep(self.step_s)
-        if self.fail_next_step:
-            self.fail_next_step = False
-            self.rows.clear()  # FLyEngine.step drops every request when it fails
-            raise RuntimeError("boom")
-        outputs = []
-        for rid, row in list(self.rows.items()):
-            row[1] += 1
-            done = row[1] >= row[0]
-            outputs.append(_Output(rid, [row[1]], f"{row[1]} ", done, "length" if done else None, row[2]))
-            if done:
-                del self.rows[rid]
-        return outputs
-
-
-@contextmanager
-def serving(endpoint: str, engine: CountingEngine, limits: Limits = Limits(), load=None, **kwargs):
-    server = Server(endpoint, load or (lambda: engine), limits, **kwargs)
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.request_stop()
-        thread.join(15)
-        assert not thread.is_alive()
 
 
 @pytest.fixture

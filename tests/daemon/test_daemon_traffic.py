@@ -52,7 +52,8 @@ def greedy(tiny_pair_dirs):
     @lru_cache(maxsize=None)
     def run(prompt: str) -> list[int]:
         ids = tokenizer.encode(prompt)
-        out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = target.generate(torch.tensor([ids], device=target.device),
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=target.device),
                               max_new_tokens=MAX_NEW, do_sample=False)
         tokens = out[0, len(ids):].tolist()
         eos = tokenizer.eos_token_id

@@ -16,12 +16,13 @@ torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
 
 def _alone_logits(model, tokens: list[int]) -> torch.Tensor:
     """Logits of the last position for `tokens`, computed with no batching at all."""
-    out = model(torch.tensor([tokens]), cache=DynamicCache(config=model.config), use_cache=True)
+    out = model(torch.tensor([tokens], device=model.device), cache=DynamicCache(config=model.config),
+                use_cache=True)
     return out.logits[0, -1]
 
 
 def _prefill(model, tokens: list[int]) -> BatchKV:
-    return BatchKV.prefill(model, tokens, torch.device("cpu"))
+    return BatchKV.prefill(model, tokens, model.device)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -29,7 +30,7 @@ def test_ragged_rounds_match_alone_float64(arch):
     model = make_pair(arch, dtype=torch.float64)[0]
     rng = random.Random(0)
     vocab = model.config.vocab_size
-    kv = BatchKV(torch.device("cpu"))
+    kv = BatchKV(model.device)
     rows: list[list[int]] = []
 
     def join(n: int) -> None:
@@ -51,8 +52,8 @@ def test_ragged_rounds_match_alone_float64(arch):
             q = rng.randint(1, 6)
             new = [[rng.randrange(vocab) for _ in range(q)] for _ in rows]
             mask, pos = kv.inputs(q)
-            logits = model(torch.tensor(new), cache=kv.cache, attention_mask=mask, position_ids=pos,
-                           use_cache=True).logits
+            logits = model(torch.tensor(new, device=model.device), cache=kv.cache, attention_mask=mask,
+                           position_ids=pos, use_cache=True).logits
             kv.advance(q)
             keep = [rng.randint(1, q) for _ in rows]
             for b, tokens in enumerate(rows):
@@ -66,8 +67,8 @@ def test_ragged_rounds_match_alone_float64(arch):
         assert kv.width == max(len(t) for t in rows)
         mask, pos = kv.inputs(1)
         new = [[rng.randrange(vocab)] for _ in rows]
-        logits = model(torch.tensor(new), cache=kv.cache, attention_mask=mask, position_ids=pos,
-                       use_cache=True).logits
+        logits = model(torch.tensor(new, device=model.device), cache=kv.cache, attention_mask=mask,
+                       position_ids=pos, use_cache=True).logits
         for b, tokens in enumerate(rows):
             torch.testing.assert_close(logits[b, 0], _alone_logits(model, tokens + new[b]), rtol=1e-9, atol=1e-9)
 
@@ -80,7 +81,8 @@ def test_buffers_are_not_reallocated_each_round():
     with torch.inference_mode():
         for _ in range(5):
             mask, pos = kv.inputs(4)
-            model(torch.tensor([[4, 5, 6, 7]]), cache=kv.cache, attention_mask=mask, position_ids=pos, use_cache=True)
+            model(torch.tensor([[4, 5, 6, 7]], device=model.device), cache=kv.cache, attention_mask=mask,
+                  position_ids=pos, use_cache=True)
             kv.advance(4)
             kv.truncate([kv.lengths[0] - 2])
     assert layer._k.data_ptr() == buffer

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.device import TEST_DEVICE
 from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.models import load_models
@@ -34,7 +35,7 @@ FLY_QUESTIONS = [
 @pytest.fixture(scope="module")
 def pair():
     """The default pair, loaded in float32 (exactness is asserted in float32, docs/design.md §1.2)."""
-    return load_models(ModelSpec(dtype="float32", device="cpu"), progress=False)
+    return load_models(ModelSpec(dtype="float32", device=TEST_DEVICE), progress=False)
 
 
 def _prompts(tokenizer, questions: list[str]) -> list[str]:
@@ -44,7 +45,7 @@ def _prompts(tokenizer, questions: list[str]) -> list[str]:
 
 def _target_greedy(pair, prompt: str) -> list[int]:
     """The target's own greedy continuation (Hugging Face generate), stopped at EOS."""
-    ids = torch.tensor([pair.tokenizer.encode(prompt)])
+    ids = torch.tensor([pair.tokenizer.encode(prompt)], device=pair.target.device)
     with torch.inference_mode():
         out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=TOKENS,
                                    do_sample=False, pad_token_id=pair.tokenizer.pad_token_id)

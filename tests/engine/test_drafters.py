@@ -67,7 +67,8 @@ def draft_model():
 
 
 def _greedy(model, tokens: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+    out = model.generate(torch.tensor([tokens], device=model.device),
+                         attention_mask=torch.ones(1, len(tokens), dtype=torch.long, device=model.device),
                          max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(tokens):].tolist()
 
@@ -80,7 +81,7 @@ def test_model_stage_and_cascade_follow_draft_greedy(draft_model, use_ngram):
     contexts = [torch.randint(5, vocab, (n,)).tolist() for n in (7, 1, 12)]
     contexts[2] += contexts[2][:6]  # a repeat, so n-gram proposals hit
     cascade = Cascade(GrammarStage(vocab), NgramStage(4, 3) if use_ngram else None,
-                      ModelStage(draft_model, torch.device("cpu")))
+                      ModelStage(draft_model, draft_model.device))
     for b, context in enumerate(contexts):
         cascade.add_row(context, prefill_model=b != 0)  # row 0 starts empty: caught up on first use
     with torch.inference_mode():
@@ -114,13 +115,13 @@ def test_confidence_stopping_cuts_a_row_at_its_first_unsure_token_and_no_other_r
     contexts = [tokenizer.encode("def add(a, b):"), tokenizer.encode("The quick brown fox")]
 
     def stage() -> ModelStage:
-        s = ModelStage(draft, torch.device("cpu"))
+        s = ModelStage(draft, draft.device)
         for context in contexts:
             s.add_row(context)
         return s
 
     full = stage().propose(contexts, [8, 8])
-    ids = torch.tensor([contexts[0] + full[0]])
+    ids = torch.tensor([contexts[0] + full[0]], device=draft.device)
     with torch.no_grad():
         probs = torch.softmax(draft(ids).logits[0, len(contexts[0]) - 1:-1], -1).max(-1).values.tolist()
     assert [len(d) for d in full] == [8, 8]

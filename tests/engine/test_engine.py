@@ -32,7 +32,8 @@ def pair(request):
     reference = {}
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
-        out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = target.generate(torch.tensor([ids], device=target.device),
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=target.device),
                               max_new_tokens=MAX_NEW, do_sample=False)
         reference[prompt] = out[0, len(ids):].tolist()
     return request.param, target, draft, tokenizer, reference

@@ -52,7 +52,8 @@ def test_every_token_follows_the_rule(pair, monkeypatch, window, theta):
         # Independently of verify: recompute the target on the final text.
         prompt_ids = tokenizer.encode(prompt)
         with torch.no_grad():
-            logits = target(torch.tensor([prompt_ids + gen.token_ids])).logits[0, len(prompt_ids) - 1:-1]
+            ids = torch.tensor([prompt_ids + gen.token_ids], device=target.device)
+            logits = target(ids).logits[0, len(prompt_ids) - 1:-1]
         choice = logits.argmax(-1).tolist()
         entropy = target_entropy(logits).tolist()
         for i, token in enumerate(gen.token_ids):
@@ -83,7 +84,8 @@ def test_exact_rows_stay_exact_next_to_loose_rows(pair):
             if out.request_id == "exact":
                 assert out.stats.accepted_loose == 0
     ids = tokenizer.encode(PROMPTS[0])
-    ref = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+    ref = target.generate(torch.tensor([ids], device=target.device),
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=target.device),
                           max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
     assert tokens["exact"] == ref[:len(tokens["exact"])]
     assert engine.stats.accepted_loose > 0

@@ -78,7 +78,8 @@ def test_engine_records_policy_choices_and_stays_lossless():
     target, draft, tokenizer = make_pair("llama")
     prompt = "def add(a, b):\n    return a + b\n" * 3 + "def add("
     ids = tokenizer.encode(prompt)
-    ref = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+    ref = target.generate(torch.tensor([ids], device=target.device),
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=target.device),
                           max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
     engine = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False), policy=AdaptivePolicy(Costs(draft_step=5.0)))
     gen = engine.generate(prompt, SamplingParams(max_tokens=40))[0]

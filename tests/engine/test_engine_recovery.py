@@ -42,7 +42,8 @@ class FaultyEngine(FLyEngine):
         self.rate, self.rng, self.armed, self.failures = rate, random.Random(seed), True, 0
 
     def _verify(self, *args, **kwargs):
-        self._kv.forward(self.target, torch.tensor([[0]] * self._kv.batch_size))  # advance the cache first
+        zeros = torch.tensor([[0]] * self._kv.batch_size, device=self.device)
+        self._kv.forward(self.target, zeros)  # advance the cache first
         if self.armed and self.rng.random() < self.rate:
             self.failures += 1
             raise InjectedFault("injected step failure")
@@ -56,7 +57,8 @@ def pair_and_reference():
     reference = {}
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
-        out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = target.generate(torch.tensor([ids], device=target.device),
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=target.device),
                               max_new_tokens=MAX_NEW, do_sample=False)
         tokens = out[0, len(ids):].tolist()
         eos = tokenizer.eos_token_id

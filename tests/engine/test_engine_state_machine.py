@@ -58,7 +58,8 @@ def greedy_alone(prompt: tuple[int, ...], grammar: str | None = None) -> tuple[i
     target, _, tokenizer = pair()
     if grammar is not None:
         return tuple(constrained_greedy(target, tokenizer, list(prompt), grammar, MAX_NEW, [tokenizer.eos_token_id]))
-    out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    out = target.generate(torch.tensor([prompt], device=target.device),
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=target.device),
                           max_new_tokens=MAX_NEW, do_sample=False)
     tokens = out[0, len(prompt):].tolist()
     eos = tokenizer.eos_token_id

@@ -1,14 +1,16 @@
-"""Run a fly-daemon in a subprocess for tests (tiny models, float32, cpu, an ipc socket)."""
+"""Run a fly-daemon in a subprocess for tests (tiny models, float32, TEST_DEVICE, an ipc socket)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from support.device import TEST_DEVICE
 from fly_llm.client import FLyClient
 from fly_llm.errors import FLyUnavailable
 
@@ -23,7 +25,7 @@ class DaemonProcess:
         env = dict(os.environ, FLY_RUNTIME_DIR=str(log.parent), PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         models = [] if target is None else ["--target", str(target), "--draft", str(draft), "--dtype", "float32",
-                                            "--device", "cpu", "--draft-quantization", "none"]
+                                            "--device", TEST_DEVICE, "--draft-quantization", "none"]
         cmd = [sys.executable, "-m", "fly_daemon.cli", "start", "--foreground", "--endpoint", endpoint, *models,
                *extra]
         with open(log, "ab") as out:
@@ -80,3 +82,10 @@ def start_daemon(target: Path | None, draft: Path | None, workdir: Path, name: s
         daemon.kill()
         raise
     return daemon
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (for a daemon's --http or --metrics-port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

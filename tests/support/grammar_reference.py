@@ -35,6 +35,7 @@ class GrammarProcessor(LogitsProcessor):
             assert self.matcher.consume_token(int(input_ids[0, -1])), self.matcher.get_error()
         llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask)
         allowed = ((self.bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()
+        allowed = allowed.to(scores.device)
         scores = scores.clone()
         scores[0, :allowed.numel()][~allowed[:scores.shape[1]]] = float("-inf")
         return scores
@@ -45,7 +46,8 @@ def constrained_greedy(target, tokenizer, prompt: list[int], grammar: str, max_n
     vocab = target.get_output_embeddings().weight.shape[0]
     matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab, eos_ids), grammar)
     assert not matcher.is_error(), matcher.get_error()
-    out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    out = target.generate(torch.tensor([prompt], device=target.device),
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=target.device),
                           max_new_tokens=max_new, do_sample=False, eos_token_id=eos_ids,
                           logits_processor=LogitsProcessorList([GrammarProcessor(matcher, len(prompt), vocab)]))
     tokens = out[0, len(prompt):].tolist()

@@ -17,6 +17,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
+from support.device import TEST_DEVICE
+
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
@@ -64,8 +66,8 @@ def make_config(arch: str, vocab_size: int, dtype: torch.dtype = torch.float32, 
 
 
 def make_pair(arch: str = "llama", seed: int = 0, noise: float = 0.1, dtype: torch.dtype = torch.float32,
-              **size: int):
-    """Return (target, draft, tokenizer): random target, draft = target with multiplicative noise."""
+              device: str = TEST_DEVICE, **size: int):
+    """Return (target, draft, tokenizer) on `device`: random target, draft = target with multiplicative noise."""
     tokenizer = make_tokenizer()
     config = make_config(arch, len(tokenizer), dtype, **size)
     config.eos_token_id = tokenizer.eos_token_id
@@ -81,12 +83,12 @@ def make_pair(arch: str = "llama", seed: int = 0, noise: float = 0.1, dtype: tor
     with torch.no_grad():
         for p in draft.parameters():
             p.mul_(1 + noise * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return target, draft, tokenizer
+    return target.to(device), draft.to(device), tokenizer
 
 
 def save_tiny_pair(root: Path, arch: str = "llama", seed: int = 0, **size: int) -> tuple[Path, Path]:
     """Write target and draft model dirs (each with the tokenizer) under root; return their paths."""
-    target, draft, tokenizer = make_pair(arch, seed, **size)
+    target, draft, tokenizer = make_pair(arch, seed, device="cpu", **size)
     paths = []
     for name, model in (("target", target), ("draft", draft)):
         path = Path(root) / name

@@ -1,0 +1,290 @@
+"""The OpenAI-compatible HTTP front: FastAPI routes served by uvicorn, next to the ZeroMQ socket.
+
+Requests go to the daemon's own scheduler through an `InProcessClient` (the engine knows nothing
+of HTTP). Routes: POST /v1/chat/completions, POST /v1/completions (server-sent events with
+`"stream": true`), GET /v1/models, GET /health. Errors are OpenAI's error shape with our stable
+codes (fly_llm.errors) as `code`; a client that disconnects, while waiting or mid-stream, cancels
+its request. A non-loopback bind needs an API key (Bearer), as a non-loopback ZeroMQ bind needs CURVE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import socket
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import fly_llm
+from fly_llm.errors import BadRequest, FLyError, Internal, TooLong, Unauthorized
+from fly_llm.protocol import MAX_FRAME_BYTES, GenerateResult, TokenChunk
+
+from fly_daemon.inproc import InProcessClient
+from fly_daemon.openai_api import ChatCompletionRequest, CompletionRequest, GenerationBody, error_body
+from fly_daemon.runtime import host_port, is_loopback_host
+
+log = logging.getLogger("fly_daemon")
+T = TypeVar("T")
+Replies = AsyncGenerator[TokenChunk | GenerateResult, None]
+
+STATUS = {"BAD_REQUEST": 400, "TOO_LONG": 400, "UNAUTHORIZED": 401, "BUSY": 503, "TIMEOUT": 504,
+          "CANCELLED": 503, "NOT_READY": 503, "INTERNAL": 500, "UNAVAILABLE": 503, "MODEL_ERROR": 500}
+"""The HTTP status of each error code; 503s may be retried (BUSY: nothing was admitted)."""
+CLIENT_CLOSED = 499
+"""The status logged for a request whose client left before its answer (nobody receives it)."""
+
+
+class UnknownModel(BadRequest):
+    """The request names a model this daemon does not serve (HTTP 404, code BAD_REQUEST)."""
+
+
+def create_app(client: InProcessClient, *, api_key: str | None = None,
+               max_body_bytes: int = MAX_FRAME_BYTES) -> FastAPI:
+    """The FastAPI app serving `client`'s scheduler; /v1 needs `Authorization: Bearer <api_key>` if one is set."""
+    app = FastAPI(title="fly-llm", version=fly_llm.__version__,
+                  description="OpenAI-compatible HTTP front of fly-daemon (FLy speculative decoding).")
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer(api_key))] if api_key else [])
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _generate(client, body, request)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _generate(client, body, request)
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": client.served_model(), "object": "model",
+                                            "created": int(client.scheduler.started), "owned_by": "fly-llm"}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 when ready; 503 while loading, draining or failed."""
+        return JSONResponse({"state": client.state, "detail": client.detail},
+                            status_code=200 if client.state == "ready" else 503)
+
+    app.include_router(v1)
+    _add_error_handlers(app)
+    return app
+
+
+def _bearer(api_key: str) -> Callable[..., Awaitable[None]]:
+    """A dependency that refuses requests without `Authorization: Bearer <api_key>` (UNAUTHORIZED, 401)."""
+    scheme = HTTPBearer(auto_error=False)
+
+    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(scheme)) -> None:
+        if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), api_key.encode()):
+            raise Unauthorized("a valid API key is required (Authorization: Bearer <key>)")
+
+    return check
+
+
+# ---- generation ----
+
+async def _generate(client: InProcessClient, body: GenerationBody, request: Request) -> Response:
+    """Serve one chat or text completion, whole or as server-sent events."""
+
+    async def start() -> tuple[dict[str, Any], Replies, TokenChunk | GenerateResult]:
+        model = await client.loaded_model()
+        if body.model != model:
+            raise UnknownModel(f"model {body.model!r} is not served here; GET /v1/models lists {model!r}")
+        head = body.head(model)
+        replies = client.replies(body.to_generate(head["id"]))
+        return head, replies, await anext(replies)  # an error before the first token is a plain HTTP error
+
+    try:
+        head, replies, first = await _unless_disconnected(request, start())
+    except _ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    if not body.stream:
+        return JSONResponse(body.response(head, first))
+    return StreamingResponse(_events(body, head, first, replies), media_type="text/event-stream")
+
+
+async def _events(body: GenerationBody, head: dict[str, Any], first: TokenChunk | GenerateResult,
+                  replies: Replies) -> AsyncIterator[str]:
+    """The stream's server-sent events; an error after the first event is sent as an `error` event."""
+    try:
+        if body.opens_with_role:
+            yield _event(body.chunk(head))
+        reply = first
+        while isinstance(reply, TokenChunk):
+            yield _event(body.chunk(head, reply.text))
+            reply = await anext(replies)
+        yield _event(body.chunk(head, final=reply))
+        if body.include_usage:
+            yield _event(body.usage_chunk(head, reply))
+        yield "data: [DONE]\n\n"
+    except FLyError as exc:
+        yield _event(error_body(exc, _error_type(_status(exc))))
+    finally:
+        await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, unless the client disconnects first: then cancel it (cancelling its request) and raise."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # a no-op once it is done
+    if task in done:
+        return task.result()
+    await asyncio.wait({task})  # let it clean up (cancel its request)
+    raise _ClientGone
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body has been read, so the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- errors in OpenAI's shape ----
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(FLyError)
+    async def fly_error(_: Request, exc: FLyError) -> JSONResponse:
+        status = _status(exc)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {"Retry-After": "1"} if status == 503 else None
+        return _error(exc, status, "model" if isinstance(exc, UnknownModel) else None, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if errors[0]["type"] == "json_invalid":
+            return _error(BadRequest(f"the body is not valid JSON: {errors[0]['ctx']['error']}"), 400)
+        fields = [".".join(str(part) for part in e["loc"][1:]) for e in errors]  # loc[0] is "body"
+        problems = "; ".join(f"{field or 'body'}: {e['msg']}" for field, e in zip(fields, errors[:5]))
+        return _error(BadRequest(problems), 400, fields[0] or None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method, body size
+        error = (TooLong if exc.status_code == 413 else BadRequest)(str(exc.detail))
+        return _error(error, exc.status_code, None, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("the HTTP front failed on a request")
+        return _error(Internal(f"unexpected error: {exc}"), 500)
+
+
+def _status(error: FLyError) -> int:
+    return 404 if isinstance(error, UnknownModel) else STATUS.get(error.code, 500)
+
+
+def _error(error: FLyError, status: int, param: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(error, _error_type(status), param), status_code=status, headers=headers)
+
+
+def _error_type(status: int) -> str:
+    """OpenAI's error `type` for a status."""
+    return "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is refused (413, TOO_LONG), unread when Content-Length
+    says so, else as soon as the bytes read pass the cap. (FastAPI's own max_body_size answers in plain text.)"""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length", "")
+        declared = int(length) if length.isdigit() else 0
+        read = 0
+
+        async def limited() -> Message:
+            nonlocal read
+            if declared > self.max_bytes:
+                raise HTTPException(413, f"request body of {declared} bytes, over the limit of {self.max_bytes}")
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.max_bytes:
+                raise HTTPException(413, f"request body over the limit of {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+# ---- serving ----
+
+class HttpFront:
+    """uvicorn serving an app on HOST:PORT in a background thread; the port is bound at construction."""
+
+    def __init__(self, app: FastAPI, address: str, *, api_key: str | None = None) -> None:
+        """Bind `address` ('HOST:PORT'); ValueError for a non-loopback host without an API key, OSError if taken."""
+        host, port = host_port(address)
+        if not is_loopback_host(host) and not api_key:
+            raise ValueError(f"refusing to serve HTTP on {address} (not loopback) without an API key "
+                             "(--api-key or FLY_API_KEY)")
+        try:
+            self._socket = _listen(host, port)
+        except OSError as exc:
+            raise OSError(f"cannot serve HTTP on {address}: {exc.strerror or exc}") from None
+        bound_host, self.port = self._socket.getsockname()[:2]
+        self.url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="fly-http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        log.info("OpenAI-compatible HTTP on %s/v1", self.url)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving (open streams get uvicorn's graceful shutdown) and close the socket."""
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._socket.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port.
+
+    Its protocol is IPPROTO_TCP, not 0 as `socket.create_server` leaves it: asyncio sets TCP_NODELAY only on
+    connections of such sockets, and without it every response waited ~40 ms for a delayed ACK (Nagle).
+    """
+    family, kind, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+

@@ -1,0 +1,86 @@
+"""An asyncio client of the scheduler inside the daemon's process: no socket, no serialisation.
+
+The HTTP front (fly_daemon.http) submits through it. Requests go to `Scheduler.submit` with the
+LOCAL envelope; the model thread's replies come back through `deliver` (the daemon's emit routes
+LOCAL replies here), which hands each to the event loop of the coroutine waiting for it. A request
+whose consumer stops waiting (an exception, a cancelled task, a closed generator) is cancelled in
+the scheduler, so its batch slot is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from pydantic import BaseModel
+
+from fly_llm.errors import BadRequest, NotReady, error_from_code
+from fly_llm.protocol import ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk
+
+from fly_daemon.scheduler import LOCAL, Envelope, Scheduler
+
+_LOAD_POLL_S = 0.1
+
+
+class InProcessClient:
+    """Submit generate requests to a Scheduler in this process and await their replies (asyncio)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self._waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+
+    @property
+    def state(self) -> HealthState:
+        return self.scheduler.state
+
+    @property
+    def detail(self) -> str:
+        return self.scheduler.detail
+
+    def served_model(self) -> str:
+        """The target's name; NotReady until the models are loaded."""
+        engine = self.scheduler.engine
+        if engine is None:
+            raise NotReady(self.scheduler.detail if self.state == "failed" else f"the daemon is {self.state}")
+        return engine.target_name
+
+    async def loaded_model(self) -> str:
+        """The target's name, once the models are loaded (waits while they load); NotReady if loading failed."""
+        while self.state == "loading":
+            await asyncio.sleep(_LOAD_POLL_S)
+        return self.served_model()
+
+    def deliver(self, envelope: Envelope, message: BaseModel) -> None:
+        """Hand a reply to the coroutine waiting for it (called from the model thread; others are dropped)."""
+        waiting = self._waiting.get(getattr(message, "id", ""))
+        if envelope != LOCAL or waiting is None:
+            return
+        loop, queue = waiting
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, message)
+        except RuntimeError:  # the loop has closed: nobody waits any more
+            pass
+
+    async def replies(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | GenerateResult]:
+        """Submit `request`; yield its chunks (if it streams), then its result.
+
+        Raises the request's error (BUSY, TOO_LONG, NOT_READY, …) as its FLyError. Leaving the
+        iteration early cancels the request.
+        """
+        if request.id in self._waiting:
+            raise BadRequest(f"request id {request.id!r} is already in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._waiting[request.id] = (asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            self.scheduler.submit(LOCAL, request)
+            while not finished:
+                reply = await queue.get()
+                finished = not isinstance(reply, TokenChunk)
+                if isinstance(reply, ErrorReply):
+                    raise error_from_code(reply.code, reply.message)
+                yield reply
+        finally:
+            del self._waiting[request.id]
+            if not finished:
+                self.scheduler.cancel(LOCAL, request.id)

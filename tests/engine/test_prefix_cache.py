@@ -1,7 +1,8 @@
 """The prefix store against a plain reference, under random inserts, replacements and lookups.
 
 The reference keeps an OrderedDict from each cached prefix (the whole token tuple up to a block's
-end) to that block's value, with the same LRU rule; the store keys blocks by (parent id, tokens).
+end) to that block's value, with the same LRU rule and the same choice of a last, partly matched
+block; the store keys blocks by (parent id, tokens).
 After every rule both give the same lookups, bytes and evictions, and `PrefixStore.check()` holds
 (bytes ≤ budget, index consistent, every block's parent cached and more recent).
 """
@@ -41,12 +42,16 @@ class Reference:
             if tuple(tokens[:end]) not in self.entries:
                 break
             chain.append(tuple(tokens[:end]))
+        done = len(chain) * self.n
+        if 0 < len(tokens) - done < self.n:  # the rest begins a cached block: the one with the smallest tokens
+            partial = sorted(k for k in self.entries if len(k) == done + self.n and k[:len(tokens)] == tuple(tokens))
+            chain += partial[:1]
         for key in reversed(chain):
             self.entries.move_to_end(key)
         return chain
 
     def insert(self, tokens: list[int], value_of) -> None:
-        chain = self.match(tokens)
+        chain = self.match(tokens)[:len(tokens) // self.n]
         for i, key in enumerate(chain):
             value = value_of(i, self.entries[key])
             if value is not None and self._room(value[1] - self.entries[key][1], chain):
@@ -104,7 +109,8 @@ class StoreMachine(RuleBasedStateMachine):
         chain = self.store.match(tokens)
         expected = self.ref.match(tokens)
         assert [b.value for b in chain] == [self.ref.entries[k] for k in expected]
-        assert [t for b in chain for t in b.tokens] == list(tokens[:len(chain) * self.store.block_size])
+        matched = min(len(chain) * self.store.block_size, len(tokens))
+        assert [t for b in chain for t in b.tokens][:matched] == list(tokens[:matched])
 
     @rule()
     def clear(self):

@@ -191,12 +191,33 @@ class BatchKV:
     @classmethod
     def prefill(cls, model, tokens: list[int], device: torch.device) -> "BatchKV":
         """A single-row BatchKV holding `tokens`, computed alone (ready for `add_row`)."""
-        kv = cls(device)
-        kv.lengths = [0]
-        kv.mask = torch.zeros(1, 0, dtype=torch.long, device=device)
-        if tokens:
-            kv.forward(model, torch.tensor([tokens], device=device), logits_to_keep=1)
+        kv = cls.single_row([], device)
+        kv.extend(model, tokens)
         return kv
+
+    @classmethod
+    def single_row(cls, layers: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> "BatchKV":
+        """A single-row BatchKV holding given keys/values (`[H, n, D]` per layer; [] = empty)."""
+        kv = cls(device)
+        n = layers[0][0].shape[1] if layers else 0
+        kv.lengths = [n]
+        kv.mask = torch.ones(1, n, dtype=torch.long, device=device)
+        for keys, values in layers:
+            layer = BufferLayer()
+            layer.set_buffers(keys[None], values[None])
+            kv.cache.layers.append(layer)
+        return kv
+
+    def extend(self, model, tokens: list[int]) -> None:
+        """Append `tokens` to a single-row BatchKV (a prefill, or one chunk of it)."""
+        if tokens:
+            self.forward(model, torch.tensor([tokens], device=self.device), logits_to_keep=1)
+
+    def row_kv(self, b: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of row b's keys/values for its tokens start..end-1 (`[H, n, D]` per layer, holes skipped)."""
+        columns = self.mask[b].nonzero().squeeze(1)[start:end]
+        return [(layer.keys[b][:, columns.to(layer.device)], layer.values[b][:, columns.to(layer.device)])
+                for layer in self.cache.layers if layer.is_initialized]
 
     def forward(self, model, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
         """Run `model` on input_ids [B, q] appended to every row; return its logits.

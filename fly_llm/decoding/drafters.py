@@ -107,9 +107,10 @@ class ModelStage:
         self.kv = BatchKV(device)
         self.forwards: list[int] = []
 
-    def add_row(self, context: list[int], prefill: bool = True) -> None:
-        """Append a row; prefill it alone with context[:-1] (or leave it empty to catch up later)."""
-        self.kv.add_row(BatchKV.prefill(self.model, context[:-1] if prefill else [], self.device))
+    def add_row(self, row: BatchKV) -> None:
+        """Append a row whose cache is `row`: a one-row BatchKV holding a prefix of the context
+        (the prompt minus its last token when prefilled; less is caught up on first use)."""
+        self.kv.add_row(row)
 
     def remove_rows(self, keep: list[int]) -> None:
         """Keep only the rows at these indices."""
@@ -225,12 +226,12 @@ class Cascade:
         self.model = model
         self.model_forwards: list[int] = []
 
-    def add_row(self, context: list[int], prefill_model: bool = True) -> None:
-        """Append a row for a new request (context = its prompt)."""
+    def add_row(self, draft_row: BatchKV | None = None) -> None:
+        """Append a row for a new request; `draft_row` is its draft-model cache (see ModelStage.add_row)."""
         if self.ngram is not None:
             self.ngram.add_row()
         if self.model is not None:
-            self.model.add_row(context, prefill=prefill_model)
+            self.model.add_row(draft_row)
 
     def remove_rows(self, keep: list[int]) -> None:
         """Keep only the rows at these indices."""

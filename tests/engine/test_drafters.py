@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.drafters import Cascade, DraftPlan, ModelStage, NgramStage
 from support.tiny_models import make_pair
 
@@ -80,7 +81,8 @@ def test_model_stage_and_cascade_follow_draft_greedy(draft_model, use_ngram):
     contexts[2] += contexts[2][:6]  # a repeat, so n-gram proposals hit
     cascade = Cascade(NgramStage(4, 3) if use_ngram else None, ModelStage(draft_model, torch.device("cpu")))
     for b, context in enumerate(contexts):
-        cascade.add_row(context, prefill_model=b != 0)  # row 0 starts empty: caught up on first use
+        # row 0 starts empty: caught up on first use
+        cascade.add_row(BatchKV.prefill(draft_model, context[:-1] if b else [], torch.device("cpu")))
     with torch.inference_mode():
         for round_, ks in enumerate([[5, 3, 8], [1, 0, 6], [4, 4, 4], [8, 2, 1]]):
             plans = [DraftPlan(k=k, ngram=use_ngram, model=True) for k in ks]
@@ -101,7 +103,7 @@ def test_model_stage_and_cascade_follow_draft_greedy(draft_model, use_ngram):
 def test_ngram_only_plan_chains_lookups():
     cascade = Cascade(NgramStage(2, 3), None)
     context = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
-    cascade.add_row(context)
+    cascade.add_row()
     assert cascade.propose([context], [DraftPlan(k=7, ngram=True, model=False)]) == [[3, 4, 5, 6, 7, 8, 1]]
     assert cascade.propose([context], [DraftPlan(k=0, ngram=True, model=False)]) == [[]]
 
@@ -114,7 +116,7 @@ def test_confidence_stopping_cuts_a_row_at_its_first_unsure_token_and_no_other_r
     def stage() -> ModelStage:
         s = ModelStage(draft, torch.device("cpu"))
         for context in contexts:
-            s.add_row(context)
+            s.add_row(BatchKV.prefill(draft, context[:-1], torch.device("cpu")))
         return s
 
     full = stage().propose(contexts, [8, 8])

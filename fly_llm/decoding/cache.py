@@ -74,12 +74,21 @@ class BufferLayer(DynamicLayer):
 
     def set_buffers(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Adopt full key/value tensors `[B, H, n, D]` as the used columns."""
+        self.set_parts([keys], [values])
+
+    def set_parts(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Adopt key/value parts `[B, H, n_i, D]`, one after the other, as the used columns (written
+        straight into the new buffers: no concatenated copy first)."""
         if not self.is_initialized:
-            self.lazy_initialization(keys, values)
-        n = keys.shape[-2]
-        self._k = keys.new_zeros(_with_len(keys.shape, _capacity(n)))
-        self._v = values.new_zeros(_with_len(values.shape, _capacity(n)))
-        self._k[:, :, :n], self._v[:, :, :n] = keys, values
+            self.lazy_initialization(keys[0], values[0])
+        n = sum(k.shape[-2] for k in keys)
+        self._k = keys[0].new_zeros(_with_len(keys[0].shape, _capacity(n)))
+        self._v = values[0].new_zeros(_with_len(values[0].shape, _capacity(n)))
+        start = 0
+        for k, v in zip(keys, values):
+            end = start + k.shape[-2]
+            self._k[:, :, start:end], self._v[:, :, start:end] = k, v
+            start = end
         self._n = n
         self._refresh()
 
@@ -196,15 +205,16 @@ class BatchKV:
         return kv
 
     @classmethod
-    def single_row(cls, layers: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> "BatchKV":
-        """A single-row BatchKV holding given keys/values (`[H, n, D]` per layer; [] = empty)."""
+    def single_row(cls, layers: list[tuple[list[torch.Tensor], list[torch.Tensor]]], device: torch.device) -> "BatchKV":
+        """A single-row BatchKV holding given keys/values: per layer, the key parts and the value parts
+        (`[H, n_i, D]` each, in token order); [] = empty."""
         kv = cls(device)
-        n = layers[0][0].shape[1] if layers else 0
+        n = sum(k.shape[1] for k in layers[0][0]) if layers else 0
         kv.lengths = [n]
         kv.mask = torch.ones(1, n, dtype=torch.long, device=device)
         for keys, values in layers:
             layer = BufferLayer()
-            layer.set_buffers(keys[None], values[None])
+            layer.set_parts([k[None] for k in keys], [v[None] for v in values])
             kv.cache.layers.append(layer)
         return kv
 

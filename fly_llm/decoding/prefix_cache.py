@@ -50,11 +50,11 @@ class PrefixCache:
         fed in the first round)."""
         limit = len(prompt) - 1
         chain = [block.value for block in self.store.match(prompt[:limit])]
-        target = BatchKV.single_row(_joined([b.target for b in chain], limit), device)
+        target = BatchKV.single_row(_parts([b.target for b in chain], limit), device)
         if draft_device is None:
             return target, None
         drafted = [b.draft for b in takewhile(lambda b: b.draft is not None, chain)]
-        return target, BatchKV.single_row(_joined(drafted, limit), draft_device)
+        return target, BatchKV.single_row(_parts(drafted, limit), draft_device)
 
     @torch.inference_mode()
     def save(self, tokens: list[int], target: BatchKV, row: int, draft: BatchKV | None) -> None:
@@ -85,9 +85,12 @@ class PrefixCache:
         self.store.clear()
 
 
-def _joined(blocks: list[Layers], limit: int) -> Layers:
-    """The blocks' KV concatenated per layer, cut to `limit` tokens ([] for none)."""
+def _parts(blocks: list[Layers], limit: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Per layer, the blocks' key parts and value parts, cut to `limit` tokens in all ([] for none)."""
     if not blocks or limit <= 0:
         return []
-    return [(torch.cat([b[i][0] for b in blocks], 1)[:, :limit], torch.cat([b[i][1] for b in blocks], 1)[:, :limit])
-            for i in range(len(blocks[0]))]
+    n = blocks[0][0][0].shape[1]
+    blocks = blocks[:-(-limit // n)]  # the blocks that hold the first `limit` tokens
+    last = limit - n * (len(blocks) - 1)  # tokens of the last of them
+    return [([b[i][0] for b in blocks[:-1]] + [blocks[-1][i][0][:, :last]],
+             [b[i][1] for b in blocks[:-1]] + [blocks[-1][i][1][:, :last]]) for i in range(len(blocks[0]))]

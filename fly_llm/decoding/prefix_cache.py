@@ -60,7 +60,8 @@ class PrefixCache:
     def save(self, tokens: list[int], target: BatchKV, row: int, draft: BatchKV | None) -> None:
         """Store row `row`'s KV of `tokens` (the row's context): as many tokens as each cache holds.
 
-        Nothing is copied when the budget is 0 (the cache is off)."""
+        Nothing is copied when the budget is 0 (the cache is off). If the device runs out of memory
+        while copying, the cache empties itself and the request goes on."""
         if not self.store.budget:
             return
         n = self.store.block_size
@@ -74,7 +75,10 @@ class PrefixCache:
             draft_kv = draft.row_kv(row, i * n, (i + 1) * n) if add_draft else None
             return KVBlock(old.target if old is not None else target.row_kv(row, i * n, (i + 1) * n), draft_kv)
 
-        self.store.insert(tokens[:target.lengths[row]], value_of)
+        try:
+            self.store.insert(tokens[:target.lengths[row]], value_of)
+        except torch.OutOfMemoryError:
+            self.store.clear()  # memory pressure: give the cache's memory back rather than fail the request
 
     def check(self) -> None:
         """The store's invariants (`PrefixStore.check`)."""

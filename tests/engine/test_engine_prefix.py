@@ -179,3 +179,17 @@ def test_short_prompts_share_one_steps_prefill_budget():
     for i, prompt in enumerate(([50] * 6, [60], [70] * 10)):
         eng.add_request(f"p{i}", prompt, SamplingParams(max_tokens=3), PLAIN)
     assert [sorted(out.request_id for out in eng.step()) for _ in range(2)] == [["p0", "p1"], ["p0", "p1", "p2"]]
+
+
+def test_out_of_memory_while_storing_empties_the_cache_and_fails_nothing(monkeypatch):
+    eng = engine()
+    prompt = SYSTEM + QUESTIONS[0]
+    run(eng, SYSTEM + QUESTIONS[1])
+    assert eng.prompt_stats.cache_bytes > 0
+
+    def no_memory(*_):
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(type(eng._kv), "row_kv", no_memory)
+    [(tokens, _)] = run(eng, prompt)
+    assert tokens == greedy(tuple(prompt)) and eng.prompt_stats.cache_bytes == 0

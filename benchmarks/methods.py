@@ -23,6 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.stats import RequestStats
+from fly_llm.tools import Structure
 
 PROMPT_LOOKUP_TOKENS = 10
 
@@ -166,15 +167,19 @@ class Runner:
                                      context_window=self.context_window, policy=policy)
         return self._engine
 
-    def run(self, method: Method, prompt_ids: list[int], max_tokens: int | None = None) -> Run:
-        """Decode `prompt_ids` greedily with `method`; time it and count target forwards."""
+    def run(self, method: Method, prompt_ids: list[int], max_tokens: int | None = None,
+            structure: Structure | None = None) -> Run:
+        """Decode `prompt_ids` greedily with `method` (under `structure`'s grammar, if given); time it
+        and count target forwards."""
         max_tokens = max_tokens or self.max_tokens
         self._forwards = 0
+        if structure is not None and method.kind == "llamacpp":
+            raise ValueError("structured runs compare torch methods only")
         with torch.inference_mode():
             if method.kind == "hf":
-                run = self._run_hf(method, prompt_ids, max_tokens)
+                run = self._run_hf(method, prompt_ids, max_tokens, structure)
             elif method.kind == "engine":
-                run = self._run_engine(method, prompt_ids, max_tokens)
+                run = self._run_engine(method, prompt_ids, max_tokens, structure)
             else:
                 run = self._run_llamacpp(prompt_ids, max_tokens)
         if method.kind != "llamacpp":
@@ -182,10 +187,15 @@ class Runner:
         run.token_ids = self._strip_eos(run.token_ids)
         return run
 
-    def _run_hf(self, method: Method, prompt_ids: list[int], max_tokens: int) -> Run:
+    def _run_hf(self, method: Method, prompt_ids: list[int], max_tokens: int, structure: Structure | None) -> Run:
         kwargs = dict(method.hf_kwargs)
         if "assistant_model" in kwargs:
             kwargs["assistant_model"] = self.draft
+        if structure is not None:
+            from fly_llm.decoding.grammar import GrammarLogitsProcessor, grammar_for
+
+            matcher = self.engine.grammars.matcher(grammar_for(structure))
+            kwargs["logits_processor"] = [GrammarLogitsProcessor(matcher, len(prompt_ids), self.engine.vocab_size)]
         streamer = _FirstToken()
         input_ids = torch.tensor([prompt_ids], device=self.target.device)
         start = time.perf_counter()
@@ -197,14 +207,15 @@ class Runner:
         ttft = (streamer.at or time.perf_counter()) - start
         return Run(out[0, len(prompt_ids):].tolist(), seconds, ttft, 0)
 
-    def _run_engine(self, method: Method, prompt_ids: list[int], max_tokens: int) -> Run:
+    def _run_engine(self, method: Method, prompt_ids: list[int], max_tokens: int, structure: Structure | None) -> Run:
         engine = self.engine
         request_id = f"bench-{time.perf_counter_ns()}"
         tokens: list[int] = []
         ttft: float | None = None
         stats = RequestStats()
         start = time.perf_counter()
-        engine.add_request(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens), fly=method.fly)
+        engine.add_request(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens), fly=method.fly,
+                           structure=structure)
         while engine.has_unfinished():
             for out in engine.step():
                 if out.request_id != request_id:

@@ -8,7 +8,8 @@ Replies: chunk (streamed text), result, error, info, health, status, tokenize.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+import json
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -16,6 +17,7 @@ from pydantic_core import PydanticCustomError
 from fly_llm.config import FLyConfig, FLyOverrides, SamplingParams
 from fly_llm.errors import BadRequest, TooLong
 from fly_llm.stats import FinishReason, PromptStats, RequestStats
+from fly_llm.tools import MAX_TOOLS, ResponseFormat, Structure, ToolCall, ToolChoice, ToolSpec
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -37,13 +39,81 @@ class _Message(BaseModel):
     id: RequestId
 
 
+class MessageToolCall(BaseModel):
+    """A call an assistant turn made, in OpenAI's shape; `arguments` as a JSON object or its JSON text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    class Function(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        name: str = Field(min_length=1, max_length=64)
+        arguments: dict[str, Any] | str = Field(default_factory=dict)
+
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: Function
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_flat(cls, data: Any) -> Any:
+        """Also accept a ToolCall as results carry it: {"id", "name", "arguments"}."""
+        if isinstance(data, dict) and "name" in data and "function" not in data:
+            return {"id": data.get("id"), "type": "function",
+                    "function": {"name": data["name"], "arguments": data.get("arguments", {})}}
+        return data
+
+    @model_validator(mode="after")
+    def _parse_arguments(self) -> "MessageToolCall":
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as exc:
+                raise ValueError(f"tool call {self.id}: arguments are not JSON: {exc}") from None
+            if not isinstance(arguments, dict):
+                raise ValueError(f"tool call {self.id}: arguments must be a JSON object")
+            self.function.arguments = arguments
+        return self
+
+    def for_template(self) -> dict:
+        """The call as chat templates read it (arguments as an object)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": self.function.arguments}}
+
+
 class ChatMessage(BaseModel):
-    """One chat turn; the daemon renders a list of them with the target's chat template."""
+    """One chat turn; the daemon renders a list of them with the target's chat template.
+
+    An assistant turn may carry the `tool_calls` it made; a `tool` turn carries a result and the
+    `tool_call_id` of the call it answers.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str = ""
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=128)
+    name: str | None = Field(None, max_length=64)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_content(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("content", "") is None:  # OpenAI: an assistant turn with only calls
+            return {**data, "content": ""}
+        return data
+
+    def for_template(self) -> dict:
+        """The turn as chat templates read it."""
+        turn: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            turn["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            turn["name"] = self.name
+        return turn
 
 
 def _check_messages(messages: list[ChatMessage] | None) -> None:
@@ -52,6 +122,17 @@ def _check_messages(messages: list[ChatMessage] | None) -> None:
     if total > MAX_PROMPT_CHARS:
         raise PydanticCustomError("too_long", "messages hold {total} characters, over the limit of {limit}",
                                   {"total": total, "limit": MAX_PROMPT_CHARS})
+
+
+def _check_tool_results(messages: list[ChatMessage] | None) -> None:
+    """Every tool result answers a call that an earlier assistant turn made."""
+    calls: set[str] = set()
+    for i, m in enumerate(messages or ()):
+        calls.update(c.id for c in m.tool_calls or ())
+        if m.role == "tool" and m.tool_call_id is not None and m.tool_call_id not in calls:
+            raise ValueError(f"messages[{i}] is a tool result for the unknown call {m.tool_call_id!r}")
+        if m.tool_calls and m.role != "assistant":
+            raise ValueError(f"messages[{i}]: only assistant turns carry tool_calls")
 
 
 # ---- requests (client → daemon) ----
@@ -66,6 +147,9 @@ class GenerateRequest(_Message):
     fly: FLyOverrides = Field(default_factory=FLyOverrides)
     stream: bool = False
     timeout_s: float | None = Field(None, gt=0, le=86_400, description="Deadline from admission.")
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
@@ -73,8 +157,19 @@ class GenerateRequest(_Message):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if self.tools and self.messages is None:
+            raise ValueError("tools need chat messages (the chat template renders them)")
         _check_messages(self.messages)
+        _check_tool_results(self.messages)
+        self.structure  # noqa: B018 - validates tools, tool_choice and response_format together
         return self
+
+    @property
+    def structure(self) -> Structure | None:
+        """What constrains the output (tools / tool_choice / response_format), or None."""
+        if self.tools is None and self.tool_choice is None and self.response_format is None:
+            return None
+        return Structure(tools=self.tools, tool_choice=self.tool_choice, response_format=self.response_format)
 
 
 class CancelRequest(_Message):
@@ -143,6 +238,8 @@ class TokenChunk(_Message):
     kind: Literal["chunk"] = "chunk"
     text: str
     token_ids: list[int] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    """Calls completed in this chunk (each arrives whole, once its closing tag is decoded)."""
 
 
 class GenerateResult(_Message):
@@ -150,8 +247,10 @@ class GenerateResult(_Message):
 
     kind: Literal["result"] = "result"
     text: str
+    """The text outside tool calls (all of it when the request offered no tools)."""
     token_ids: list[int]
     finish_reason: FinishReason
+    tool_calls: list[ToolCall] = Field(default_factory=list)
     usage: Usage
     stats: RequestStats = Field(default_factory=RequestStats)
     model: str = ""

@@ -14,8 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, computed_field
 
-FinishReason = Literal["stop", "length"]
-"""'stop': EOS or a stop string; 'length': max_tokens reached."""
+FinishReason = Literal["stop", "length", "tool_calls"]
+"""'stop': EOS or a stop string; 'length': max_tokens reached; 'tool_calls': stopped after calling tools."""
 
 
 class RequestStats(BaseModel):
@@ -30,6 +30,8 @@ class RequestStats(BaseModel):
     draft_model_rounds: int = 0
     ngram_rounds: int = 0
     plain_rounds: int = 0
+    forced: int = 0
+    """Accepted draft tokens that a grammar forced (drafted at no model cost; counted in accepted_native or _loose)."""
     drafted_by_position: list[int] = Field(default_factory=list)
     accepted_by_position: list[int] = Field(default_factory=list)
 
@@ -47,18 +49,20 @@ class RequestStats(BaseModel):
         return self.accepted_loose / accepted if accepted else 0.0
 
     def record_round(self, drafted: int, native: list[bool], loose: list[bool], accepted: int,
-                     used_draft_model: bool, used_ngram: bool = False) -> None:
+                     used_draft_model: bool, used_ngram: bool = False, forced: int = 0) -> None:
         """Count one verification round: `accepted` kept draft tokens plus one target token.
 
         The adaptive policy's choices are counted too: draft_model_rounds (the draft model ran),
         ngram_rounds (the plan included the n-gram stage and something was drafted; a cascade round
-        counts as both) and plain_rounds (nothing drafted: plain target decoding).
+        counts as both) and plain_rounds (nothing drafted: plain target decoding); `forced` of the
+        accepted tokens were forced by the row's grammar.
         """
         self.rounds += 1
         self.drafted += drafted
         self.draft_model_rounds += int(used_draft_model)
         self.ngram_rounds += int(used_ngram)
         self.plain_rounds += int(drafted == 0)
+        self.forced += forced
         n_loose = sum(loose[:accepted])
         self.accepted_loose += n_loose
         self.accepted_native += accepted - n_loose
@@ -78,7 +82,7 @@ class RequestStats(BaseModel):
     def merge(self, other: "RequestStats") -> None:
         """Add another request's counters to these."""
         for name in ("rounds", "drafted", "accepted_native", "accepted_loose", "emitted", "trimmed",
-                     "draft_model_rounds", "ngram_rounds", "plain_rounds"):
+                     "draft_model_rounds", "ngram_rounds", "plain_rounds", "forced"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):

@@ -5,12 +5,15 @@
     fly-daemon status                 # state, models, uptime, queue, batch, throughput, acceptance
     fly-daemon generate "Write a Python function that reverses a string."  # chat; streams the answer
     fly-daemon generate --raw "def fib(n):"  # plain completion of the text
+    fly-daemon generate --json-schema answer.json "What is 2 + 3?"  # JSON valid under the schema
+    fly-daemon generate --tools tools.json "Weather in Paris?"  # may call the tools (OpenAI format)
     fly-daemon stop                   # graceful: running requests finish within --drain-timeout
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -21,7 +24,7 @@ from pathlib import Path
 
 from fly_llm.client import FLyClient, build_options, default_endpoint
 from fly_llm.config import FLyConfig, ModelSpec
-from fly_llm.errors import FLyError, FLyUnavailable
+from fly_llm.errors import BadRequest, FLyError, FLyUnavailable
 from fly_llm.protocol import GenerateResult
 
 from fly_daemon.runtime import AlreadyRunning, check_endpoint, daemon_files, running_pid
@@ -109,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--window", type=int)
     gen.add_argument("--entropy-threshold", type=float)
     gen.add_argument("--no-loose", action="store_true")
+    gen.add_argument("--json-schema", type=Path, metavar="FILE", help="answer with JSON valid under this JSON Schema")
+    gen.add_argument("--json", action="store_true", help="answer with a JSON object")
+    gen.add_argument("--tools", type=Path, metavar="FILE", help="a JSON list of OpenAI-style tools the model may call")
+    gen.add_argument("--tool-choice", default=None,
+                     help="'auto' (default with --tools), 'none', 'required', or the name of one tool")
     gen.add_argument("--timeout", type=float, default=600.0)
     gen.set_defaults(func=_generate)
     return parser
@@ -294,19 +302,45 @@ def _generate(args: argparse.Namespace) -> int:
                                   loose=False if args.no_loose else None)
     with FLyClient(endpoint, timeout=args.timeout) as client:
         try:
+            structure = _structure(args)
             chat = not args.raw and _has_chat_template(client)
             source = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
-            for item in client.stream(**source, sampling=sampling, fly=fly):
+            for item in client.stream(**source, sampling=sampling, fly=fly, **structure):
                 if isinstance(item, GenerateResult):
                     rate = item.usage.completion_tokens / item.elapsed_s if item.elapsed_s else 0.0
                     print(f"\n[{item.usage.completion_tokens} tokens, {rate:.1f} tokens/s, "
-                          f"MAT {item.stats.mat:.2f}, finish: {item.finish_reason}]", file=sys.stderr)
+                          f"MAT {item.stats.mat:.2f}, forced {item.stats.forced}, finish: {item.finish_reason}]",
+                          file=sys.stderr)
                 else:
                     print(item.text, end="", flush=True)
+                    for call in item.tool_calls:
+                        print(f"\n[tool call] {call.name}({json.dumps(call.arguments)})", flush=True)
         except FLyError as exc:
             print(f"\nfly-daemon: {exc}", file=sys.stderr)
             return 1
     return 0
+
+
+def _structure(args: argparse.Namespace) -> dict:
+    """tools / tool_choice / response_format from the generate flags (BadRequest for an unreadable file)."""
+    structure: dict = {}
+    if args.json_schema is not None:
+        structure["response_format"] = {"type": "json_schema", "schema": _read_json(args.json_schema)}
+    elif args.json:
+        structure["response_format"] = {"type": "json_object"}
+    if args.tools is not None:
+        structure["tools"] = _read_json(args.tools)
+        choice = args.tool_choice or "auto"
+        structure["tool_choice"] = choice if choice in ("auto", "none", "required") else {
+            "type": "function", "function": {"name": choice}}
+    return structure
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BadRequest(f"cannot read {path}: {exc}") from None
 
 
 def _has_chat_template(client: FLyClient) -> bool:

@@ -24,6 +24,7 @@ from fly_llm.protocol import (
     ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest, Usage,
 )
 from fly_llm.stats import PromptStats, RequestStats
+from fly_llm.tools import ToolCall, ToolCallStream
 
 from fly_daemon.metrics import Metrics
 
@@ -67,13 +68,15 @@ class Job:
     last_seen: float
     prompt_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
-    text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     unsent_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float | None = None
     in_engine: bool = False
     kill: FLyError | None = None
+    tool_calls: ToolCallStream | None = None  # set when the request may call tools: splits calls from text
+    calls: list[ToolCall] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)  # text outside tool calls
 
     @property
     def key(self) -> tuple[Envelope, str]:
@@ -127,6 +130,9 @@ class Scheduler:
             if len(self._waiting) >= self.limits.queue_size:
                 raise Busy(f"admission queue full ({self.limits.queue_size} waiting)")
             job = Job(envelope, request, f"r{next(self._ids)}", now, now)
+            structure = request.structure
+            if structure is not None and structure.calls_tools:
+                job.tool_calls = ToolCallStream()
             self._jobs[job.key] = job
             self._waiting.append(job)
         self._wake.set()
@@ -310,7 +316,7 @@ class Scheduler:
                 if active and sum(j.budget for j in active) + job.budget > self.limits.max_batch_tokens:
                     return
                 self.engine.add_request(job.engine_id, job.prompt_ids, job.request.sampling,
-                                        job.request.fly.apply(self.engine.config))
+                                        job.request.fly.apply(self.engine.config), job.request.structure)
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the model thread
                 if not isinstance(exc, FLyError):
                     log.exception("admitting request %s failed", job.request.id)
@@ -324,9 +330,10 @@ class Scheduler:
 
     def _encode(self, job: Job) -> None:
         request = job.request
-        messages = [m.model_dump() for m in request.messages] if request.messages is not None else None
+        messages = [m.for_template() for m in request.messages] if request.messages is not None else None
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         try:
-            job.prompt_ids = self.engine.encode(prompt=request.prompt, messages=messages)
+            job.prompt_ids = self.engine.encode(prompt=request.prompt, messages=messages, tools=tools)
         except FLyError:
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects these messages
@@ -384,18 +391,27 @@ class Scheduler:
             self.metrics.completion_tokens.inc(len(out.new_token_ids))
         job.token_ids += out.new_token_ids
         job.unsent_ids += out.new_token_ids
-        job.text.append(out.new_text)
+        text, calls = out.new_text, []
+        if job.tool_calls is not None:
+            text, calls = job.tool_calls.feed(text)
+            text += job.tool_calls.finish() if out.finished else ""
+            job.calls += calls
+        job.content.append(text)
         rid = job.request.id
-        if job.request.stream and out.new_text:
-            self._emit(job.envelope, TokenChunk(id=rid, text=out.new_text, token_ids=job.unsent_ids))
+        if job.request.stream and (text or calls):
+            self._emit(job.envelope, TokenChunk(id=rid, text=text, token_ids=job.unsent_ids, tool_calls=calls))
             job.unsent_ids = []
         if not out.finished:
             return
         self._forget(job)
         self.requests_total += 1
         self.metrics.finished("ok", out.prompt_tokens, out.stats)
+        content = "".join(job.content)
+        reason = out.finish_reason or "stop"
+        if job.calls:
+            content, reason = content.strip(), ("tool_calls" if reason == "stop" else reason)
         self._emit(job.envelope, GenerateResult(
-            id=rid, text="".join(job.text), token_ids=job.token_ids, finish_reason=out.finish_reason or "stop",
+            id=rid, text=content, token_ids=job.token_ids, finish_reason=reason, tool_calls=job.calls,
             usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=len(job.token_ids),
                         total_tokens=out.prompt_tokens + len(job.token_ids), cached_tokens=out.cached_tokens),
             stats=out.stats, model=self.engine.target_name,

@@ -14,11 +14,13 @@ This package is the client API: adapters import from here only.
 """
 
 from fly_llm.client.aio import AsyncFLyClient
-from fly_llm.client.core import Messages, build_options
+from fly_llm.client.core import Messages, Tools, build_options
 from fly_llm.client.sync import FLyClient
 from fly_llm.config import FLyOverrides, SamplingParams
 from fly_llm.endpoints import default_endpoint, runtime_dir
 from fly_llm.protocol import ChatMessage, GenerateResult, InfoReply, TokenChunk
+from fly_llm.tools import ResponseFormat, ToolCall, ToolChoice, ToolSpec, split_tool_calls
 
 __all__ = ["AsyncFLyClient", "ChatMessage", "FLyClient", "FLyOverrides", "GenerateResult", "InfoReply", "Messages",
-           "SamplingParams", "TokenChunk", "build_options", "default_endpoint", "runtime_dir"]
+           "ResponseFormat", "SamplingParams", "TokenChunk", "ToolCall", "ToolChoice", "ToolSpec", "Tools",
+           "build_options", "default_endpoint", "runtime_dir", "split_tool_calls"]

@@ -11,7 +11,7 @@ import zmq.asyncio
 from pydantic import BaseModel
 
 from fly_llm.client.base import ClientBase, Connection
-from fly_llm.client.core import POLL_S, GenerateReplies, Messages, Resend, answer, new_id, tokenize_request
+from fly_llm.client.core import POLL_S, GenerateReplies, Messages, Resend, Tools, answer, new_id, tokenize_request
 from fly_llm.client.heartbeat import Heartbeat
 from fly_llm.client.sockets import send
 from fly_llm.config import FLyOverrides, SamplingParams
@@ -20,6 +20,7 @@ from fly_llm.protocol import (
     GenerateResult, HealthReply, HealthRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenChunk,
     TokenizeReply,
 )
+from fly_llm.tools import ResponseFormat, ToolChoice
 
 _CONTEXT: zmq.asyncio.Context | None = None
 
@@ -74,28 +75,45 @@ class AsyncFLyClient(ClientBase):
         self._connections: dict[asyncio.AbstractEventLoop, _AsyncConnection] = {}
 
     async def generate(self, prompt: str, sampling: SamplingParams | None = None,
-                       fly: FLyOverrides | None = None, timeout: float | None = None) -> GenerateResult:
-        """Generate a completion for `prompt`."""
-        return (await self.batch([prompt], sampling, fly, timeout))[0]
+                       fly: FLyOverrides | None = None, timeout: float | None = None, *,
+                       response_format: ResponseFormat | dict | None = None) -> GenerateResult:
+        """Generate a completion for `prompt` (its output constrained by `response_format`, if given)."""
+        return (await self.batch([prompt], sampling, fly, timeout, response_format=response_format))[0]
 
     async def chat(self, messages: Messages, sampling: SamplingParams | None = None,
-                   fly: FLyOverrides | None = None, timeout: float | None = None) -> GenerateResult:
-        """Answer chat `messages` (rendered with the target's chat template on the daemon)."""
-        return (await self.batch([messages], sampling, fly, timeout))[0]
+                   fly: FLyOverrides | None = None, timeout: float | None = None, *, tools: Tools | None = None,
+                   tool_choice: ToolChoice | dict | None = None,
+                   response_format: ResponseFormat | dict | None = None) -> GenerateResult:
+        """Answer chat `messages` (rendered with the target's chat template on the daemon).
+
+        With `tools` the model may call them (`tool_choice`: "auto", "none", "required" or one
+        named function); the result's `tool_calls` lists the calls. `response_format` constrains
+        the answer to JSON (a schema, or any object) or a regex.
+        """
+        return (await self.batch([messages], sampling, fly, timeout, tools=tools, tool_choice=tool_choice,
+                                 response_format=response_format))[0]
 
     async def stream(self, prompt: str | None = None, *, messages: Messages | None = None,
                      sampling: SamplingParams | None = None, fly: FLyOverrides | None = None,
-                     timeout: float | None = None) -> AsyncIterator[TokenChunk | GenerateResult]:
-        """Yield TokenChunks as text is generated, then the final GenerateResult; leaving early cancels."""
-        request = self._request(prompt, messages, sampling, fly, timeout, stream=True)
+                     timeout: float | None = None, tools: Tools | None = None,
+                     tool_choice: ToolChoice | dict | None = None,
+                     response_format: ResponseFormat | dict | None = None) -> AsyncIterator[TokenChunk | GenerateResult]:
+        """Yield TokenChunks as text (and whole tool calls) are generated, then the final GenerateResult;
+        leaving early cancels."""
+        request = self._request(prompt, messages, sampling, fly, timeout, stream=True, tools=tools,
+                                tool_choice=tool_choice, response_format=response_format)
         with self._open([request]) as (conn, (replies,)):
             async for reply in self._replies(conn, replies):
                 yield reply
 
     async def batch(self, prompts: list[str] | list[Messages], sampling: SamplingParams | None = None,
-                    fly: FLyOverrides | None = None, timeout: float | None = None) -> list[GenerateResult]:
+                    fly: FLyOverrides | None = None, timeout: float | None = None, *, tools: Tools | None = None,
+                    tool_choice: ToolChoice | dict | None = None,
+                    response_format: ResponseFormat | dict | None = None) -> list[GenerateResult]:
         """Generate for many prompts (strings or message lists), all sent at once and batched by the daemon."""
-        with self._open(self._batch(prompts, sampling, fly, timeout)) as (conn, routes):
+        requests = self._batch(prompts, sampling, fly, timeout, tools=tools, tool_choice=tool_choice,
+                               response_format=response_format)
+        with self._open(requests) as (conn, routes):
             return [[r async for r in self._replies(conn, replies)][-1] for replies in routes]
 
     async def info(self) -> InfoReply:

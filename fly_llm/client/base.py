@@ -11,6 +11,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import zmq
 from pydantic import BaseModel
@@ -63,12 +64,13 @@ class ClientBase(ABC):
         """Close the connection (a later call opens a new one)."""
 
     def _request(self, prompt: str | None, messages: Messages | None, sampling: SamplingParams | None,
-                 fly: FLyOverrides | None, timeout: float | None, stream: bool = False) -> GenerateRequest:
-        return generate_request(prompt, messages, sampling, fly, self._timeout(timeout), stream)
+                 fly: FLyOverrides | None, timeout: float | None, stream: bool = False,
+                 **structure: Any) -> GenerateRequest:
+        return generate_request(prompt, messages, sampling, fly, self._timeout(timeout), stream, **structure)
 
     def _batch(self, prompts: list[str] | list[Messages], sampling: SamplingParams | None, fly: FLyOverrides | None,
-               timeout: float | None) -> list[GenerateRequest]:
-        return batch_requests(prompts, sampling, fly, self._timeout(timeout))
+               timeout: float | None, **structure: Any) -> list[GenerateRequest]:
+        return batch_requests(prompts, sampling, fly, self._timeout(timeout), **structure)
 
     def _timeout(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout

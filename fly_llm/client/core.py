@@ -22,6 +22,7 @@ from fly_llm.protocol import (
     ChatMessage, ErrorReply, GenerateRequest, GenerateResult, TokenChunk, TokenizeRequest, decode_reply,
     invalid,
 )
+from fly_llm.tools import ToolSpec
 
 POLL_S = 0.1
 """Longest single wait for a frame, so deadlines and liveness are checked often."""
@@ -33,6 +34,8 @@ MAX_TIMEOUT_S = 86_400.0
 """The protocol's cap on a request deadline."""
 
 Messages = list[ChatMessage | dict[str, Any]]
+Tools = list[ToolSpec | dict[str, Any]]
+"""OpenAI-style tools: {"type": "function", "function": {"name", "description", "parameters"}}."""
 
 
 # ---- requests ----
@@ -68,18 +71,23 @@ def _chat(messages: Messages | None) -> list[ChatMessage] | None:
 
 
 def generate_request(prompt: str | None, messages: Messages | None, sampling: SamplingParams | None,
-                     fly: FLyOverrides | None, timeout: float, stream: bool = False) -> GenerateRequest:
-    """A GenerateRequest for a prompt (completion) or chat messages; BadRequest if it is not valid."""
+                     fly: FLyOverrides | None, timeout: float, stream: bool = False,
+                     **structure: Any) -> GenerateRequest:
+    """A GenerateRequest for a prompt (completion) or chat messages; BadRequest if it is not valid.
+
+    `structure`: tools, tool_choice and response_format, as GenerateRequest takes them (None: unset).
+    """
     with checked():
         return GenerateRequest(id=new_id(), prompt=prompt, messages=_chat(messages), sampling=sampling or SamplingParams(),
-                               fly=fly or FLyOverrides(), stream=stream, timeout_s=min(timeout, MAX_TIMEOUT_S))
+                               fly=fly or FLyOverrides(), stream=stream, timeout_s=min(timeout, MAX_TIMEOUT_S),
+                               **structure)
 
 
 def batch_requests(prompts: list[str] | list[Messages], sampling: SamplingParams | None, fly: FLyOverrides | None,
-                   timeout: float) -> list[GenerateRequest]:
+                   timeout: float, **structure: Any) -> list[GenerateRequest]:
     """One GenerateRequest per prompt: a string (completion) or a list of chat messages."""
-    return [generate_request(p, None, sampling, fly, timeout) if isinstance(p, str)
-            else generate_request(None, p, sampling, fly, timeout) for p in prompts]
+    return [generate_request(p, None, sampling, fly, timeout, **structure) if isinstance(p, str)
+            else generate_request(None, p, sampling, fly, timeout, **structure) for p in prompts]
 
 
 def tokenize_request(text: str | None, messages: Messages | None) -> TokenizeRequest:

@@ -1,11 +1,15 @@
 """Draft stages and the draft cascade (docs/design.md §1.1).
 
-Two stages, in the spirit of Hugging Face's candidate generators:
+Three stages, the first two in the spirit of Hugging Face's candidate generators:
 
 - `NgramStage`: prompt lookup. The proposal copies what followed the earliest earlier
   occurrence of the context's last n tokens (n from `max_ngram` down to 1). Nearly free.
 - `ModelStage`: the draft model, greedy, over its own batched KV cache (`BatchKV`) that is
   rolled back to the accepted length after every round.
+
+`- `GrammarStage` (fly_llm.decoding.grammar): for rows under a grammar, the tokens the grammar
+  forces are drafted first, at no model cost, and every draft is cut at its first token the
+  grammar forbids.
 
 `Cascade` combines them per row and per round: n-gram only (lookups chained up to K tokens),
 model only (K greedy draft steps), or n-gram → model, where each n-gram proposal is checked by
@@ -19,11 +23,12 @@ tokens of each row's context that are still right.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from fly_llm.decoding.cache import BatchKV
+from fly_llm.decoding.grammar import GrammarStage
 
 _CATCH_UP_AT = 4
 """A draft row more than this many tokens behind is caught up in a separate forward first."""
@@ -219,15 +224,19 @@ class DraftPlan:
 
 
 class Cascade:
-    """The draft cascade over the batch: an optional n-gram stage and an optional model stage."""
+    """The draft cascade over the batch: the grammar stage, an optional n-gram and an optional model stage."""
 
-    def __init__(self, ngram: NgramStage | None = None, model: ModelStage | None = None) -> None:
+    def __init__(self, grammar: GrammarStage, ngram: NgramStage | None = None, model: ModelStage | None = None) -> None:
+        self.grammar = grammar
         self.ngram = ngram
         self.model = model
         self.model_forwards: list[int] = []
+        self.forced: list[int] = []
 
-    def add_row(self, draft_row: BatchKV | None = None) -> None:
-        """Append a row for a new request; `draft_row` is its draft-model cache (see ModelStage.add_row)."""
+    def add_row(self, context: list[int], draft_row: BatchKV | None = None, matcher=None) -> None:
+        """Append a row for a new request (context = its prompt; draft_row: its draft-model cache, see
+        ModelStage.add_row; matcher: its grammar's, or None)."""
+        self.grammar.add_row(matcher, len(context))
         if self.ngram is not None:
             self.ngram.add_row()
         if self.model is not None:
@@ -235,12 +244,14 @@ class Cascade:
 
     def remove_rows(self, keep: list[int]) -> None:
         """Keep only the rows at these indices."""
-        for stage in (self.ngram, self.model):
+        for stage in (self.grammar, self.ngram, self.model):
             if stage is not None:
                 stage.remove_rows(keep)
 
-    def check(self, rows: int) -> None:
-        """Assert that every stage holds `rows` rows and the draft model's cache is consistent."""
+    def check(self, contexts: list[list[int]]) -> None:
+        """Assert that every stage holds one row per context and each stage's own invariant."""
+        rows = len(contexts)
+        self.grammar.check(contexts)
         if self.ngram is not None:
             assert len(self.ngram.rows) == rows, (len(self.ngram.rows), rows)
         if self.model is not None:
@@ -252,13 +263,29 @@ class Cascade:
         if self.model is not None:
             self.model.rollback(valid)
 
-    def propose(self, contexts: list[list[int]], plans: list[DraftPlan],
-                confidence: list[float] | None = None) -> list[list[int]]:
-        """Draft tokens per row following its plan (stages a plan asks for but the cascade lacks are skipped).
+    def observe(self, contexts: list[list[int]]) -> None:
+        """After a round's tokens are emitted: the stages that follow the committed context catch up."""
+        self.grammar.observe(contexts)
 
-        `confidence[b]` stops row b's draft-model drafting early (see `ModelStage.propose`).
-        Afterwards `model_forwards[b]` says how many draft-model forwards row b took.
+    def propose(self, contexts: list[list[int]], plans: list[DraftPlan], budgets: list[int],
+                confidence: list[float] | None = None) -> list[list[int]]:
+        """Draft tokens per row following its plan, at most budgets[b] (stages the cascade lacks are skipped).
+
+        A constrained row's draft starts with the tokens its grammar forces (`forced[b]` of them)
+        and ends before the first token the grammar forbids. `confidence[b]` stops row b's
+        draft-model drafting early (see `ModelStage.propose`). Afterwards `model_forwards[b]`
+        says how many draft-model forwards row b took.
         """
+        forced = [self.grammar.propose(b, n) for b, n in enumerate(budgets)]
+        self.forced = [len(f) for f in forced]
+        if any(self.forced):
+            contexts = [c + f if f else c for c, f in zip(contexts, forced)]
+            plans = [replace(p, k=min(p.k, n - len(f))) if f else p for p, f, n in zip(plans, forced, budgets)]
+        drafts = self._draft(contexts, plans, confidence)
+        return [self.grammar.cut(b, f + d) for b, (f, d) in enumerate(zip(forced, drafts))]
+
+    def _draft(self, contexts: list[list[int]], plans: list[DraftPlan],
+               confidence: list[float] | None) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in contexts]
         model_ks = [p.k if p.model and self.model is not None else 0 for p in plans]
         self.model_forwards = [0] * len(contexts)
@@ -269,7 +296,7 @@ class Cascade:
             for b, (plan, context) in enumerate(zip(plans, contexts)):
                 if plan.ngram and not model_ks[b] and plan.k:
                     drafts[b] = self._chain(b, context, plan.k)
-        return drafts
+        return [d[:p.k] for d, p in zip(drafts, plans)]
 
     def _chain(self, b: int, context: list[int], k: int) -> list[int]:
         """n-gram only: chain lookups (each continues the copy) up to k tokens."""

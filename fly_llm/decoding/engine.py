@@ -5,8 +5,10 @@ One `step()` is one round for every row of the batch:
 1. new requests are prefilled alone — from the longest prefix the prefix cache holds, and at
    most `prefill_chunk` prompt tokens per step — and spliced into the batch once their prompt is
    in (continuous batching);
-2. the policy picks each row's draft length and stages; the cascade drafts;
-3. ONE target forward scores [last token, drafts…] for all rows (ragged: right-padded);
+2. the policy picks each row's draft length and stages; the cascade drafts (a constrained row's
+   draft starts with the tokens its grammar forces and stops before a token it forbids);
+3. ONE target forward scores [last token, drafts…] for all rows (ragged: right-padded); a
+   constrained row's logits are masked by its grammar at every position;
 4. `verify` applies the FLy rule (or exact / rejection sampling) per row;
 5. both KV caches are rolled back to each row's emitted length; emitted tokens are checked
    against EOS, max_tokens and stop strings; finished rows leave the batch.
@@ -27,6 +29,7 @@ import torch
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.drafters import Cascade, ModelStage, NgramStage
+from fly_llm.decoding.grammar import GrammarCompiler, GrammarStage, apply_masks, grammar_for
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
 from fly_llm.decoding.prefill import PromptFill
 from fly_llm.decoding.prefix_cache import PrefixCache
@@ -34,6 +37,7 @@ from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import RowRules, RowSampling, verify
 from fly_llm.errors import BadRequest, TooLong
 from fly_llm.stats import FinishReason, PromptStats, RequestStats
+from fly_llm.tools import Structure
 
 
 @dataclass
@@ -74,6 +78,7 @@ class _Request:
     detok: Detokenizer
     stops: StopChecker
     generator: torch.Generator | None
+    matcher: object | None = None  # the grammar's matcher at the start of the output (llguidance.LLMatcher)
     tokens: list[int] = field(default_factory=list)  # prompt + output: the row's context
     output: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
@@ -110,6 +115,8 @@ class FLyEngine:
         self.stats = RequestStats()
         self.policy = policy or AdaptivePolicy()
         self._eos = _eos_ids(tokenizer, target)
+        self.vocab_size = int(head.weight.shape[0]) if head is not None else len(tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, sorted(self._eos))
         self._local_ids = 0
         self._rows: list[_Request] = []
         self._waiting: list[_Request] = []
@@ -120,21 +127,29 @@ class FLyEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        """Token ids of a prompt, or of chat messages through the tokenizer's chat template."""
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
+               tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt, or of chat messages (and the tools offered) through the chat template."""
         if (prompt is None) == (messages is None):
             raise BadRequest("give exactly one of prompt or messages")
+        if tools and messages is None:
+            raise BadRequest("tools need chat messages (the chat template renders them)")
         if messages is not None:
             try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                         tokenize=True)
             except (ValueError, KeyError, TypeError) as exc:
                 raise BadRequest(f"cannot apply the chat template: {exc}") from exc
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return list(self.tokenizer.encode(prompt))
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                    fly: FLyConfig | None = None) -> None:
-        """Queue a request; it is prefilled and joins the batch in the next step()."""
+                    fly: FLyConfig | None = None, structure: Structure | None = None) -> None:
+        """Queue a request; it is prefilled and joins the batch in the next step().
+
+        `structure` (tools / tool_choice / response_format) constrains its output through a grammar
+        compiled here, so a bad one raises BadRequest before the request is queued.
+        """
         if not prompt_ids:
             raise BadRequest("the prompt is empty")
         if any(r.id == request_id for r in self._rows + self._waiting):
@@ -145,6 +160,8 @@ class FLyEngine:
         fly = fly or self.config
         if (fly.entropy_measure, fly.entropy_top_k) != (self.config.entropy_measure, self.config.entropy_top_k):
             raise BadRequest("the entropy measure is set per engine, not per request")
+        grammar = grammar_for(structure)
+        matcher = self.grammars.matcher(grammar) if grammar is not None else None
         generator = None
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
@@ -152,7 +169,7 @@ class FLyEngine:
         self._waiting.append(_Request(
             id=request_id, prompt=list(prompt_ids), sampling=sampling, fly=fly,
             max_new=min(sampling.max_tokens, room), detok=Detokenizer(self.tokenizer, prompt_ids),
-            stops=StopChecker(sampling.stop), generator=generator, tokens=list(prompt_ids)))
+            stops=StopChecker(sampling.stop), generator=generator, matcher=matcher, tokens=list(prompt_ids)))
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request (waiting or running); False if it is unknown."""
@@ -175,7 +192,8 @@ class FLyEngine:
         dropped = [r.id for r in self._rows + self._waiting]
         self._prefix.clear()
         self._kv = BatchKV(self.device)
-        self._cascade = Cascade(NgramStage(self.config.max_ngram, self.config.ngram_tokens),
+        self._cascade = Cascade(GrammarStage(self.vocab_size),
+                                NgramStage(self.config.max_ngram, self.config.ngram_tokens),
                                 ModelStage(self.draft, next(self.draft.parameters()).device)
                                 if self.draft is not None else None)
         self._rows, self._waiting = [], []
@@ -185,16 +203,16 @@ class FLyEngine:
     def check(self) -> None:
         """Assert the engine's invariants between steps (tests call this after every change).
 
-        Both caches satisfy `BatchKV.check`; every stage holds one row per running request; the
-        target cache holds each row's context minus its last token; the draft cache a prefix of it;
-        the cached per-row settings (if any) have one row per running request; a waiting request's
-        prompt caches hold no more than its prompt minus the last token; the prefix cache keeps its
-        budget and index (`PrefixStore.check`).
+        Both caches satisfy `BatchKV.check`; every stage holds one row per running request (each
+        grammar matcher at its row's context); the target cache holds each row's context minus its
+        last token; the draft cache a prefix of it; the cached per-row settings (if any) have one
+        row per running request; a waiting request's prompt caches hold no more than its prompt minus
+        the last token; the prefix cache keeps its budget and index (`PrefixStore.check`).
         """
         rows = len(self._rows)
         self._kv.check()
         assert self._kv.lengths == [len(r.tokens) - 1 for r in self._rows], "target cache ≠ contexts minus last token"
-        self._cascade.check(rows)
+        self._cascade.check([r.tokens for r in self._rows])
         assert self._row_settings is None or len(self._row_settings[0].loose) == rows, "stale per-row settings"
         if self._cascade.model is not None:
             assert all(n <= len(r.tokens) for n, r in zip(self._cascade.model.kv.lengths, self._rows))
@@ -240,10 +258,10 @@ class FLyEngine:
             return []
         rows = self._rows
         contexts = [r.tokens for r in rows]
-        plans = [self.policy.plan(r.policy, r.fly, r.max_new - len(r.output) - 1, len(rows), self.draft is not None)
-                 for r in rows]
-        confidence = [r.fly.draft_confidence for r in rows]
-        drafts = [d[:p.k] for d, p in zip(self._cascade.propose(contexts, plans, confidence), plans)]
+        budgets = [r.max_new - len(r.output) - 1 for r in rows]
+        plans = [self.policy.plan(r.policy, r.fly, n, len(rows), self.draft is not None) for r, n in zip(rows, budgets)]
+        drafts = self._cascade.propose(contexts, plans, budgets, [r.fly.draft_confidence for r in rows])
+        forced = self._cascade.forced
         accepted, tokens, native, loose = self._verify(contexts, drafts)
         valid = [len(c) + a for c, a in zip(contexts, accepted)]  # context + kept drafts, both caches
         self._kv.truncate(valid)
@@ -251,14 +269,16 @@ class FLyEngine:
 
         outputs, finished = [], []
         for b, (req, plan, draft) in enumerate(zip(rows, plans, drafts)):
-            n, a = len(draft), accepted[b]
-            req.stats.record_round(n, native[b], loose[b], a, used_draft_model=plan.model and n > 0 and
-                                   self.draft is not None, used_ngram=plan.ngram and n > 0)
-            self.policy.observe(req.policy, plan, n, a, self._cascade.model_forwards[b], loose=sum(loose[b][:a]),
-                                window=req.fly.window if req.fly.loose else None)
+            n, a, f = len(draft), accepted[b], forced[b]
+            req.stats.record_round(n, native[b], loose[b], a, used_draft_model=plan.model and n > f and
+                                   self.draft is not None, used_ngram=plan.ngram and n > f, forced=min(f, a))
+            if a >= f:  # the policy sees its own drafts only: forced tokens are free and not its choice
+                self.policy.observe(req.policy, plan, n - f, a - f, self._cascade.model_forwards[b],
+                                    loose=sum(loose[b][f:a]), window=req.fly.window if req.fly.loose else None)
             outputs.append(self._emit(req, tokens[b]))
             if req.finish_reason is not None:
                 finished.append(b)
+        self._cascade.observe([r.tokens for r in rows])
         if finished:
             self._remove_rows(finished)
         return outputs
@@ -273,6 +293,7 @@ class FLyEngine:
         input_ids = torch.tensor([[c[-1]] + d + [0] * (k - len(d)) for c, d in zip(contexts, drafts)],
                                  device=self.device)
         logits = self._kv.forward(self.target, input_ids)
+        apply_masks(logits, self._cascade.grammar.masks(drafts, k + 1))
         lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
         verdict = verify(input_ids[:, 1:], logits, lengths, *self._settings_of_rows(logits.device))
         host = torch.cat([verdict.accepted[:, None], verdict.tokens, verdict.native.long(), verdict.loose.long()],
@@ -312,7 +333,7 @@ class FLyEngine:
         fill = req.fill
         self._prefix.save(fill.tokens, fill.target, 0, fill.draft)
         self._kv.add_row(fill.target)
-        self._cascade.add_row(fill.draft)
+        self._cascade.add_row(req.prompt, fill.draft, matcher=req.matcher)
         self._rows.append(req)
         self._waiting.pop(0)
         req.fill = None
@@ -374,7 +395,7 @@ class FLyEngine:
         return f"{kind}-{self._local_ids}"
 
     def generate(self, prompts: str | list[str], sampling: SamplingParams | None = None,
-                 fly: FLyConfig | None = None) -> list[Generation]:
+                 fly: FLyConfig | None = None, structure: Structure | None = None) -> list[Generation]:
         """Generate for one or many prompts (batched together); one Generation per prompt, in order.
 
         Drives step() itself until these prompts finish: for in-process use, not next to a
@@ -384,7 +405,7 @@ class FLyEngine:
         sampling = sampling or SamplingParams()
         ids = [self._new_id("generate") for _ in prompts]
         for rid, prompt in zip(ids, prompts):
-            self.add_request(rid, self.encode(prompt), sampling, fly)
+            self.add_request(rid, self.encode(prompt), sampling, fly, structure)
         texts: dict[str, list[str]] = {i: [] for i in ids}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         results: dict[str, Generation] = {}

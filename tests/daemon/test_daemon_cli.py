@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -55,3 +56,21 @@ def test_generate_sends_a_chat_message_by_default_and_the_text_with_raw(tiny_dae
     assert _cli("generate", "--raw", prompt, *flags).stdout == raw
     assert _cli("generate", "--chat", prompt, *flags).stdout == chat  # the old opt-in is still accepted
     assert "--raw" in _cli("generate", "--help").stdout
+
+
+def test_generate_with_a_json_schema_or_tools_from_files(tiny_daemon, tmp_path):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    flags = ("--endpoint", tiny_daemon, "--max-tokens", "40")
+    out = _cli("generate", "--json-schema", str(tmp_path / "schema.json"), "Is it?", *flags)
+    assert out.returncode == 0 and json.loads(out.stdout)["ok"] in (True, False), out
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"key": {"enum": ["fox", "dog"]}}, "required": ["key"],
+        "additionalProperties": False}}}]
+    (tmp_path / "tools.json").write_text(json.dumps(tools))
+    out = _cli("generate", "--tools", str(tmp_path / "tools.json"), "--tool-choice", "lookup", "Which?",
+               "--endpoint", tiny_daemon, "--max-tokens", "100")
+    assert out.returncode == 0 and "[tool call] lookup({\"key\": " in out.stdout and "finish: tool_calls" in out.stderr
+    out = _cli("generate", "--json-schema", str(tmp_path / "missing.json"), "x", *flags)
+    assert out.returncode == 1 and "cannot read" in out.stderr

@@ -59,11 +59,11 @@ class CountingEngine:
         self.fail_next_step = False
         self.rows: dict[str, list[int]] = {}
 
-    def encode(self, prompt=None, messages=None) -> list[int]:
+    def encode(self, prompt=None, messages=None, tools=None) -> list[int]:
         text = prompt if prompt is not None else " ".join(m["content"] for m in messages)
         return [1] * len(text.split())
 
-    def add_request(self, request_id, prompt_ids, sampling, fly=None) -> None:
+    def add_request(self, request_id, prompt_ids, sampling, fly=None, structure=None) -> None:
         if len(prompt_ids) >= self.context_window:
             raise TooLong("prompt does not fit")
         self.rows[request_id] = [sampling.max_tokens, 0, len(prompt_ids)]

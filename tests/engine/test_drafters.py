@@ -7,6 +7,7 @@ import torch
 
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.drafters import Cascade, DraftPlan, ModelStage, NgramStage
+from fly_llm.decoding.grammar import GrammarStage
 from support.tiny_models import make_pair
 
 torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
@@ -79,14 +80,15 @@ def test_model_stage_and_cascade_follow_draft_greedy(draft_model, use_ngram):
     vocab = draft_model.config.vocab_size
     contexts = [torch.randint(5, vocab, (n,)).tolist() for n in (7, 1, 12)]
     contexts[2] += contexts[2][:6]  # a repeat, so n-gram proposals hit
-    cascade = Cascade(NgramStage(4, 3) if use_ngram else None, ModelStage(draft_model, torch.device("cpu")))
+    cascade = Cascade(GrammarStage(vocab), NgramStage(4, 3) if use_ngram else None,
+                      ModelStage(draft_model, torch.device("cpu")))
     for b, context in enumerate(contexts):
         # row 0 starts empty: caught up on first use
-        cascade.add_row(BatchKV.prefill(draft_model, context[:-1] if b else [], torch.device("cpu")))
+        cascade.add_row(context, BatchKV.prefill(draft_model, context[:-1] if b else [], torch.device("cpu")))
     with torch.inference_mode():
         for round_, ks in enumerate([[5, 3, 8], [1, 0, 6], [4, 4, 4], [8, 2, 1]]):
             plans = [DraftPlan(k=k, ngram=use_ngram, model=True) for k in ks]
-            drafts = cascade.propose(contexts, plans)
+            drafts = cascade.propose(contexts, plans, [64] * len(contexts))
             for b, (context, k) in enumerate(zip(contexts, ks)):
                 assert drafts[b] == (_greedy(draft_model, context, k) if k else []), (round_, b)
             # Keep a prefix of each draft, then a different "target" token, like a verify round.
@@ -96,16 +98,16 @@ def test_model_stage_and_cascade_follow_draft_greedy(draft_model, use_ngram):
                 context.extend(keep + [(context[-1] * 7 + round_) % vocab])
         cascade.remove_rows([0, 2])
         del contexts[1]
-        drafts = cascade.propose(contexts, [DraftPlan(k=5, ngram=use_ngram, model=True)] * 2)
+        drafts = cascade.propose(contexts, [DraftPlan(k=5, ngram=use_ngram, model=True)] * 2, [64, 64])
         assert drafts == [_greedy(draft_model, c, 5) for c in contexts]
 
 
 def test_ngram_only_plan_chains_lookups():
-    cascade = Cascade(NgramStage(2, 3), None)
+    cascade = Cascade(GrammarStage(16), NgramStage(2, 3), None)
     context = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
-    cascade.add_row()
-    assert cascade.propose([context], [DraftPlan(k=7, ngram=True, model=False)]) == [[3, 4, 5, 6, 7, 8, 1]]
-    assert cascade.propose([context], [DraftPlan(k=0, ngram=True, model=False)]) == [[]]
+    cascade.add_row(context)
+    assert cascade.propose([context], [DraftPlan(k=7, ngram=True, model=False)], [64]) == [[3, 4, 5, 6, 7, 8, 1]]
+    assert cascade.propose([context], [DraftPlan(k=0, ngram=True, model=False)], [64]) == [[]]
 
 
 def test_confidence_stopping_cuts_a_row_at_its_first_unsure_token_and_no_other_row():

@@ -4,13 +4,16 @@ The engine has a prefix cache (off, a few blocks, or roomy) and a per-step prefi
 or a few tokens), so prompts hit, miss, evict and enter in chunks. Rules add requests with random
 prompts (1–120 tokens, exactly 1 often, or an earlier prompt or prompt + output cut anywhere and
 continued, so they share prefixes), max_tokens, k, and per-request options (adaptive, n-gram
-stage, draft model, draft-confidence stopping, loose, greedy or seeded sampling), run steps, abort
-running or waiting requests, and run until the engine is empty and then go on.
+stage, draft model, draft-confidence stopping, loose, greedy or seeded sampling, a grammar or
+none), run steps, abort running or waiting requests, and run until the engine is empty and then
+go on.
 After every rule: no exception, `engine.check()` (both caches' invariants, one row per running
 request in every stage, the prefix cache within its budget and consistent), and every exact-mode
 greedy request's tokens so far are a prefix of the target's own greedy output for that prompt run
-alone (HF `generate`, float32); a finished one equals it, cut at EOS or max_tokens. Outputs never
-name an unknown or finished request.
+alone (HF `generate`, float32, under the same grammar through a reference logits processor); a
+finished one equals it, cut at EOS or max_tokens. Every constrained request's tokens so far are
+accepted by a fresh matcher of its grammar, whatever its mode. Outputs never name an unknown or
+finished request.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
+from fly_llm.decoding.grammar import grammar_for
+from fly_llm.tools import Structure
+from support.grammar_reference import constrained_greedy, grammar_valid_prefix
 from support.tiny_models import make_pair
 
 torch.set_num_threads(1)
@@ -43,10 +49,22 @@ def pair():
     return _PAIR
 
 
+STRUCTURES = [None, None, None] + [Structure.model_validate(s) for s in (
+    {"response_format": {"type": "json_schema", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+        "required": ["ok", "n"], "additionalProperties": False}}},
+    {"response_format": {"type": "regex", "pattern": "(ab|c)+d"}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": ["u", "v"]}}, "required": ["x"]}}}], "tool_choice": "required"},
+)]
+
+
 @lru_cache(maxsize=None)
-def greedy_alone(prompt: tuple[int, ...]) -> tuple[int, ...]:
+def greedy_alone(prompt: tuple[int, ...], grammar: str | None = None) -> tuple[int, ...]:
     """The target's greedy continuation of `prompt` alone (up to MAX_NEW tokens, through EOS)."""
     target, _, tokenizer = pair()
+    if grammar is not None:
+        return tuple(constrained_greedy(target, tokenizer, list(prompt), grammar, MAX_NEW, [tokenizer.eos_token_id]))
     out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                           max_new_tokens=MAX_NEW, do_sample=False)
     tokens = out[0, len(prompt):].tolist()
@@ -69,12 +87,12 @@ def related() -> st.SearchStrategy[tuple[int, int, list[int]] | None]:
 
 
 class EngineMachine(RuleBasedStateMachine):
-    """Drives one FLyEngine; `requests` maps each live request id to (prompt, exact-greedy?, max_tokens);
+    """Drives one FLyEngine; `requests` maps each live request id to (prompt, exact-greedy?, max_tokens, grammar);
     `contexts` holds earlier prompts and finished prompt + output, for prompts that share a prefix."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.requests: dict[str, tuple[tuple[int, ...], bool, int]] = {}
+        self.requests: dict[str, tuple[tuple[int, ...], bool, int, str | None]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.contexts: list[list[int]] = []
         self.next_id = 0
@@ -87,8 +105,9 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(prompt=prompts(), related=related(), max_tokens=st.integers(1, MAX_NEW), k=st.integers(1, 15),
           adaptive=st.booleans(), ngram=st.booleans(), draft_model=st.booleans(), loose=st.booleans(),
-          seed=st.one_of(st.none(), st.integers(0, 2**31)), confidence=st.sampled_from([0.0, 0.0, 0.5, 0.9]))
-    def add(self, prompt, related, max_tokens, k, adaptive, ngram, draft_model, loose, seed, confidence):
+          seed=st.one_of(st.none(), st.integers(0, 2**31)), confidence=st.sampled_from([0.0, 0.0, 0.5, 0.9]),
+          structure=st.sampled_from(STRUCTURES))
+    def add(self, prompt, related, max_tokens, k, adaptive, ngram, draft_model, loose, seed, confidence, structure):
         if related is not None and self.contexts:
             which, cut, more = related
             prompt = (self.contexts[which % len(self.contexts)][:cut] + more)[:MAX_RELATED]
@@ -98,8 +117,8 @@ class EngineMachine(RuleBasedStateMachine):
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0 if seed is None else 0.8, seed=seed)
         fly = FLyConfig(k=k, adaptive=adaptive, ngram=ngram, draft_model=draft_model, loose=loose,
                         draft_confidence=confidence)
-        self.engine.add_request(rid, prompt, sampling, fly)
-        self.requests[rid] = (tuple(prompt), not loose and seed is None, max_tokens)
+        self.engine.add_request(rid, prompt, sampling, fly, structure)
+        self.requests[rid] = (tuple(prompt), not loose and seed is None, max_tokens, grammar_for(structure))
         self.tokens[rid] = []
 
     @rule()
@@ -135,24 +154,31 @@ class EngineMachine(RuleBasedStateMachine):
                 self._check_finished(out.request_id, out.finish_reason)
 
     def _check_finished(self, rid: str, reason: str | None) -> None:
-        prompt, exact, max_tokens = self.requests.pop(rid)
+        prompt, exact, max_tokens, grammar = self.requests.pop(rid)
         tokens = self.tokens[rid]
         self.contexts.append(list(prompt) + tokens)
         assert 1 <= len(tokens) <= max_tokens
         ended_by_eos = tokens[-1] in self.engine._eos
         assert reason == ("stop" if ended_by_eos else "length")
         assert ended_by_eos or len(tokens) == max_tokens
+        self._check_grammar(tokens, grammar)
         if exact:
-            assert tuple(tokens) == greedy_alone(prompt)[:max_tokens], (rid, prompt)
+            assert tuple(tokens) == greedy_alone(prompt, grammar)[:max_tokens], (rid, prompt)
+
+    def _check_grammar(self, tokens: list[int], grammar: str | None) -> None:
+        if grammar is not None:
+            tokenizer, eos = pair()[2], sorted(self.engine._eos)
+            assert grammar_valid_prefix(tokenizer, self.engine.vocab_size, eos, grammar, tokens) == len(tokens)
 
     @invariant()
     def consistent(self):
         self.engine.check()
         assert self.engine.num_active == len(self.requests)
-        for rid, (prompt, exact, _) in self.requests.items():
+        for rid, (prompt, exact, _, grammar) in self.requests.items():
+            tokens = tuple(self.tokens[rid])
+            self._check_grammar(list(tokens), grammar)
             if exact:
-                tokens = tuple(self.tokens[rid])
-                assert tokens == greedy_alone(prompt)[:len(tokens)], (rid, prompt)
+                assert tokens == greedy_alone(prompt, grammar)[:len(tokens)], (rid, prompt)
 
 
 EngineMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,

@@ -1,0 +1,231 @@
+"""Constrained decoding inside speculation (docs/design.md §1.5), on llguidance.
+
+- `grammar_for(structure)`: the llguidance grammar (Lark syntax with inline JSON Schemas) for a
+  request's tools / tool_choice / response_format, or None when nothing constrains it.
+- `GrammarCompiler`: builds llguidance's view of the tokenizer once, compiles grammars into
+  matchers (a bounded cache of compiled prototypes, copied per request) and reports bad ones as
+  BadRequest naming the problem.
+- `GrammarStage`: the cascade's grammar stage. Each row has its own matcher (or none), kept at
+  the row's committed tokens between rounds. It proposes the tokens the grammar forces (free
+  drafts), cuts a draft at its first forbidden token, and gives the allowed-token masks for the
+  target's logits at every verified position; `observe` feeds it each round's emitted tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import OrderedDict
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from fly_llm.errors import BadRequest
+from fly_llm.tools import TOOL_CLOSE, TOOL_OPEN, NamedToolChoice, Structure
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""How generated JSON is laid out: Python's json.dumps style, so separators are forced tokens."""
+
+COMPILED_CACHE_SIZE = 64
+"""Compiled grammars kept for reuse (LRU)."""
+
+
+def grammar_for(structure: Structure | None) -> str | None:
+    """The grammar for a request's structure; None when its output is free."""
+    if structure is None or structure.is_free:
+        return None
+    if structure.tools:
+        return _tools_grammar(structure)
+    fmt = structure.response_format
+    if fmt.type == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(fmt.pattern)
+    schema = fmt.json_schema_ if fmt.type == "json_schema" else {"type": "object"}
+    return f"start: {_json(schema)}\n"
+
+
+def _json(schema: dict) -> str:
+    """An inline JSON Schema lexeme with our JSON layout."""
+    if not isinstance(schema, dict):
+        raise BadRequest("a JSON Schema must be an object")
+    styled = {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}}
+    return "%json " + json.dumps(styled)
+
+
+def _tools_grammar(structure: Structure) -> str:
+    """Hermes-format calls of the offered tools: forced ('required', a name), optional ('auto') or none."""
+    choice = structure.tool_choice or "auto"
+    if choice == "none":  # tools are described in the prompt, but no call may start
+        return ("start: TEXT\n"
+                f"TEXT: /(?s:.*)/ & ~/(?s:.*){_regex_literal(TOOL_OPEN)}(?s:.*)/\n")
+    tools = [t.function for t in structure.tools]
+    if isinstance(choice, NamedToolChoice):
+        tools = [f for f in tools if f.name == choice.function.name]
+    variants = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+                 "required": ["name", "arguments"], "additionalProperties": False} for f in tools]
+    body = f"body: {_json({'anyOf': variants} if len(variants) > 1 else variants[0])}\n"
+    tail = f'"\\n" body "\\n{TOOL_CLOSE}"'
+    if choice == "auto":
+        return ("start: (call_head call_tail)* TEXT\n"
+                f'call_head[lazy]: TEXT "{TOOL_OPEN}"\n'
+                f"call_tail: {tail}\n" + body + "TEXT: /(.|\\n)*/\n")
+    calls = "call" if isinstance(choice, NamedToolChoice) else 'call ("\\n" call)*'
+    return f"start: {calls}\ncall: \"{TOOL_OPEN}\" {tail}\n" + body
+
+
+def _regex_literal(text: str) -> str:
+    return re.escape(text).replace("/", "\\/")
+
+
+class GrammarCompiler:
+    """Compiles grammars into llguidance matchers over one tokenizer (built on first use: ~2 s for Qwen)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.compile_s = 0.0
+        """Seconds spent building the tokenizer view and compiling grammars so far."""
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the tokenizer."""
+        if self._tokenizer is None:
+            start = time.perf_counter()
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                           eos_token=self.eos_ids or None)
+            self.compile_s += time.perf_counter() - start
+        return self._tokenizer
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of `grammar`; BadRequest if it does not compile."""
+        prototype = self._compiled.get(grammar)
+        if prototype is None:
+            start = time.perf_counter()
+            prototype = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            self.compile_s += time.perf_counter() - start
+            if prototype.is_error():
+                raise BadRequest(f"the grammar does not compile: {prototype.get_error()}")
+            self._compiled[grammar] = prototype
+            if len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(grammar)
+        return prototype.deep_copy()
+
+
+class GrammarStage:
+    """Per-row matchers, kept at each row's committed tokens between rounds (None: a free row)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.rows: list[llguidance.LLMatcher | None] = []
+        self.consumed: list[int] = []  # context tokens each row's matcher has seen (prompt included)
+
+    @property
+    def active(self) -> bool:
+        """Whether any row is constrained."""
+        return any(m is not None for m in self.rows)
+
+    def add_row(self, matcher: llguidance.LLMatcher | None, prompt_length: int) -> None:
+        """Append a row whose matcher (if any) is at the start of its output."""
+        self.rows.append(matcher)
+        self.consumed.append(prompt_length)
+
+    def remove_rows(self, keep: list[int]) -> None:
+        """Keep only the rows at these indices."""
+        self.rows = [self.rows[i] for i in keep]
+        self.consumed = [self.consumed[i] for i in keep]
+
+    def propose(self, row: int, budget: int) -> list[int]:
+        """The tokens the grammar forces next (at most `budget`): free drafts, nearly always accepted."""
+        matcher = self.rows[row]
+        if matcher is None or budget <= 0 or matcher.is_stopped():
+            return []
+        return matcher.compute_ff_tokens()[:budget]
+
+    def cut(self, row: int, draft: list[int]) -> list[int]:
+        """The longest prefix of `draft` that the grammar allows."""
+        matcher = self.rows[row]
+        if matcher is None or not draft:
+            return draft
+        return draft[:matcher.validate_tokens(draft)]
+
+    def masks(self, drafts: list[list[int]], width: int) -> tuple[list[int], torch.Tensor] | None:
+        """Allowed tokens at each verified position of the constrained rows: (rows, bool [R, width, V]).
+
+        Position j of row b is the state after its first j draft tokens (all of which the grammar
+        allows, see `cut`); positions past len(draft) are left all-allowed (never used).
+        """
+        rows = [b for b, m in enumerate(self.rows) if m is not None]
+        if not rows:
+            return None
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(rows) * width, words), -1, dtype=torch.int32)
+        for i, b in enumerate(rows):
+            matcher, draft = self.rows[b], drafts[b]
+            consumed = 0
+            for j in range(len(draft) + 1):
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i * width + j)
+                if j < len(draft) and not matcher.is_stopped():  # stopped: only EOS can follow, and it ends the row
+                    _consume(matcher, draft[j], b)
+                    consumed += 1
+            matcher.rollback(consumed)
+        bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.view(len(rows), width, words * 32)[..., :self.vocab_size].bool()
+        return rows, allowed
+
+    def observe(self, contexts: list[list[int]]) -> None:
+        """Feed each constrained row the tokens its context gained this round."""
+        for b, (matcher, context) in enumerate(zip(self.rows, contexts)):
+            new = context[self.consumed[b]:]
+            self.consumed[b] = len(context)
+            for token in new if matcher is not None else ():
+                if matcher.is_stopped():
+                    break
+                _consume(matcher, token, b)
+
+    def check(self, contexts: list[list[int]]) -> None:
+        """Assert one entry per row, every matcher at its row's committed context and none in error."""
+        assert len(self.rows) == len(self.consumed) == len(contexts), (len(self.rows), len(contexts))
+        assert self.consumed == [len(c) for c in contexts], "grammar matchers behind their rows"
+        assert not any(m is not None and m.is_error() for m in self.rows), "a grammar matcher is in error"
+
+
+def _consume(matcher: llguidance.LLMatcher, token: int, row: int) -> None:
+    if not matcher.consume_token(token):  # the engine only feeds tokens the grammar allowed: a bug if not
+        raise RuntimeError(f"grammar row {row}: token {token} refused: {matcher.get_error()}")
+
+
+def apply_masks(logits: torch.Tensor, masks: tuple[list[int], torch.Tensor] | None) -> None:
+    """In place: -inf at the tokens a row's grammar forbids ([B, K+1, V] logits; V may exceed the mask's)."""
+    if masks is None:
+        return
+    rows, allowed = masks
+    vocab = allowed.shape[-1]
+    index = torch.tensor(rows, device=logits.device)
+    block = logits.index_select(0, index)
+    block[..., :vocab].masked_fill_(~allowed.to(logits.device), float("-inf"))
+    block[..., vocab:] = float("-inf")
+    logits.index_copy_(0, index, block)
+
+
+class GrammarLogitsProcessor:
+    """A Hugging Face `generate` logits processor that constrains one sequence by a grammar.
+
+    The baseline fly-bench's structured runs compare against (target-only decoding under the same
+    grammar); it reuses the grammar stage's masks, one row, one position per step.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, prompt_length: int, vocab_size: int) -> None:
+        self.stage = GrammarStage(vocab_size)
+        self.stage.add_row(matcher, prompt_length)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.stage.observe([input_ids[0].tolist()])
+        logits = scores.unsqueeze(1)
+        apply_masks(logits, self.stage.masks([[]], 1))
+        return logits.squeeze(1)

@@ -1,0 +1,136 @@
+"""Tools and structured output through the daemon (tiny random-weight pair: only the grammar makes output valid).
+
+Every result validates; streams carry whole tool calls; tool results round-trip through the chat
+template; every bad input is answered with its code while a concurrent stream keeps being served.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import jsonschema
+import pytest
+
+from fly_llm.client import FLyClient, GenerateResult, SamplingParams, TokenChunk
+from fly_llm.errors import BadRequest
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two small numbers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"key": {"enum": ["fox", "dog"]}}, "required": ["key"],
+    "additionalProperties": False}}}
+TOOLS = [ADD, LOOKUP]
+ANSWER = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 20},
+                                           "answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["reasoning", "answer"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_daemon):
+    with FLyClient(tiny_daemon, timeout=120) as c:
+        yield c
+
+
+def _valid_call(call) -> None:
+    spec = next(t["function"] for t in TOOLS if t["function"]["name"] == call.name)
+    jsonschema.validate(call.arguments, spec["parameters"])
+
+
+def test_response_format_json_schema_validates(client):
+    results = client.batch([ASK, [{"role": "user", "content": "Name a fox."}]], SamplingParams(max_tokens=120),
+                           response_format={"type": "json_schema", "schema": ANSWER})
+    for result in results:
+        assert result.finish_reason == "stop", result.text
+        jsonschema.validate(json.loads(result.text), ANSWER)
+        assert result.stats.forced > 0  # keys and separators are forced: drafted for free
+
+
+def test_json_object_and_regex_formats(client):
+    obj = client.generate("x", SamplingParams(max_tokens=60), response_format={"type": "json_object"})
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.text), dict)
+    else:  # the random model may run out of tokens inside the object: partial text, never claimed valid
+        assert obj.finish_reason == "length" and obj.text.startswith("{")
+    regex = client.generate("x", SamplingParams(max_tokens=30), response_format={"type": "regex", "pattern": "(yes|no)!"})
+    assert regex.text in ("yes!", "no!") and regex.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "lookup"}}])
+def test_forced_tool_choice_yields_valid_calls(client, choice):
+    result = client.chat(ASK, SamplingParams(max_tokens=80), tools=TOOLS, tool_choice=choice)
+    assert result.finish_reason == "tool_calls" and result.tool_calls, result
+    assert result.text == ""
+    for call in result.tool_calls:
+        _valid_call(call)
+        assert choice == "required" or call.name == "lookup"
+
+
+def test_streamed_tool_calls_arrive_whole_and_match_the_result(client):
+    chunks = list(client.stream(messages=ASK, sampling=SamplingParams(max_tokens=80), tools=TOOLS,
+                                tool_choice="required"))
+    result = chunks[-1]
+    assert isinstance(result, GenerateResult)
+    streamed = [c for chunk in chunks[:-1] if isinstance(chunk, TokenChunk) for c in chunk.tool_calls]
+    assert streamed == result.tool_calls and streamed
+    assert "<tool_call>" not in "".join(c.text for c in chunks[:-1] if isinstance(c, TokenChunk))
+
+
+def test_tool_results_round_trip_through_the_chat_template(client):
+    first = client.chat(ASK, SamplingParams(max_tokens=80), tools=TOOLS, tool_choice="required")
+    call = first.tool_calls[0]
+    turn = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
+            {"role": "tool", "content": "5", "tool_call_id": call.id}]
+    plain = client.tokenize(messages=turn)
+    assert plain.count > client.tokenize(messages=ASK).count
+    second = client.chat(turn, SamplingParams(max_tokens=8), tools=TOOLS, tool_choice="none")
+    assert not second.tool_calls and "<tool_call>" not in second.text
+
+
+def test_auto_choice_parses_calls_it_makes(client):
+    for prompt in ["Add 2 and 3.", "def add(a, b):", "Look up the fox."]:
+        result = client.chat([{"role": "user", "content": prompt}], SamplingParams(max_tokens=60), tools=TOOLS)
+        for call in result.tool_calls:
+            _valid_call(call)
+        assert (result.finish_reason == "tool_calls") == bool(result.tool_calls) or result.finish_reason == "length"
+
+
+def test_a_grammar_it_cannot_finish_ends_with_length(client):
+    result = client.chat(ASK, SamplingParams(max_tokens=3), response_format={"type": "json_schema", "schema": ANSWER})
+    assert result.finish_reason == "length"
+    with pytest.raises(ValueError):
+        json.loads(result.text)
+
+
+BAD = [
+    ("unsupported schema", dict(response_format={"type": "json_schema", "schema": {"type": "frobnicate"}}), "grammar"),
+    ("regex that does not compile", dict(response_format={"type": "regex", "pattern": "(unclosed"}), "grammar"),
+    ("unknown tool choice", dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "nope"),
+    ("duplicate tool names", dict(tools=[ADD, ADD]), "duplicate"),
+    ("tools and a response format", dict(tools=TOOLS, tool_choice="required",
+                                         response_format={"type": "json_object"}), "either"),
+]
+
+
+@pytest.mark.parametrize("name, options, words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_bad_request_while_others_are_served(client, name, options, words):
+    done = {}
+
+    def stream_alongside():
+        done["result"] = list(client.stream("def add(a, b):", sampling=SamplingParams(max_tokens=24)))[-1]
+
+    worker = threading.Thread(target=stream_alongside)
+    worker.start()
+    with pytest.raises(BadRequest) as err:
+        client.chat(ASK, SamplingParams(max_tokens=8), **options)
+    worker.join(60)
+    assert words in str(err.value).lower(), err.value
+    assert done["result"].usage.completion_tokens == 24
+
+
+def test_tool_result_for_an_unknown_call_is_a_bad_request(client):
+    with pytest.raises(BadRequest, match="unknown call"):
+        client.chat([*ASK, {"role": "tool", "content": "5", "tool_call_id": "call_nobody"}], tools=TOOLS)

@@ -25,7 +25,7 @@ from fly_llm.client import FLyClient, build_options, default_endpoint
 from fly_llm.config import FLyConfig
 from fly_llm.errors import Cancelled, FLyUnavailable, Internal, NotReady, TooLong
 from fly_llm.protocol import ErrorReply, GenerateResult, decode_reply
-from fly_llm.stats import RequestStats
+from fly_llm.stats import PromptStats, RequestStats
 
 from fly_daemon.metrics import Metrics
 from fly_daemon import runtime
@@ -43,6 +43,7 @@ class _Output:
     finish_reason: str | None
     prompt_tokens: int
     stats: RequestStats = field(default_factory=RequestStats)
+    cached_tokens: int = 0
 
 
 class CountingEngine:
@@ -51,6 +52,7 @@ class CountingEngine:
     context_window = 64
     target_name, draft_name, device, dtype = "counting", None, "cpu", "float32"
     tokenizer = None  # no chat template
+    prompt_stats = PromptStats()  # no prefix cache
 
     def __init__(self, step_s: float = 0.0) -> None:
         self.config = FLyConfig()

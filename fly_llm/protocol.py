@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from fly_llm.config import FLyConfig, FLyOverrides, SamplingParams
 from fly_llm.errors import BadRequest, TooLong
-from fly_llm.stats import FinishReason, RequestStats
+from fly_llm.stats import FinishReason, PromptStats, RequestStats
 from fly_llm.tools import MAX_TOOLS, ResponseFormat, Structure, ToolCall, ToolChoice, ToolSpec
 
 PROTOCOL_VERSION = 1
@@ -228,6 +228,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens served from the daemon's prefix cache instead of being prefilled (OpenAI's meaning)."""
 
 
 class TokenChunk(_Message):
@@ -306,6 +308,8 @@ class StatusReply(_Message):
     tokens_generated: int = 0
     tokens_per_s: float = 0.0
     stats: RequestStats = Field(default_factory=RequestStats)
+    prompt: PromptStats = Field(default_factory=PromptStats)
+    """Prompt tokens so far, the prefix cache's hit rate and size."""
 
 
 class TokenizeReply(_Message):

@@ -94,3 +94,21 @@ class RequestStats(BaseModel):
 def _grow(counts: list[int], n: int) -> None:
     if len(counts) < n:
         counts.extend([0] * (n - len(counts)))
+
+
+class PromptStats(BaseModel):
+    """Prompt work of an engine so far: prompt tokens admitted, how many the prefix cache served and
+    how many were prefilled (target forwards), and the prefix cache's size (docs/design.md §3.5)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    cache_evictions: int = 0
+    cache_bytes: int = 0
+    cache_budget_bytes: int = 0
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def hit_rate(self) -> float:
+        """Share of prompt tokens served from the prefix cache."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

@@ -84,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="cancel a request whose client sent no heartbeat for this long (0: never)")
     serve.add_argument("--drain-timeout", type=float, help="on stop, running requests get this long to finish")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    serve.add_argument("--prefix-cache-mb", type=int, help="MiB of KV kept of recent prompts for reuse (0: off)")
+    serve.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled per step (0: whole prompts)")
     serve.add_argument("--curve-secret-key", type=Path, help="server certificate (zmq.auth) for a tcp bind")
     serve.add_argument("--curve-clients", type=Path, help="directory of allowed client public certificates")
     serve.add_argument("--http", metavar="HOST:PORT",
@@ -186,7 +188,7 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
         logging.getLogger("fly_daemon").info("loading models: target=%s draft=%s (%s, %s)",
                                              spec.target or "embedded default", spec.draft or "default",
                                              spec.dtype, spec.device)
-        return load_engine(spec, fly)
+        return load_engine(spec, fly, prefix_cache_mb=settings.prefix_cache_mb, prefill_chunk=settings.prefill_chunk)
 
     metrics = Metrics()
     try:
@@ -301,14 +303,16 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(st.model_dump_json(indent=2))
         return 0
-    s = st.stats
+    s, p = st.stats, st.prompt
     print(f"state      {st.state} (pid {st.pid}, up {_duration(st.uptime_s)}) on {endpoint}\n"
           f"models     target {st.target}  draft {st.draft}\n"
           f"load       {st.queue_depth} queued, {st.active} running, largest batch {st.max_batch_size_seen}\n"
           f"served     {st.requests_total} requests, {st.tokens_generated} tokens, "
           f"{st.tokens_per_s:.1f} tokens/s while busy\n"
           f"accepted   MAT {s.mat:.2f} tokens/round, {s.accepted_native + s.accepted_loose} of {s.drafted} "
-          f"drafted ({s.loose_rate:.0%} loosely)")
+          f"drafted ({s.loose_rate:.0%} loosely)\n"
+          f"prompts    {p.prompt_tokens} tokens, {p.hit_rate:.0%} from the prefix cache "
+          f"({p.cache_bytes / 2**20:.1f} of {p.cache_budget_bytes / 2**20:.0f} MiB, {p.cache_evictions} blocks evicted)")
     return 0
 
 

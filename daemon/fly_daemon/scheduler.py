@@ -23,7 +23,7 @@ from fly_llm.errors import BadRequest, Busy, Cancelled, FLyError, Internal, NotR
 from fly_llm.protocol import (
     ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest, Usage,
 )
-from fly_llm.stats import RequestStats
+from fly_llm.stats import PromptStats, RequestStats
 from fly_llm.tools import ToolCall, ToolCallStream
 
 from fly_daemon.metrics import Metrics
@@ -106,6 +106,7 @@ class Scheduler:
         self.tokens_generated = 0
         self.max_batch_size_seen = 0
         self.stats = RequestStats()
+        self.prompt_stats = PromptStats()
         self._busy_s = 0.0
         self._load_engine = load_engine
         self._emit = emit
@@ -203,7 +204,7 @@ class Scheduler:
         return dict(queue_depth=waiting, active=active, max_batch_size_seen=self.max_batch_size_seen,
                     requests_total=self.requests_total, tokens_generated=self.tokens_generated,
                     tokens_per_s=self.tokens_generated / self._busy_s if self._busy_s else 0.0,
-                    stats=self.stats)
+                    stats=self.stats, prompt=self.prompt_stats)
 
     def _check_open(self) -> None:
         """Raise NotReady unless new work is taken: while loading (it waits for the models) or ready."""
@@ -380,6 +381,8 @@ class Scheduler:
                 self._deliver(job, out, now)
         self.stats = self.engine.stats.model_copy(deep=True)
         self.metrics.mat.set(self.stats.mat)
+        self.prompt_stats = self.engine.prompt_stats
+        self.metrics.prompt_work(self.prompt_stats)
 
     def _deliver(self, job: Job, out: "RequestOutput", now: float) -> None:
         if out.new_token_ids:
@@ -417,7 +420,7 @@ class Scheduler:
         self._emit(job.envelope, GenerateResult(
             id=rid, text=content, token_ids=job.token_ids, finish_reason=reason, tool_calls=job.calls,
             usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=len(job.token_ids),
-                        total_tokens=out.prompt_tokens + len(job.token_ids)),
+                        total_tokens=out.prompt_tokens + len(job.token_ids), cached_tokens=out.cached_tokens),
             stats=out.stats, model=self.engine.target_name,
             time_to_first_token_s=None if job.first_token_at is None else job.first_token_at - job.submitted,
             elapsed_s=now - job.submitted))

@@ -48,6 +48,10 @@ class DaemonSettings(Limits):
     endpoint: str | None = Field(None, description="ipc:///path.sock or tcp://127.0.0.1:PORT; None = default.")
     max_frame_bytes: int = Field(MAX_FRAME_BYTES, ge=1024, le=256 * 2**20)
     metrics_port: int | None = Field(None, ge=1, le=65535)
+    prefix_cache_mb: int = Field(1024, ge=0, le=1 << 20, description="MiB of KV the prefix cache keeps of recent "
+                                 "prompts and conversations (both models); 0 = off.")
+    prefill_chunk: int = Field(256, ge=0, description="Prompt tokens prefilled per engine step, so running streams "
+                               "keep going while a long prompt enters; 0 = a whole prompt at once.")
     curve_secret_key: Path | None = None
     curve_clients: Path | None = None
     http: str | None = Field(None, description="HOST:PORT of the OpenAI-compatible HTTP front; None = off.")

@@ -74,12 +74,21 @@ class BufferLayer(DynamicLayer):
 
     def set_buffers(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Adopt full key/value tensors `[B, H, n, D]` as the used columns."""
+        self.set_parts([keys], [values])
+
+    def set_parts(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Adopt key/value parts `[B, H, n_i, D]`, one after the other, as the used columns (written
+        straight into the new buffers: no concatenated copy first)."""
         if not self.is_initialized:
-            self.lazy_initialization(keys, values)
-        n = keys.shape[-2]
-        self._k = keys.new_zeros(_with_len(keys.shape, _capacity(n)))
-        self._v = values.new_zeros(_with_len(values.shape, _capacity(n)))
-        self._k[:, :, :n], self._v[:, :, :n] = keys, values
+            self.lazy_initialization(keys[0], values[0])
+        n = sum(k.shape[-2] for k in keys)
+        self._k = keys[0].new_zeros(_with_len(keys[0].shape, _capacity(n)))
+        self._v = values[0].new_zeros(_with_len(values[0].shape, _capacity(n)))
+        start = 0
+        for k, v in zip(keys, values):
+            end = start + k.shape[-2]
+            self._k[:, :, start:end], self._v[:, :, start:end] = k, v
+            start = end
         self._n = n
         self._refresh()
 
@@ -191,12 +200,34 @@ class BatchKV:
     @classmethod
     def prefill(cls, model, tokens: list[int], device: torch.device) -> "BatchKV":
         """A single-row BatchKV holding `tokens`, computed alone (ready for `add_row`)."""
-        kv = cls(device)
-        kv.lengths = [0]
-        kv.mask = torch.zeros(1, 0, dtype=torch.long, device=device)
-        if tokens:
-            kv.forward(model, torch.tensor([tokens], device=device), logits_to_keep=1)
+        kv = cls.single_row([], device)
+        kv.extend(model, tokens)
         return kv
+
+    @classmethod
+    def single_row(cls, layers: list[tuple[list[torch.Tensor], list[torch.Tensor]]], device: torch.device) -> "BatchKV":
+        """A single-row BatchKV holding given keys/values: per layer, the key parts and the value parts
+        (`[H, n_i, D]` each, in token order); [] = empty."""
+        kv = cls(device)
+        n = sum(k.shape[1] for k in layers[0][0]) if layers else 0
+        kv.lengths = [n]
+        kv.mask = torch.ones(1, n, dtype=torch.long, device=device)
+        for keys, values in layers:
+            layer = BufferLayer()
+            layer.set_parts([k[None] for k in keys], [v[None] for v in values])
+            kv.cache.layers.append(layer)
+        return kv
+
+    def extend(self, model, tokens: list[int]) -> None:
+        """Append `tokens` to a single-row BatchKV (a prefill, or one chunk of it)."""
+        if tokens:
+            self.forward(model, torch.tensor([tokens], device=self.device), logits_to_keep=1)
+
+    def row_kv(self, b: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of row b's keys/values for its tokens start..end-1 (`[H, n, D]` per layer, holes skipped)."""
+        columns = self.mask[b].nonzero().squeeze(1)[start:end]
+        return [(layer.keys[b][:, columns.to(layer.device)], layer.values[b][:, columns.to(layer.device)])
+                for layer in self.cache.layers if layer.is_initialized]
 
     def forward(self, model, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
         """Run `model` on input_ids [B, q] appended to every row; return its logits.

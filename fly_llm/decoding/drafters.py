@@ -112,9 +112,10 @@ class ModelStage:
         self.kv = BatchKV(device)
         self.forwards: list[int] = []
 
-    def add_row(self, context: list[int], prefill: bool = True) -> None:
-        """Append a row; prefill it alone with context[:-1] (or leave it empty to catch up later)."""
-        self.kv.add_row(BatchKV.prefill(self.model, context[:-1] if prefill else [], self.device))
+    def add_row(self, row: BatchKV) -> None:
+        """Append a row whose cache is `row`: a one-row BatchKV holding a prefix of the context
+        (the prompt minus its last token when prefilled; less is caught up on first use)."""
+        self.kv.add_row(row)
 
     def remove_rows(self, keep: list[int]) -> None:
         """Keep only the rows at these indices."""
@@ -232,13 +233,14 @@ class Cascade:
         self.model_forwards: list[int] = []
         self.forced: list[int] = []
 
-    def add_row(self, context: list[int], prefill_model: bool = True, matcher=None) -> None:
-        """Append a row for a new request (context = its prompt; matcher: its grammar's, or None)."""
+    def add_row(self, context: list[int], draft_row: BatchKV | None = None, matcher=None) -> None:
+        """Append a row for a new request (context = its prompt; draft_row: its draft-model cache, see
+        ModelStage.add_row; matcher: its grammar's, or None)."""
         self.grammar.add_row(matcher, len(context))
         if self.ngram is not None:
             self.ngram.add_row()
         if self.model is not None:
-            self.model.add_row(context, prefill=prefill_model)
+            self.model.add_row(draft_row)
 
     def remove_rows(self, keep: list[int]) -> None:
         """Keep only the rows at these indices."""

@@ -2,7 +2,9 @@
 
 One `step()` is one round for every row of the batch:
 
-1. new requests are prefilled alone and spliced into the batch (continuous batching);
+1. new requests are prefilled alone — from the longest prefix the prefix cache holds, and at
+   most `prefill_chunk` prompt tokens per step — and spliced into the batch once their prompt is
+   in (continuous batching);
 2. the policy picks each row's draft length and stages; the cascade drafts (a constrained row's
    draft starts with the tokens its grammar forces and stops before a token it forbids);
 3. ONE target forward scores [last token, drafts…] for all rows (ragged: right-padded); a
@@ -18,6 +20,7 @@ first in the next round, so each round's forward is uniform: K+1 columns per row
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -28,10 +31,12 @@ from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.drafters import Cascade, ModelStage, NgramStage
 from fly_llm.decoding.grammar import GrammarCompiler, GrammarStage, apply_masks
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
+from fly_llm.decoding.prefill import PromptFill
+from fly_llm.decoding.prefix_cache import PrefixCache
 from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import RowRules, RowSampling, verify
 from fly_llm.errors import BadRequest, TooLong
-from fly_llm.stats import FinishReason, RequestStats
+from fly_llm.stats import FinishReason, PromptStats, RequestStats
 from fly_llm.tools import Structure
 
 
@@ -46,6 +51,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     stats: RequestStats
     prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -59,6 +65,7 @@ class Generation:
     prompt_tokens: int
     completion_tokens: int
     stats: RequestStats
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -77,6 +84,8 @@ class _Request:
     stats: RequestStats = field(default_factory=RequestStats)
     policy: PolicyState = field(default_factory=PolicyState)
     finish_reason: FinishReason | None = None
+    fill: PromptFill | None = None  # its prompt's caches while it waits to join
+    cached_tokens: int = 0
 
 
 class FLyEngine:
@@ -84,10 +93,13 @@ class FLyEngine:
 
     All calls must come from one thread. `config` holds the defaults; each request may bring its
     own FLyConfig (k, window, θ, loose, stages) as long as the entropy measure is the engine's.
+    `prefix_cache_bytes` bounds the prefix cache (0: off; blocks of `prefix_block` tokens, §3.5);
+    `prefill_chunk` bounds the prompt tokens prefilled per step (0: no bound, §3.6).
     """
 
     def __init__(self, target, tokenizer, draft=None, config: FLyConfig | None = None, *,
-                 context_window: int | None = None, policy: AdaptivePolicy | None = None) -> None:
+                 context_window: int | None = None, policy: AdaptivePolicy | None = None,
+                 prefix_cache_bytes: int = 0, prefix_block: int = 16, prefill_chunk: int = 0) -> None:
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None
         self.tokenizer = tokenizer
@@ -108,6 +120,9 @@ class FLyEngine:
         self._local_ids = 0
         self._rows: list[_Request] = []
         self._waiting: list[_Request] = []
+        self.prefill_chunk = prefill_chunk
+        self._prefix = PrefixCache(prefix_cache_bytes, prefix_block)
+        self._prompt = PromptStats()
         self.reset()
 
     # -- requests ---------------------------------------------------------------------------
@@ -168,11 +183,13 @@ class FLyEngine:
         return False
 
     def reset(self) -> list[str]:
-        """Drop every request, running or waiting, and both caches; return the dropped requests' ids.
+        """Drop every request, running or waiting, both caches and the prefix cache; return the dropped
+        requests' ids.
 
         `step()` calls this when it fails, so an engine is never left half-way through a round.
         """
         dropped = [r.id for r in self._rows + self._waiting]
+        self._prefix.clear()
         self._kv = BatchKV(self.device)
         self._cascade = Cascade(GrammarStage(self.vocab_size),
                                 NgramStage(self.config.max_ngram, self.config.ngram_tokens),
@@ -188,7 +205,8 @@ class FLyEngine:
         Both caches satisfy `BatchKV.check`; every stage holds one row per running request (each
         grammar matcher at its row's context); the target cache holds each row's context minus its
         last token; the draft cache a prefix of it; the cached per-row settings (if any) have one
-        row per running request.
+        row per running request; a waiting request's prompt caches hold no more than its prompt minus
+        the last token; the prefix cache keeps its budget and index (`PrefixStore.check`).
         """
         rows = len(self._rows)
         self._kv.check()
@@ -197,6 +215,17 @@ class FLyEngine:
         assert self._row_settings is None or len(self._row_settings[0].loose) == rows, "stale per-row settings"
         if self._cascade.model is not None:
             assert all(n <= len(r.tokens) for n, r in zip(self._cascade.model.kv.lengths, self._rows))
+        for req in self._waiting:
+            if req.fill is not None:
+                req.fill.check()
+        self._prefix.check()
+
+    @property
+    def prompt_stats(self) -> PromptStats:
+        """Prompt tokens admitted, served from the prefix cache and prefilled so far; the cache's size."""
+        store = self._prefix.store
+        return self._prompt.model_copy(update=dict(cache_evictions=store.evictions, cache_bytes=store.bytes,
+                                                   cache_budget_bytes=store.budget))
 
     def has_unfinished(self) -> bool:
         """Whether any request is running or waiting to join."""
@@ -275,12 +304,39 @@ class FLyEngine:
         return accepted, tokens, native, loose
 
     def _admit(self) -> None:
-        for req in self._waiting:
-            self._kv.add_row(BatchKV.prefill(self.target, req.prompt[:-1], self.device))
-            self._cascade.add_row(req.prompt, prefill_model=req.fly.draft_model, matcher=req.matcher)
-            self._rows.append(req)
-            self._row_settings = None
-        self._waiting = []
+        """Prefill waiting requests in order, at most `prefill_chunk` prompt tokens per model in this
+        step (0: no bound); each one whose prompt is complete joins the batch."""
+        budget = self.prefill_chunk or sys.maxsize
+        while self._waiting:
+            req = self._waiting[0]
+            if req.fill is None:
+                req.fill = self._start_fill(req)
+            computed, drafted = req.fill.advance(self.target, self.draft, budget)
+            self._prompt.prefilled_tokens += computed
+            budget -= max(computed, drafted)
+            if not req.fill.done:
+                return
+            self._join(req)
+
+    def _start_fill(self, req: _Request) -> PromptFill:
+        """The request's prompt caches, seeded with the longest prefix of its prompt the prefix cache has."""
+        draft_device = self._cascade.model.device if self._cascade.model is not None else None
+        target, draft = self._prefix.seed(req.prompt, self.device, draft_device)
+        req.cached_tokens = target.lengths[0]
+        self._prompt.prompt_tokens += len(req.prompt)
+        self._prompt.cached_tokens += req.cached_tokens
+        return PromptFill(req.prompt[:-1], target, draft, fill_draft=req.fly.draft_model)
+
+    def _join(self, req: _Request) -> None:
+        """Splice the first waiting request's complete prompt caches into the batch; keep its prompt's KV."""
+        fill = req.fill
+        self._prefix.save(fill.tokens, fill.target, 0, fill.draft)
+        self._kv.add_row(fill.target)
+        self._cascade.add_row(req.prompt, fill.draft, matcher=req.matcher)
+        self._rows.append(req)
+        self._waiting.pop(0)
+        req.fill = None
+        self._row_settings = None
 
     def _settings_of_rows(self, device: torch.device) -> tuple[RowRules, RowSampling | None]:
         """The rows' FLy rules and sampling as tensors, built once per batch composition."""
@@ -316,12 +372,15 @@ class FLyEngine:
             req.stops.feed(req.detok.flush())
         return RequestOutput(request_id=req.id, new_token_ids=kept, new_text=req.stops.release(finished),
                              finished=finished, finish_reason=req.finish_reason, stats=req.stats,
-                             prompt_tokens=len(req.prompt))
+                             prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens)
 
     def _remove_rows(self, indices: list[int]) -> None:
+        """Drop rows from the batch, keeping their prompt + output KV in the prefix cache."""
         drop = set(indices)
+        draft_kv = self._cascade.model.kv if self._cascade.model is not None else None
         for i in indices:
             self.stats.merge(self._rows[i].stats)
+            self._prefix.save(self._rows[i].tokens, self._kv, i, draft_kv)
         keep = [i for i in range(len(self._rows)) if i not in drop]
         self._kv.remove_rows(keep)
         self._cascade.remove_rows(keep)
@@ -360,7 +419,7 @@ class FLyEngine:
                     results[out.request_id] = Generation(
                         request_id=out.request_id, text="".join(texts[out.request_id]), token_ids=ids_,
                         finish_reason=out.finish_reason or "stop", prompt_tokens=out.prompt_tokens,
-                        completion_tokens=len(ids_), stats=out.stats)
+                        completion_tokens=len(ids_), stats=out.stats, cached_tokens=out.cached_tokens)
         return [results[i] for i in ids]
 
     def stream(self, prompt: str, sampling: SamplingParams | None = None, fly: FLyConfig | None = None) -> Iterator[str]:

@@ -9,7 +9,7 @@ import functools
 from typing import Any
 
 from langchain_core.language_models import LangSmithParams
-from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from pydantic import BaseModel, Field
 
 from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
@@ -153,4 +153,5 @@ def usage_metadata(result: GenerateResult) -> UsageMetadata:
     """LangChain's usage record for one finished request."""
     usage = result.usage
     return UsageMetadata(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                         total_tokens=usage.total_tokens)
+                         total_tokens=usage.total_tokens,
+                         input_token_details=InputTokenDetails(cache_read=usage.cached_tokens))

@@ -106,6 +106,13 @@ def test_metadata_usage_and_token_count(chat: ChatFLy) -> None:
     assert meta["fly_stats"]["accepted_loose"] == 0  # loose=False: exact decoding
 
 
+def test_a_repeated_prompt_reads_the_prefix_cache(chat: ChatFLy) -> None:
+    """The tiny daemon runs with the default prefix cache: the second identical call reuses the first's prompt."""
+    messages = [SystemMessage("be brief"), HumanMessage("what is 2 + 3?")]
+    first, again = (chat.invoke(messages).usage_metadata for _ in range(2))
+    assert 0 < again["input_token_details"]["cache_read"] < again["input_tokens"] == first["input_tokens"]
+
+
 def test_fly_options_pass_through(chat: ChatFLy) -> None:
     loose = chat.bind(loose=True, window=0, entropy_threshold=0.0, k=4)
     meta = loose.invoke("def add(a, b):").response_metadata

@@ -206,3 +206,9 @@ def test_down_daemon_raises_unavailable(down_llm, method):
 def test_down_daemon_metadata_raises_unavailable(down_llm):
     with pytest.raises(FLyUnavailable):
         down_llm.metadata
+
+
+def test_a_repeated_chat_reports_cached_prompt_tokens_in_raw_usage(llm):
+    """The tiny daemon runs with the default prefix cache: the second identical chat reuses the first's prompt."""
+    first, again = (llm.chat(MESSAGES).raw["usage"] for _ in range(2))
+    assert 0 < again["cached_tokens"] < again["prompt_tokens"] == first["prompt_tokens"]

@@ -187,3 +187,36 @@ def test_batch_limit_holds_and_a_failed_step_fails_only_its_batch(engine):
     expected = engine.generate("def add(a, b):", SamplingParams(max_tokens=6), FLyConfig(loose=False))[0].token_ids
     assert all(f.token_ids == expected for f in finals[2:])
     assert failing.widest <= 2 and scheduler.state in ("ready", "draining")
+
+
+def test_a_repeated_prompt_reports_cached_tokens_in_usage_status_and_metrics():
+    from support.tiny_models import make_pair
+
+    from fly_llm.decoding.engine import FLyEngine
+
+    from fly_daemon.metrics import Metrics
+
+    target, draft, tokenizer = make_pair("llama")
+    cached = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False), prefix_cache_bytes=1 << 20, prefix_block=4)
+    replies, metrics = Replies(), Metrics()
+    scheduler = Scheduler(lambda: cached, replies, NO_HEARTBEATS, metrics)
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    try:
+        scheduler.submit(CLIENT, _generate("first", 6))
+        first = replies.final("first")
+        scheduler.submit(CLIENT, _generate("again", 6))
+        again = replies.final("again")
+    finally:
+        scheduler.drain(force=True)
+        thread.join(30)
+    n = first.usage.prompt_tokens
+    assert (first.usage.cached_tokens, again.usage.cached_tokens) == (0, n - 1)
+    assert again.token_ids == first.token_ids
+    prompt = scheduler.snapshot()["prompt"]
+    assert (prompt.prompt_tokens, prompt.cached_tokens, prompt.prefilled_tokens) == (2 * n, n - 1, n - 1)
+    assert prompt.hit_rate == pytest.approx((n - 1) / (2 * n)) and prompt.cache_bytes > 0
+    sample = metrics.registry.get_sample_value
+    assert sample("fly_prefix_cache_hit_tokens_total") == n - 1 and sample("fly_prefill_tokens_total") == n - 1
+    assert sample("fly_prefix_cache_bytes") == prompt.cache_bytes
+    assert sample("fly_prefix_cache_evictions_total") == 0

@@ -21,6 +21,7 @@ k = 9
 queue_size = 7
 max_batch_size = 3
 max_tokens_limit = 99
+prefix_cache_mb = 64
 """
 
 
@@ -60,6 +61,7 @@ def test_precedence_cli_over_env_over_file(config_file, monkeypatch):
     (ModelSpec, "draft", "file-draft", "env-draft", "flag-draft"),
     (FLyConfig, "k", 9, "11", 13),
     (DaemonSettings, "max_tokens_limit", 99, "98", 97),
+    (DaemonSettings, "prefix_cache_mb", 64, "0", 32),
 ])
 def test_flag_over_env_over_file_over_default(config_file, monkeypatch, model, name, file, env, flag):
     """Each table, one source removed at a time: the highest one left wins."""

@@ -87,3 +87,34 @@ def test_buffers_are_not_reallocated_each_round():
             kv.truncate([kv.lengths[0] - 2])
     assert layer._k.data_ptr() == buffer
     assert kv.width == kv.lengths[0] == 3 + 5 * 2
+
+
+def test_row_kv_skips_holes_and_single_row_seeds_a_row_that_extends_like_a_prefill():
+    """float64: a row's kept KV read out of a batch with holes equals its KV computed alone, and a
+    one-row cache seeded with part of it (in pieces) and extended equals a prefill of the whole."""
+    model = make_pair("llama", dtype=torch.float64)[0]
+    rng = random.Random(1)
+    rows = [[rng.randrange(5, 300) for _ in range(n)] for n in (9, 4)]
+    kv = BatchKV(torch.device("cpu"))
+    for tokens in rows:
+        kv.add_row(_prefill(model, tokens))
+    with torch.inference_mode():
+        for _ in range(3):  # append 3 columns per row, keep 1 or 2: holes
+            new = [[rng.randrange(5, 300) for _ in range(3)] for _ in rows]
+            kv.forward(model, torch.tensor(new))
+            for tokens, more, keep in zip(rows, new, (1, 2)):
+                tokens.extend(more[:keep])
+            kv.truncate([len(t) for t in rows])
+        assert kv.width > max(kv.lengths)  # there are holes
+        for b, tokens in enumerate(rows):
+            alone = _prefill(model, tokens)
+            for (k, v), layer in zip(kv.row_kv(b, 0, len(tokens)), alone.cache.layers):
+                torch.testing.assert_close(k, layer.keys[0], rtol=1e-9, atol=1e-9)
+                torch.testing.assert_close(v, layer.values[0], rtol=1e-9, atol=1e-9)
+        tokens = rows[0]
+        parts = [([k[:, :3], k[:, 3:5]], [v[:, :3], v[:, 3:5]]) for k, v in kv.row_kv(0, 0, 5)]
+        seeded = BatchKV.single_row(parts, torch.device("cpu"))
+        seeded.extend(model, tokens[5:])
+        seeded.check()
+        for mine, theirs in zip(seeded.cache.layers, _prefill(model, tokens).cache.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-9, atol=1e-9)

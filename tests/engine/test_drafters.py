@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.drafters import Cascade, DraftPlan, ModelStage, NgramStage
 from fly_llm.decoding.grammar import GrammarStage
 from support.tiny_models import make_pair
@@ -83,7 +84,8 @@ def test_model_stage_and_cascade_follow_draft_greedy(draft_model, use_ngram):
     cascade = Cascade(GrammarStage(vocab), NgramStage(4, 3) if use_ngram else None,
                       ModelStage(draft_model, draft_model.device))
     for b, context in enumerate(contexts):
-        cascade.add_row(context, prefill_model=b != 0)  # row 0 starts empty: caught up on first use
+        # row 0 starts empty: caught up on first use
+        cascade.add_row(context, BatchKV.prefill(draft_model, context[:-1] if b else [], torch.device("cpu")))
     with torch.inference_mode():
         for round_, ks in enumerate([[5, 3, 8], [1, 0, 6], [4, 4, 4], [8, 2, 1]]):
             plans = [DraftPlan(k=k, ngram=use_ngram, model=True) for k in ks]
@@ -117,7 +119,7 @@ def test_confidence_stopping_cuts_a_row_at_its_first_unsure_token_and_no_other_r
     def stage() -> ModelStage:
         s = ModelStage(draft, draft.device)
         for context in contexts:
-            s.add_row(context)
+            s.add_row(BatchKV.prefill(draft, context[:-1], torch.device("cpu")))
         return s
 
     full = stage().propose(contexts, [8, 8])

@@ -1,15 +1,19 @@
 """A stateful property test of FLyEngine: any sequence of adds, steps, aborts and drains.
 
-Rules add requests with random prompts (1–120 tokens, exactly 1 often), max_tokens, k, and
-per-request options (adaptive, n-gram stage, draft model, draft-confidence stopping, loose,
-greedy or seeded sampling, a grammar or none), run
-steps, abort running or waiting requests, and run until the engine is empty and then go on.
+The engine has a prefix cache (off, a few blocks, or roomy) and a per-step prefill budget (none
+or a few tokens), so prompts hit, miss, evict and enter in chunks. Rules add requests with random
+prompts (1–120 tokens, exactly 1 often, or an earlier prompt or prompt + output cut anywhere and
+continued, so they share prefixes), max_tokens, k, and per-request options (adaptive, n-gram
+stage, draft model, draft-confidence stopping, loose, greedy or seeded sampling, a grammar or
+none), run steps, abort running or waiting requests, and run until the engine is empty and then
+go on.
 After every rule: no exception, `engine.check()` (both caches' invariants, one row per running
-request in every stage), and every exact-mode greedy request's tokens so far are a prefix of the
-target's own greedy output for that prompt run alone (HF `generate`, float32, under the same
-grammar through a reference logits processor); a finished one equals it, cut at EOS or
-max_tokens. Every constrained request's tokens so far are accepted by a fresh matcher of its
-grammar, whatever its mode. Outputs never name an unknown or finished request.
+request in every stage, the prefix cache within its budget and consistent), and every exact-mode
+greedy request's tokens so far are a prefix of the target's own greedy output for that prompt run
+alone (HF `generate`, float32, under the same grammar through a reference logits processor); a
+finished one equals it, cut at EOS or max_tokens. Every constrained request's tokens so far are
+accepted by a fresh matcher of its grammar, whatever its mode. Outputs never name an unknown or
+finished request.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from functools import lru_cache
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
@@ -31,6 +35,9 @@ from support.tiny_models import make_pair
 torch.set_num_threads(1)
 
 MAX_NEW = 24
+BLOCK = 4
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK * 2  # layers × (k, v) × kv heads × head dim × fp32 × tokens × models
+MAX_RELATED = 200
 _PAIR: tuple | None = None
 
 
@@ -75,23 +82,37 @@ def prompts() -> st.SearchStrategy[list[int]]:
     return st.one_of(st.lists(token, min_size=1, max_size=1), st.lists(token, min_size=1, max_size=40), repeated)
 
 
+def related() -> st.SearchStrategy[tuple[int, int, list[int]] | None]:
+    """None (a fresh prompt), or (which earlier context, where to cut it, what to append)."""
+    return st.one_of(st.none(), st.tuples(st.integers(0, 10**6), st.integers(1, MAX_RELATED), prompts()))
+
+
 class EngineMachine(RuleBasedStateMachine):
-    """Drives one FLyEngine; `requests` maps each live request id to (prompt, exact-greedy?, max_tokens, grammar)."""
+    """Drives one FLyEngine; `requests` maps each live request id to (prompt, exact-greedy?, max_tokens, grammar);
+    `contexts` holds earlier prompts and finished prompt + output, for prompts that share a prefix."""
 
     def __init__(self) -> None:
         super().__init__()
-        target, draft, tokenizer = pair()
-        self.engine = FLyEngine(target, tokenizer, draft, FLyConfig())
         self.requests: dict[str, tuple[tuple[int, ...], bool, int, str | None]] = {}
         self.tokens: dict[str, list[int]] = {}
-        self.finished: set[str] = set()
+        self.contexts: list[list[int]] = []
         self.next_id = 0
 
-    @rule(prompt=prompts(), max_tokens=st.integers(1, MAX_NEW), k=st.integers(1, 15), adaptive=st.booleans(),
-          ngram=st.booleans(), draft_model=st.booleans(), loose=st.booleans(),
+    @initialize(cache_bytes=st.sampled_from([0, 6 * BLOCK_BYTES, 1 << 20]), chunk=st.sampled_from([0, 5, 32]))
+    def start(self, cache_bytes, chunk):
+        target, draft, tokenizer = pair()
+        self.engine = FLyEngine(target, tokenizer, draft, FLyConfig(), prefix_cache_bytes=cache_bytes,
+                                prefix_block=BLOCK, prefill_chunk=chunk)
+
+    @rule(prompt=prompts(), related=related(), max_tokens=st.integers(1, MAX_NEW), k=st.integers(1, 15),
+          adaptive=st.booleans(), ngram=st.booleans(), draft_model=st.booleans(), loose=st.booleans(),
           seed=st.one_of(st.none(), st.integers(0, 2**31)), confidence=st.sampled_from([0.0, 0.0, 0.5, 0.9]),
           structure=st.sampled_from(STRUCTURES))
-    def add(self, prompt, max_tokens, k, adaptive, ngram, draft_model, loose, seed, confidence, structure):
+    def add(self, prompt, related, max_tokens, k, adaptive, ngram, draft_model, loose, seed, confidence, structure):
+        if related is not None and self.contexts:
+            which, cut, more = related
+            prompt = (self.contexts[which % len(self.contexts)][:cut] + more)[:MAX_RELATED]
+        self.contexts.append(list(prompt))
         rid = f"r{self.next_id}"
         self.next_id += 1
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0 if seed is None else 0.8, seed=seed)
@@ -128,6 +149,7 @@ class EngineMachine(RuleBasedStateMachine):
     def _record(self, outputs) -> None:
         for out in outputs:
             assert out.request_id in self.requests, f"output for {out.request_id}, which is not running"
+            assert 0 <= out.cached_tokens < len(self.requests[out.request_id][0])
             self.tokens[out.request_id] += out.new_token_ids
             if out.finished:
                 self._check_finished(out.request_id, out.finish_reason)
@@ -135,6 +157,7 @@ class EngineMachine(RuleBasedStateMachine):
     def _check_finished(self, rid: str, reason: str | None) -> None:
         prompt, exact, max_tokens, grammar = self.requests.pop(rid)
         tokens = self.tokens[rid]
+        self.contexts.append(list(prompt) + tokens)
         assert 1 <= len(tokens) <= max_tokens
         ended_by_eos = tokens[-1] in self.engine._eos
         assert reason == ("stop" if ended_by_eos else "length")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from fly_llm.config import FLyConfig
 from fly_llm.errors import TooLong
-from fly_llm.stats import RequestStats
+from fly_llm.stats import PromptStats, RequestStats
 
 from fly_daemon.scheduler import Limits
 from fly_daemon.server import Server
@@ -29,6 +29,7 @@ class _Output:
     finish_reason: str | None
     prompt_tokens: int
     stats: RequestStats = field(default_factory=RequestStats)
+    cached_tokens: int = 0
 
 
 class CountingEngine:
@@ -37,6 +38,7 @@ class CountingEngine:
     context_window = 64
     target_name, draft_name, device, dtype = "counting", None, "cpu", "float32"
     tokenizer = None  # no chat template
+    prompt_stats = PromptStats()  # no prefix cache
 
     def __init__(self, step_s: float = 0.0) -> None:
         self.config = FLyConfig()

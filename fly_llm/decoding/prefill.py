@@ -1,0 +1,53 @@
+"""A prompt on its way into the batch, prefilled chunk by chunk (docs/design.md §3.6).
+
+The engine's invariant for a running row is that its target cache holds the context minus its
+last token. A `PromptFill` builds that for a new request in one-row caches — seeded from the
+prefix cache when it has a prefix of the prompt — and extends them by at most a given number of
+tokens per call, so a long prompt enters over several engine steps while the running rows keep
+decoding. When `done`, its caches are spliced into the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fly_llm.decoding.cache import BatchKV
+
+
+@dataclass
+class PromptFill:
+    """One-row caches that must come to hold `tokens` (the prompt minus its last token).
+
+    `draft` is None when the engine has no draft model; it is filled only with `fill_draft` (the
+    request drafts with the model), else it keeps what the prefix cache gave it — a prefix of the
+    context, which the draft stage catches up on its own if it is ever used.
+    """
+
+    tokens: list[int]
+    target: BatchKV
+    draft: BatchKV | None
+    fill_draft: bool
+
+    @property
+    def done(self) -> bool:
+        return self.target.lengths[0] == len(self.tokens) and not (
+            self.fill_draft and self.draft is not None and self.draft.lengths[0] < len(self.tokens))
+
+    def advance(self, target_model, draft_model, budget: int) -> tuple[int, int]:
+        """Prefill up to `budget` more tokens into each cache; return (target, draft) tokens computed."""
+        computed = self._extend(self.target, target_model, budget)
+        drafted = self._extend(self.draft, draft_model, budget) if self.fill_draft and self.draft is not None else 0
+        return computed, drafted
+
+    def check(self) -> None:
+        """Each cache is consistent and holds no more than `tokens`."""
+        for kv in (self.target, self.draft):
+            if kv is not None:
+                kv.check()
+                assert kv.batch_size == 1 and kv.lengths[0] <= len(self.tokens), (kv.lengths, len(self.tokens))
+
+    def _extend(self, kv: BatchKV, model, budget: int) -> int:
+        start = kv.lengths[0]
+        chunk = self.tokens[start:start + budget]
+        kv.extend(model, chunk)
+        return len(chunk)

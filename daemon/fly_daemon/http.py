@@ -121,9 +121,11 @@ async def _events(body: GenerationBody, head: dict[str, Any], first: TokenChunk 
     try:
         if body.opens_with_role:
             yield _event(body.chunk(head))
-        reply = first
+        reply, calls = first, 0
         while isinstance(reply, TokenChunk):
-            yield _event(body.chunk(head, reply.text))
+            indexed = list(enumerate(reply.tool_calls, calls))
+            calls += len(indexed)
+            yield _event(body.chunk(head, reply.text, calls=indexed))
             reply = await anext(replies)
         yield _event(body.chunk(head, final=reply))
         if body.include_usage:

@@ -4,7 +4,8 @@ Requests are pydantic models of the fields we serve; unknown fields are errors (
 OpenAI feature we do not have, is answered 400 with the field named, never ignored). Each request
 becomes one `fly_llm.protocol.GenerateRequest` (`to_generate`), so its options are validated by the
 same models, with the same size caps and error codes, as on the ZeroMQ socket. A field the wire
-protocol gains later (tools, response_format, …) is one more field here, passed on in `to_generate`.
+protocol gains is one more field here, passed on in `to_generate` (tools, tool_choice and
+response_format are).
 
 Responses are built as plain dicts in OpenAI's shape, with `usage` and, as an extra field,
 `fly_stats` (the request's speculation counters: MAT, loose accepts, …).
@@ -12,6 +13,7 @@ Responses are built as plain dicts in OpenAI's shape, with `usage` and, as an ex
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -21,8 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fly_llm.client.core import build_options, checked
 from fly_llm.errors import FLyError
-from fly_llm.protocol import GenerateRequest, GenerateResult
+from fly_llm.protocol import GenerateRequest, GenerateResult, MessageToolCall, Usage
 from fly_llm.stats import FinishReason
+from fly_llm.tools import ResponseFormat, ToolCall, ToolChoice, ToolSpec
 
 
 class _Strict(BaseModel):
@@ -37,16 +40,26 @@ class TextPart(_Strict):
 
 
 class Message(_Strict):
-    """A chat message. 'developer' is OpenAI's newer name for 'system'; `name` is accepted and not used."""
+    """A chat message. 'developer' is OpenAI's newer name for 'system'; `name` is accepted and not used.
+
+    An assistant message may carry the `tool_calls` it made, a tool message the `tool_call_id` it answers.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def to_protocol(self) -> dict[str, str]:
+    def to_protocol(self) -> dict[str, Any]:
         """The message as fly_llm.protocol.ChatMessage fields (text parts joined)."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+        turn: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            turn["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
 
 
 class StreamOptions(_Strict):
@@ -77,6 +90,7 @@ class GenerationBody(_Strict, ABC):
     window: int | None = Field(None, description="FLy: deferred window W.")
     entropy_threshold: float | None = Field(None, description="FLy: entropy gate θ in nats.")
     loose: bool | None = Field(None, description="FLy: loose acceptance (false = exact, lossless SPD).")
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _one_max_tokens(self) -> "GenerationBody":
@@ -101,47 +115,63 @@ class GenerationBody(_Strict, ABC):
             stop=[self.stop] if isinstance(self.stop, str) else self.stop,
             k=self.k, window=self.window, entropy_threshold=self.entropy_threshold, loose=self.loose)
         with checked():
-            return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream, **self._source())
+            return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream,
+                                   response_format=self.response_format, **self._source())
 
     @abstractmethod
     def _source(self) -> dict[str, Any]:
         """The prompt or the chat messages, as GenerateRequest fields."""
 
     @abstractmethod
-    def _choice(self, text: str, finish_reason: FinishReason | None) -> dict[str, Any]:
+    def _choice(self, result: GenerateResult) -> dict[str, Any]:
         """The one choice of a whole response."""
 
     @abstractmethod
-    def _delta(self, text: str | None, finish_reason: FinishReason | None) -> dict[str, Any]:
-        """The one choice of a stream chunk: new text (None: the opening chunk), or the finish reason."""
+    def _delta(self, text: str | None, finish_reason: FinishReason | None,
+               calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
+        """The one choice of a stream chunk: new text (None: the opening chunk) and (index, call) pairs,
+        or the finish reason."""
 
     # ---- responses ----
 
     def response(self, head: dict[str, Any], result: GenerateResult) -> dict[str, Any]:
         """The whole (non-streamed) response."""
-        return {**head, "object": self.object_name, "choices": [self._choice(result.text, result.finish_reason)],
-                "usage": result.usage.model_dump(), "fly_stats": result.stats.model_dump()}
+        return {**head, "object": self.object_name, "choices": [self._choice(result)],
+                "usage": openai_usage(result.usage), "fly_stats": result.stats.model_dump()}
 
     def chunk(self, head: dict[str, Any], text: str | None = None, final: GenerateResult | None = None,
-              ) -> dict[str, Any]:
-        """A stream chunk: the opening one (no text, see opens_with_role), new text, or the `final` one.
+              calls: list[tuple[int, ToolCall]] = ()) -> dict[str, Any]:
+        """A stream chunk: the opening one (no text, see opens_with_role), new text and tool calls
+        (with their index in the response), or the `final` one.
 
         The final chunk carries `usage` too, unless the client asked for OpenAI's separate usage chunk
         (`stream_options.include_usage`, see `usage_chunk`): every stream reports its usage exactly once.
         """
         body = {**head, "object": self.chunk_object_name,
-                "choices": [self._delta(text, final.finish_reason if final else None)]}
+                "choices": [self._delta(text, final.finish_reason if final else None, list(calls))]}
         if final is not None:
             body["fly_stats"] = final.stats.model_dump()
             if not self.include_usage:
-                body["usage"] = final.usage.model_dump()
+                body["usage"] = openai_usage(final.usage)
         elif self.include_usage:
             body["usage"] = None
         return body
 
     def usage_chunk(self, head: dict[str, Any], result: GenerateResult) -> dict[str, Any]:
         """OpenAI's last chunk with `stream_options.include_usage`: no choices, the usage."""
-        return {**head, "object": self.chunk_object_name, "choices": [], "usage": result.usage.model_dump()}
+        return {**head, "object": self.chunk_object_name, "choices": [], "usage": openai_usage(result.usage)}
+
+
+def openai_usage(usage: Usage) -> dict[str, Any]:
+    """Our Usage in OpenAI's shape: cached prompt tokens under prompt_tokens_details."""
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def openai_tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A tool call in OpenAI's shape (arguments as JSON text); `index` for stream deltas."""
+    shaped = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+    return shaped if index is None else {"index": index, **shaped}
 
 
 class ChatCompletionRequest(GenerationBody):
@@ -153,21 +183,31 @@ class ChatCompletionRequest(GenerationBody):
     opens_with_role = True
 
     messages: list[Message] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; several calls are always allowed.")
 
     def _source(self) -> dict[str, Any]:
-        return {"messages": [m.to_protocol() for m in self.messages]}
+        return {"messages": [m.to_protocol() for m in self.messages], "tools": self.tools,
+                "tool_choice": self.tool_choice}
 
-    def _choice(self, text: str, finish_reason: FinishReason | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-                "logprobs": None}
+    def _choice(self, result: GenerateResult) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if result.tool_calls:
+            message["content"] = result.text or None
+            message["tool_calls"] = [openai_tool_call(c) for c in result.tool_calls]
+        return {"index": 0, "message": message, "finish_reason": result.finish_reason, "logprobs": None}
 
-    def _delta(self, text: str | None, finish_reason: FinishReason | None) -> dict[str, Any]:
+    def _delta(self, text: str | None, finish_reason: FinishReason | None,
+               calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
         if finish_reason is not None:
-            delta: dict[str, str] = {}
+            delta: dict[str, Any] = {}
         elif text is None:
             delta = {"role": "assistant", "content": ""}
         else:
             delta = {"content": text}
+            if calls:
+                delta["tool_calls"] = [openai_tool_call(call, index) for index, call in calls]
         return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
 
 
@@ -188,11 +228,12 @@ class CompletionRequest(GenerationBody):
     def _source(self) -> dict[str, Any]:
         return {"prompt": self.prompt if isinstance(self.prompt, str) else self.prompt[0]}
 
-    def _choice(self, text: str, finish_reason: FinishReason | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    def _choice(self, result: GenerateResult) -> dict[str, Any]:
+        return {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
 
-    def _delta(self, text: str | None, finish_reason: FinishReason | None) -> dict[str, Any]:
-        return self._choice(text or "", finish_reason)
+    def _delta(self, text: str | None, finish_reason: FinishReason | None,
+               calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
+        return {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
 
 
 def error_body(error: FLyError, error_type: str, param: str | None = None) -> dict[str, Any]:

@@ -68,7 +68,8 @@ def test_chat_and_completion_answers_in_openai_shape(tmp_path):
         assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-") and chat["model"] == MODEL
         assert chat["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "1 2 3 "},
                                     "finish_reason": "length", "logprobs": None}]
-        assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         assert {"rounds", "mat", "loose_rate", "accepted_loose"} <= set(chat["fly_stats"])
         text = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a b"], "max_completion_tokens": 2,
                                                      "k": 4, "loose": False, "user": "u1"}).json()

@@ -7,6 +7,7 @@ the same requests can be compared across the two doors: exact mode must give the
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -54,8 +55,9 @@ def test_chat_equals_the_zeromq_answer(client, zmq_client, model):
     choice = answer.choices[0]
     assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", same.text,
                                                                                    same.finish_reason)
-    assert answer.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == \
-        same.usage.model_dump()
+    counts = {"prompt_tokens", "completion_tokens", "total_tokens"}
+    assert answer.usage.model_dump(include=counts) == same.usage.model_dump(include=counts)
+    assert answer.usage.prompt_tokens_details.cached_tokens <= answer.usage.prompt_tokens
     stats = answer.model_extra["fly_stats"]
     assert stats["emitted"] == same.usage.completion_tokens and stats["mat"] >= 1
 
@@ -128,3 +130,27 @@ def test_langchain_chat_openai(http_daemon, model):
     assert "".join(c.content for c in chunks) == message.content
     streamed_tokens = sum((c.usage_metadata or {}).get("output_tokens", 0) for c in chunks)
     assert streamed_tokens == message.usage_metadata["output_tokens"]  # reported once, not per chunk
+
+
+def test_tools_and_response_format_through_the_openai_client(client, model):
+    """The grammar makes the tiny random model's calls and JSON valid; the OpenAI shapes carry them."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"key": {"enum": ["fox", "dog"]}}, "required": ["key"],
+        "additionalProperties": False}}}]
+    ask = [{"role": "user", "content": "Which animal?"}]
+    answer = client.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required",
+                                            max_tokens=80)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "lookup" and json.loads(call.function.arguments)["key"] in ("fox", "dog")
+    follow = [*ask, choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "fox"}]
+    assert client.chat.completions.create(model=model, messages=follow, max_tokens=4).choices[0].message.content
+    chunks = list(client.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required",
+                                                 max_tokens=80, stream=True))
+    streamed = [c for chunk in chunks for choice in chunk.choices for c in choice.delta.tool_calls or ()]
+    assert streamed and streamed[0].index == 0 and streamed[0].function.name == "lookup"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    fmt = client.chat.completions.create(model=model, messages=ask, max_tokens=40, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert json.loads(fmt.choices[0].message.content)["ok"] in (True, False)

@@ -32,6 +32,8 @@ class RequestStats(BaseModel):
     plain_rounds: int = 0
     forced: int = 0
     """Accepted draft tokens that a grammar forced (drafted at no model cost; counted in accepted_native or _loose)."""
+    grammar_s: float = 0.0
+    """Seconds spent compiling the request's grammar at admission (0 when it came from the compiled cache)."""
     drafted_by_position: list[int] = Field(default_factory=list)
     accepted_by_position: list[int] = Field(default_factory=list)
 
@@ -82,7 +84,7 @@ class RequestStats(BaseModel):
     def merge(self, other: "RequestStats") -> None:
         """Add another request's counters to these."""
         for name in ("rounds", "drafted", "accepted_native", "accepted_loose", "emitted", "trimmed",
-                     "draft_model_rounds", "ngram_rounds", "plain_rounds", "forced"):
+                     "draft_model_rounds", "ngram_rounds", "plain_rounds", "forced", "grammar_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):

@@ -160,6 +160,7 @@ class FLyEngine:
         fly = fly or self.config
         if (fly.entropy_measure, fly.entropy_top_k) != (self.config.entropy_measure, self.config.entropy_top_k):
             raise BadRequest("the entropy measure is set per engine, not per request")
+        compiled_before = self.grammars.compile_s
         matcher = self.grammars.for_structure(structure)
         generator = None
         if sampling.temperature > 0:
@@ -168,7 +169,8 @@ class FLyEngine:
         self._waiting.append(_Request(
             id=request_id, prompt=list(prompt_ids), sampling=sampling, fly=fly,
             max_new=min(sampling.max_tokens, room), detok=Detokenizer(self.tokenizer, prompt_ids),
-            stops=StopChecker(sampling.stop), generator=generator, matcher=matcher, tokens=list(prompt_ids)))
+            stops=StopChecker(sampling.stop), generator=generator, matcher=matcher, tokens=list(prompt_ids),
+            stats=RequestStats(grammar_s=self.grammars.compile_s - compiled_before)))
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request (waiting or running); False if it is unknown."""

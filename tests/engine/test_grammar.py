@@ -111,6 +111,9 @@ def test_forced_tokens_are_drafted_and_counted(pair):
     assert gen.finish_reason == "stop"
     jsonschema.validate(json.loads(gen.text), schema)
     assert gen.stats.forced >= 10, gen.stats
+    assert gen.stats.grammar_s > 0  # compiled (and timed) at admission
+    [again] = eng.generate("y", SamplingParams(max_tokens=60), structure=schema_structure(schema))
+    assert again.stats.grammar_s == 0  # the compiled grammar came from the cache
     assert gen.stats.rounds < gen.completion_tokens / 2  # forced runs make rounds emit many tokens
 
 

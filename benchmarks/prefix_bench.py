@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.serve_bench import add_model_arguments
 from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 
@@ -175,12 +176,7 @@ def table(name: str, rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="target model dir / HF id (default: the tiny random pair)")
-    p.add_argument("--draft", help="draft model dir / HF id, or 'none'")
-    p.add_argument("--embedded", action="store_true", help="the embedded default pair (real models)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    add_model_arguments(p)
     p.add_argument("--max-tokens", type=int, default=32, help="answer length per turn")
     p.add_argument("--context-tokens", type=int, default=1500, help="RAG context length (capped by the window)")
     p.add_argument("--long-tokens", type=int, default=2000, help="the arriving prompt (capped by the window)")

@@ -31,8 +31,9 @@ STOCK = {"widget": 412, "gadget": 97, "sprocket": 1305, "gizmo": 28}
 """The local data the lookup tool reads (made up, so the model cannot know it)."""
 
 QUESTION = "How many widgets and gadgets are in stock together, and what is that number times 3?"
-SYSTEM = ("You answer questions about the warehouse. Use stock_level to read stock levels and calculator "
-          "for arithmetic; never guess a number. Answer in one short sentence.")
+SYSTEM = ("You answer questions about the warehouse. Tools cannot call each other: first call stock_level "
+          "once for each item you need, then call calculator with the numbers it returned. Never guess a "
+          "number. Answer in one short sentence.")
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
               ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -40,7 +41,7 @@ _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
 
 @tool
 def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression of numbers, + - * / ** and parentheses, e.g. "(412 + 97) * 3"."""
+    """Evaluate an arithmetic expression of numbers, + - * / ** and parentheses, e.g. "(2 + 5) * 4"."""
     try:
         return _number(_evaluate(ast.parse(expression, mode="eval").body))
     except (SyntaxError, ValueError, ArithmeticError) as exc:  # told to the model, which may try again
@@ -53,7 +54,7 @@ def stock_level(item: Literal["widget", "gadget", "sprocket", "gizmo"]) -> int:
     return STOCK[item]
 
 
-TOOLS = [calculator, stock_level]
+TOOLS = [stock_level, calculator]
 
 
 def _evaluate(node: ast.AST) -> float:
@@ -64,7 +65,7 @@ def _evaluate(node: ast.AST) -> float:
         return _OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
         return _OPERATORS[type(node.op)](_evaluate(node.operand))
-    raise ValueError(f"not arithmetic: {ast.unparse(node)}")
+    raise ValueError(f"not arithmetic: {ast.unparse(node)} (call that tool first and use the number it returns)")
 
 
 def _number(value: float) -> str:

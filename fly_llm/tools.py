@@ -231,7 +231,10 @@ def _reason(exc: ValidationError) -> str:
 
 def parse_call(body: str) -> ToolCall:
     """A ToolCall (with a fresh id) from the JSON between the tags; ValueError unless {"name": str, "arguments": {…}}."""
-    data = json.loads(body)
+    return _call(json.loads(body))
+
+
+def _call(data: Any) -> ToolCall:
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         raise ValueError("a tool call must be a JSON object with a string 'name'")
     arguments = data.get("arguments", {})
@@ -307,17 +310,26 @@ class ToolCallStream:
         rest = (TOOL_OPEN if self._in_call else "") + self._pending
         self._pending, self._in_call = "", False
         if self._bare is not False:
-            body = rest.strip().removeprefix("```json").removesuffix("```")
-            try:
-                call = parse_call(body)
-            except ValueError:
-                return rest, []
-            if call.name in self._names:
-                return "", [call]
+            calls = _bare_calls(rest.strip().removeprefix("```json").removesuffix("```").strip())
+            if calls and all(call.name in self._names for call in calls):
+                return "", calls
         return rest, []
 
 
 _BARE_STARTS = ("{", "```json")
+
+
+def _bare_calls(text: str) -> list[ToolCall]:
+    """The call objects of a bare answer (one or more, separated by whitespace); [] if it is anything else."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    try:
+        while at < len(text):
+            data, at = decoder.raw_decode(text, at)
+            calls.append(_call(data))
+            at = len(text) - len(text[at:].lstrip())
+    except ValueError:
+        return []
+    return calls
 
 
 def _partial_suffix(text: str, tag: str) -> int:

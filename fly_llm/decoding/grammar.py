@@ -72,12 +72,13 @@ def _tools_grammar(structure: Structure, special_tags: frozenset[str]) -> str:
     body = f"body: {_json({'anyOf': variants} if len(variants) > 1 else variants[0])}\n"
     open_tag, close_tag = (f"<{t[1:-1]}>" if t in special_tags else json.dumps(t) for t in (TOOL_OPEN, TOOL_CLOSE))
     call = f'call: {open_tag} "\\n" body "\\n" {close_tag}\n'
-    if choice == "auto":
+    if choice == "auto":  # text, tagged calls in it, or (small models answer so) bare call objects, constrained too
+        bare = 'bare: body ("\\n" body)*\nTEXT: /([^{](.|\\n)*)?/\n'  # text never starts like a bare call
         if TOOL_OPEN in special_tags:  # text cannot hold a special token: the tag itself starts a call
-            return "start: TEXT (call TEXT)*\n" + call + body + "TEXT: /(.|\\n)*/\n"
-        return ("start: (call_head call_tail)* TEXT\n"
+            return "start: TEXT (call TEXT)* | bare\n" + call + body + bare
+        return ("start: (call_head call_tail)* TEXT | bare\n"
                 f"call_head[lazy]: TEXT {open_tag}\n"
-                f'call_tail: "\\n" body "\\n" {close_tag}\n' + body + "TEXT: /(.|\\n)*/\n")
+                f'call_tail: "\\n" body "\\n" {close_tag}\n' + body + bare)
     calls = "call" if isinstance(choice, NamedToolChoice) else 'call ("\\n" call)*'
     return f'start: {calls} "\\n"?\n' + call + body  # the model may end its last call with a newline
 

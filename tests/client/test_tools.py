@@ -48,6 +48,14 @@ def test_a_bare_call_of_an_offered_tool_counts_with_auto(answer):
     assert shown == answer and not calls
 
 
+def test_several_bare_calls_count_when_all_are_offered_tools():
+    answer = '{"name": "f", "arguments": {"x": 1}}\n{"name": "f", "arguments": {"x": 2}}'
+    shown, calls = _stream(answer, [7], frozenset({"f"}))
+    assert shown == "" and [c.arguments for c in calls] == [{"x": 1}, {"x": 2}]
+    mixed = answer + '\n{"name": "g", "arguments": {}}'
+    assert _stream(mixed, [7], frozenset({"f"})) == (mixed, [])
+
+
 @pytest.mark.parametrize("answer", ['{"name": "g", "arguments": {}}', '```json\n[1, 2]\n```', "```python\nprint(1)\n```"])
 def test_other_json_or_code_stays_text(answer):
     assert _stream(answer, [2], frozenset({"f"})) == (answer, [])

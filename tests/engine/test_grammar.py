@@ -190,6 +190,9 @@ def test_tool_tags_that_are_special_tokens_are_named_as_tokens():
         return matcher.validate_tokens(tokens) == len(tokens)
 
     assert accepts("auto", text + call + text + eos) and accepts("auto", text + eos)
+    bare = tokenizer.encode('{"name": "f", "arguments": {"x": 1}}\n{"name": "f", "arguments": {"x": 2}}')
+    assert accepts("auto", bare + eos)  # bare call objects (small models answer so) are constrained too
+    assert not accepts("auto", tokenizer.encode('{"name": "f", "arguments": {"x": 3}}') + eos)
     assert accepts("required", call + eos) and not accepts("required", text + call + eos)
     assert accepts("none", text + eos) and not accepts("none", text + call + eos)
     forced = compiler.matcher(compiler.grammar(Structure(tools=tools, tool_choice="required"))).compute_ff_tokens()

@@ -42,7 +42,10 @@ def build_agent(llm: FLyLLM, index: VectorStoreIndex, top_k: int = 3) -> Functio
         index.as_query_engine(llm=llm, similarity_top_k=top_k), name="paul_graham_essays",
         description="Answers a question about Paul Graham's essays (his life, startups, Lisp, Viaweb, Y Combinator) "
                     "from the essays' text. Input: the question.")
-    return FunctionAgent(tools=[essays, FunctionTool.from_defaults(years_since)], llm=llm, system_prompt=SYSTEM)
+    # A RAG agent looks things up before it answers: its first turn must call the essays tool (the grammar
+    # enforces it); later turns choose freely. The embedded 1.5B model answered in text without it.
+    return FunctionAgent(tools=[essays, FunctionTool.from_defaults(years_since)], llm=llm, system_prompt=SYSTEM,
+                         initial_tool_choice="paul_graham_essays")
 
 
 async def run_agent(agent: FunctionAgent, question: str,

@@ -26,7 +26,7 @@ from support.daemon_process import start_daemon
 from fly_llm.client import FLyClient, build_options
 from fly_llm.errors import Busy, FLyUnavailable, Timeout, TooLong
 from fly_llm.protocol import GenerateResult
-from support.tiny_models import CORPUS
+from support.tiny_models import CORPUS, greedy_tokens
 
 MAX_NEW = 16
 BURSTS = 30
@@ -51,13 +51,7 @@ def greedy(tiny_pair_dirs):
 
     @lru_cache(maxsize=None)
     def run(prompt: str) -> list[int]:
-        ids = tokenizer.encode(prompt)
-        out = target.generate(torch.tensor([ids], device=target.device),
-                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=target.device),
-                              max_new_tokens=MAX_NEW, do_sample=False)
-        tokens = out[0, len(ids):].tolist()
-        eos = tokenizer.eos_token_id
-        return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+        return greedy_tokens(target, tokenizer.encode(prompt), MAX_NEW, [tokenizer.eos_token_id])
 
     run.token_count = lambda prompt: len(tokenizer.encode(prompt))
     return run

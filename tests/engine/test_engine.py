@@ -9,7 +9,7 @@ from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.errors import BadRequest, TooLong
-from support.tiny_models import make_pair
+from support.tiny_models import greedy_tokens, make_pair
 
 torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
 
@@ -32,10 +32,7 @@ def pair(request):
     reference = {}
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
-        out = target.generate(torch.tensor([ids], device=target.device),
-                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=target.device),
-                              max_new_tokens=MAX_NEW, do_sample=False)
-        reference[prompt] = out[0, len(ids):].tolist()
+        reference[prompt] = greedy_tokens(target, ids, MAX_NEW)
     return request.param, target, draft, tokenizer, reference
 
 

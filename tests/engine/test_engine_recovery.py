@@ -22,7 +22,7 @@ from fly_llm.errors import Internal
 
 from fly_daemon.scheduler import Limits
 from fly_daemon.server import Server
-from support.tiny_models import make_pair
+from support.tiny_models import greedy_tokens, make_pair
 
 torch.set_num_threads(1)
 
@@ -56,13 +56,7 @@ def pair_and_reference():
     target, draft, tokenizer = make_pair("llama")
     reference = {}
     for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt)
-        out = target.generate(torch.tensor([ids], device=target.device),
-                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=target.device),
-                              max_new_tokens=MAX_NEW, do_sample=False)
-        tokens = out[0, len(ids):].tolist()
-        eos = tokenizer.eos_token_id
-        reference[prompt] = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+        reference[prompt] = greedy_tokens(target, tokenizer.encode(prompt), MAX_NEW, [tokenizer.eos_token_id])
     return (target, draft, tokenizer), reference
 
 

@@ -30,7 +30,7 @@ from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.grammar import grammar_for
 from fly_llm.tools import Structure
 from support.grammar_reference import constrained_greedy, grammar_valid_prefix
-from support.tiny_models import make_pair
+from support.tiny_models import greedy_tokens, make_pair
 
 torch.set_num_threads(1)
 
@@ -65,12 +65,7 @@ def greedy_alone(prompt: tuple[int, ...], grammar: str | None = None) -> tuple[i
     target, _, tokenizer = pair()
     if grammar is not None:
         return tuple(constrained_greedy(target, tokenizer, list(prompt), grammar, MAX_NEW, [tokenizer.eos_token_id]))
-    out = target.generate(torch.tensor([prompt], device=target.device),
-                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=target.device),
-                          max_new_tokens=MAX_NEW, do_sample=False)
-    tokens = out[0, len(prompt):].tolist()
-    eos = tokenizer.eos_token_id
-    return tuple(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
+    return tuple(greedy_tokens(target, list(prompt), MAX_NEW, [tokenizer.eos_token_id]))
 
 
 def prompts() -> st.SearchStrategy[list[int]]:

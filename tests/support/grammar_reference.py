@@ -11,6 +11,8 @@ import llguidance.torch
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from support.tiny_models import greedy_tokens
+
 _TOKENIZERS: dict[int, llguidance.LLTokenizer] = {}
 
 
@@ -46,13 +48,8 @@ def constrained_greedy(target, tokenizer, prompt: list[int], grammar: str, max_n
     vocab = target.get_output_embeddings().weight.shape[0]
     matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab, eos_ids), grammar)
     assert not matcher.is_error(), matcher.get_error()
-    out = target.generate(torch.tensor([prompt], device=target.device),
-                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=target.device),
-                          max_new_tokens=max_new, do_sample=False, eos_token_id=eos_ids,
-                          logits_processor=LogitsProcessorList([GrammarProcessor(matcher, len(prompt), vocab)]))
-    tokens = out[0, len(prompt):].tolist()
-    ends = [i for i, t in enumerate(tokens) if t in eos_ids]
-    return tokens[:ends[0] + 1] if ends else tokens
+    return greedy_tokens(target, prompt, max_new, eos_ids, eos_token_id=eos_ids,
+                         logits_processor=LogitsProcessorList([GrammarProcessor(matcher, len(prompt), vocab)]))
 
 
 def grammar_valid_prefix(tokenizer, vocab_size: int, eos_ids: list[int], grammar: str, tokens: list[int]) -> int:

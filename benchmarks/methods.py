@@ -37,6 +37,7 @@ class Method:
     kind: Literal["hf", "engine", "llamacpp"]
     hf_kwargs: dict[str, Any] = field(default_factory=dict)
     fly: FLyConfig | None = None
+    float_weights: bool = False  # HF generate on the unquantized target (what quantization costs)
 
     def settings(self) -> dict[str, Any]:
         """JSON-ready description of what this method runs."""
@@ -44,7 +45,7 @@ class Method:
             return {"engine": "FLyEngine", "fly": self.fly.model_dump()}
         if self.kind == "llamacpp":
             return {"engine": "llama-cpp-python", "version": package_version("llama-cpp-python"), "greedy": True}
-        return {"engine": "transformers.generate",
+        return {"engine": "transformers.generate", **({"weights": "float"} if self.float_weights else {}),
                 **{k: ("<draft model>" if k == "assistant_model" else v) for k, v in self.hf_kwargs.items()}}
 
 
@@ -72,7 +73,8 @@ def _fly_variants() -> list[Method]:
 
 
 HF_METHODS = ["target", "assisted", "lookup"]
-MAIN_METHODS = HF_METHODS + ["spd", "fly"]
+TARGET_FLOAT = "target-float"
+MAIN_METHODS = HF_METHODS + ["spd", "fly", TARGET_FLOAT]
 LLAMACPP = "llamacpp"
 
 
@@ -90,6 +92,8 @@ def all_methods() -> dict[str, Method]:
     """Every method by name: (a)–(e) first, then the ablations."""
     methods = [
         Method("target", "target only, greedy (HF generate)", "hf"),
+        Method(TARGET_FLOAT, "target only, greedy (HF generate), unquantized weights: what quantization costs",
+               "hf", float_weights=True),
         Method("assisted", "HF assisted generation with the same draft", "hf",
                {"assistant_model": "draft"}),
         Method("lookup", f"HF prompt-lookup decoding ({PROMPT_LOOKUP_TOKENS} tokens)", "hf",
@@ -132,15 +136,19 @@ class Runner:
     """Runs methods on prompt token ids with one loaded target/draft pair (and engine, lazily)."""
 
     def __init__(self, target: torch.nn.Module, tokenizer: Any, draft: torch.nn.Module | None,
-                 max_tokens: int, context_window: int | None = None, target_gguf: Path | None = None) -> None:
+                 max_tokens: int, context_window: int | None = None, target_gguf: Path | None = None,
+                 float_target: torch.nn.Module | None = None) -> None:
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        self.float_target = float_target
         self.max_tokens, self.context_window = max_tokens, context_window
         self.target_gguf = target_gguf
         self.eos_ids = _eos_ids(target, tokenizer)
         self._engine = None
         self._llama = None
         self._forwards = 0
-        target.get_decoder().register_forward_hook(self._count_forward)
+        for model in (target, float_target):
+            if model is not None:
+                model.get_decoder().register_forward_hook(self._count_forward)
 
     def _count_forward(self, *_: Any) -> None:
         self._forwards += 1
@@ -151,6 +159,8 @@ class Runner:
             if not llamacpp_installed():
                 return "llama-cpp-python is not installed (docs/benchmarks.md says how)"
             return None if self.target_gguf is not None else "needs the target as a .gguf file"
+        if method.float_weights and self.float_target is None:
+            return "the target runs unquantized already (it is method 'target')"
         needs_draft = ("assistant_model" in method.hf_kwargs) if method.kind == "hf" else not method.fly.ngram
         return "needs a draft model" if needs_draft and self.draft is None else None
 
@@ -197,9 +207,10 @@ class Runner:
             matcher = self.engine.grammars.for_structure(structure)
             kwargs["logits_processor"] = [GrammarLogitsProcessor(matcher, len(prompt_ids), self.engine.vocab_size)]
         streamer = _FirstToken()
-        input_ids = torch.tensor([prompt_ids], device=self.target.device)
+        model = self.float_target if method.float_weights else self.target
+        input_ids = torch.tensor([prompt_ids], device=model.device)
         start = time.perf_counter()
-        out = self.target.generate(
+        out = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
             max_new_tokens=max_tokens, eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0],
             streamer=streamer, **kwargs)

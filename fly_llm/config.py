@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -77,6 +77,11 @@ REQUEST_OPTIONS: tuple[str, ...] = (*SamplingParams.model_fields, *FLyOverrides.
 (client.build_options, the LangChain and LlamaIndex adapters take exactly these names)."""
 
 
+Quantization = Literal["auto", "none", "int8", "int4"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+"""Weight quantization choices for the target and the draft (fly_llm.quantization; docs/models.md)."""
+
+
 class ModelSpec(_Settings):
     """Which models to load and where. target None = the embedded default pair."""
 
@@ -87,6 +92,9 @@ class ModelSpec(_Settings):
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', …")
     device_map: str | None = Field(None, description="Passed to accelerate, e.g. 'auto' to spread over GPUs.")
-    draft_quantization: Literal["auto", "none", "int8"] = Field(
-        "auto", description="int8 weights for the draft model ('auto': on CPU where torch has the kernels). "
-                            "The draft only proposes, so outputs keep the target's quality; exact mode is unchanged.")
+    target_quantization: Quantization = Field(
+        "auto", description="quantized target weights ('auto': int8 on CPU where torch has the kernels, float on "
+                            "GPU). Exact mode reproduces the target as it runs, quantized or not.")
+    draft_quantization: Quantization = Field(
+        "auto", description="quantized draft weights ('auto': int8 on CPU where torch has the kernels). "
+                            "The draft only proposes, so it changes speed, never what exact mode emits.")

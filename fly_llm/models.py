@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from fly_llm.config import ModelSpec
 from fly_llm.default_models import DRAFT, TARGET, ensure_default_pair
 from fly_llm.errors import ModelError
 from fly_llm.model_cache import cache_root, cached_conversion, hf_progress
+from fly_llm.quantization import quantize
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ class LoadedModels:
     device: torch.device
     dtype: torch.dtype
     context_window: int
+    target_quantization: str = "none"
+    draft_quantization: str = "none"
 
 
 def cpu_has_native_bf16() -> bool:
@@ -107,44 +109,6 @@ def _load_model(source: str, name: str, dtype: torch.dtype, device: torch.device
     return model.eval()
 
 
-def quantize_draft(model: PreTrainedModel, mode: str, device: torch.device) -> PreTrainedModel:
-    """The draft with int8 weights (torch dynamic quantization, per output channel), or as it is.
-
-    On a CPU a small draft model is bound by reading its weights: int8 halves the bytes of bf16 and
-    torch's int8 kernels are fast, so a draft forward takes about a third of the time here. The
-    draft only proposes tokens that the target verifies, so this changes how many drafts are
-    accepted, never what exact mode emits. 'auto' quantizes on CPU when the kernels exist.
-    """
-    if mode == "none":
-        return model
-    if device.type != "cpu" or not int8_kernels_available():
-        if mode == "auto":
-            return model
-        raise ModelError("draft_quantization='int8' needs a CPU device and torch's int8 (fbgemm/x86) kernels")
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    with warnings.catch_warnings():  # torch.ao's eager quantization warns that it is deprecated
-        warnings.simplefilter("ignore")
-        return quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig},
-                                dtype=torch.qint8, inplace=True).eval()
-
-
-def is_quantized(model: torch.nn.Module) -> bool:
-    """Whether `model` holds dynamically quantized (int8) Linear layers."""
-    from torch.ao.nn.quantized.dynamic import Linear as QuantizedLinear
-
-    return any(isinstance(m, QuantizedLinear) for m in model.modules())
-
-
-def int8_kernels_available() -> bool:
-    """Whether torch can run dynamically quantized int8 Linear layers on this CPU."""
-    try:
-        from torch.ao.quantization import quantize_dynamic  # noqa: F401
-    except ImportError:
-        return False
-    return any(engine in torch.backends.quantized.supported_engines for engine in ("x86", "fbgemm"))
-
-
 def check_shared_vocab(tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase,
                        draft: PreTrainedModel, target_name: str, draft_name: str) -> None:
     """ModelError unless the draft's token→id mapping equals the target's and its embedding covers it.
@@ -197,14 +161,17 @@ def load_models(spec: ModelSpec, progress: bool = True) -> LoadedModels:
         tokenizer = _load_tokenizer(target_path, target_name)
         target = _load_model(target_path, target_name, dtype, device, spec.device_map)
         device = target.get_input_embeddings().weight.device  # the first device under a device_map
+        target_scheme = quantize(target, spec.target_quantization, device, "target")
         draft = draft_name = None
+        draft_scheme = "none"
         if draft_ref is not None:
             draft_path, draft_name = draft_ref
             draft_tokenizer = _load_tokenizer(draft_path, draft_name)
             draft = _load_model(draft_path, draft_name, dtype, device, None)
             check_shared_vocab(tokenizer, draft_tokenizer, draft, target_name, draft_name)
-            draft = quantize_draft(draft, spec.draft_quantization, device)
-    log.info("loaded target %s, draft %s (%s on %s%s)", target_name, draft_name or "none", dtype, device,
-             ", int8 draft" if draft is not None and is_quantized(draft) else "")
+            draft_scheme = quantize(draft, spec.draft_quantization, device, "draft")
+    log.info("loaded target %s (%s weights), draft %s (%s weights); %s on %s", target_name, target_scheme,
+             draft_name or "none", draft_scheme, dtype, device)
     return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=target_name,
-                        draft_name=draft_name, device=device, dtype=dtype, context_window=context_window(target))
+                        draft_name=draft_name, device=device, dtype=dtype, context_window=context_window(target),
+                        target_quantization=target_scheme, draft_quantization=draft_scheme)

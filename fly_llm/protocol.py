@@ -277,6 +277,9 @@ class InfoReply(_Message):
     max_prompt_tokens: int
     device: str
     dtype: str
+    target_quantization: str = "none"
+    """Weights of the target as it runs: none, int8 or int4 (docs/models.md)."""
+    draft_quantization: str = "none"
     fly_defaults: FLyConfig
     sampling_defaults: SamplingParams
     chat_template: bool = False

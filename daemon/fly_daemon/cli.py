@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fly_llm.client import FLyClient, build_options, default_endpoint
-from fly_llm.config import FLyConfig, ModelSpec
+from fly_llm.config import QUANTIZATIONS, FLyConfig, ModelSpec
 from fly_llm.errors import BadRequest, FLyError, FLyUnavailable
 from fly_llm.protocol import GenerateResult
 
@@ -62,8 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     models.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"])
     models.add_argument("--device", help="'auto', 'cpu', 'cuda', 'cuda:1', …")
     models.add_argument("--device-map", help="passed to accelerate, e.g. 'auto' to spread over GPUs")
-    models.add_argument("--draft-quantization", choices=["auto", "none", "int8"],
-                        help="int8 draft weights ('auto': on CPU; the draft only proposes, quality is the target's)")
+    models.add_argument("--target-quantization", choices=list(QUANTIZATIONS),
+                        help="quantized target weights ('auto': int8 on CPU, float on GPU; docs/models.md)")
+    models.add_argument("--draft-quantization", choices=list(QUANTIZATIONS),
+                        help="quantized draft weights ('auto': int8 on CPU; the draft only proposes)")
     fly = start.add_argument_group("FLy (defaults for every request; requests may override k, window, θ, loose)")
     fly.add_argument("--k", type=int, help="upper bound on draft tokens per round")
     fly.add_argument("--window", type=int, help="deferred window W (0: accept any gated mismatch)")

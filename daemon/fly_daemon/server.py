@@ -277,6 +277,7 @@ class Server:
             context_window=engine.context_window, max_tokens_limit=limits.max_tokens_limit,
             max_prompt_tokens=limits.max_prompt_tokens or engine.context_window - 1,
             device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+            target_quantization=engine.target_quantization, draft_quantization=engine.draft_quantization,
             fly_defaults=engine.config, sampling_defaults=SamplingParams(),
             chat_template=bool(getattr(engine.tokenizer, "chat_template", None)))
 

@@ -19,6 +19,7 @@ first in the next round, so each round's forward is uniform: K+1 columns per row
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from fly_llm.decoding.prefix_cache import PrefixCache
 from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import RowRules, RowSampling, verify
 from fly_llm.errors import BadRequest, TooLong
+from fly_llm.quantization import quantization_of
 from fly_llm.stats import FinishReason, PromptStats, RequestStats
 from fly_llm.tools import Structure
 
@@ -107,15 +109,17 @@ class FLyEngine:
         self.context_window = context_window or int(getattr(target.config, "max_position_embeddings", 4096))
         self.device = next(target.parameters()).device
         head = target.get_output_embeddings()
-        self._logits_device = head.weight.device if head is not None else self.device  # differs under device_map
+        self._logits_device = _module_device(head, self.device)  # differs under device_map
         self.dtype = next(target.parameters()).dtype
         self.target_name = str(getattr(target.config, "_name_or_path", "") or type(target).__name__)
         self.draft_name = (str(getattr(draft.config, "_name_or_path", "") or type(draft).__name__)
                            if draft is not None else None)
+        self.target_quantization = quantization_of(target)
+        self.draft_quantization = quantization_of(draft) if draft is not None else "none"
         self.stats = RequestStats()
         self.policy = policy or AdaptivePolicy()
         self._eos = _eos_ids(tokenizer, target)
-        self.vocab_size = int(head.weight.shape[0]) if head is not None else len(tokenizer)
+        self.vocab_size = int(head.out_features) if head is not None else len(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, sorted(self._eos))
         self._local_ids = 0
         self._rows: list[_Request] = []
@@ -438,6 +442,12 @@ class FLyEngine:
                         done = out.finished
         finally:
             self.abort_request(rid)
+
+
+def _module_device(module: torch.nn.Module | None, default: torch.device) -> torch.device:
+    """The device of `module`'s first parameter or buffer (a quantized layer holds only buffers)."""
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None) if module is not None else None
+    return tensor.device if tensor is not None else default
 
 
 def _eos_ids(tokenizer, model) -> frozenset[int]:

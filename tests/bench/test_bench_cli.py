@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import cli
-from benchmarks.methods import MAIN_METHODS, all_methods
+from benchmarks.methods import MAIN_METHODS, TARGET_FLOAT, all_methods
 
 SUMMARY_FIELDS = {
     "dataset", "method", "items", "tokens", "seconds", "tokens_per_s", "speedup", "ttft_s", "target_forwards",
@@ -41,7 +41,7 @@ def test_every_method_and_dataset_has_every_field(report):
     assert {"command", "created", "settings", "environment", "methods", "results"} <= data.keys()
     assert ENVIRONMENT_FIELDS <= data["environment"].keys()
     assert data["environment"]["dtype"] == "float32"
-    assert data["settings"]["methods"] == MAIN_METHODS
+    assert data["settings"]["methods"] == MAIN_METHODS  # the target is quantized ('auto', int8 on CPU)
     assert len(data["results"]) == 2 * len(MAIN_METHODS)
     for summary in data["results"]:
         assert SUMMARY_FIELDS <= summary.keys(), summary["method"]
@@ -104,3 +104,14 @@ def test_llamacpp_decodes_the_targets_gguf(tiny_pair_dirs, tmp_path):
     llama = next(s for s in data["results"] if s["method"] == "llamacpp")
     assert llama["tokens"] > 0 and llama["tokens_per_s"] > 0 and llama["mat"] == 1.0
     assert llama["agreement"] == 1.0
+
+
+def test_the_float_target_is_a_row_of_its_own_when_the_target_is_quantized(report, tiny_pair_dirs, tmp_path):
+    """What quantization costs (target-float vs target) and what FLy costs (fly vs target), separately."""
+    _, data = report
+    quantized = data["environment"]["target_quantization"] != "none"
+    assert (TARGET_FLOAT in data["settings"]["methods"]) == quantized
+    plain = _bench(tiny_pair_dirs, tmp_path, "--dataset", "gsm8k", "--limit", "1", "--max-tokens", "8",
+                   "--methods", TARGET_FLOAT, "--target-quantization", "none")
+    assert plain["environment"]["target_quantization"] == "none"
+    assert "unquantized already" in plain["settings"]["skipped"][TARGET_FLOAT]

@@ -24,6 +24,7 @@ def test_health_info_status(client, tiny_pair_dirs):
     info = client.info()
     assert info.target == str(tiny_pair_dirs[0]) and info.draft == str(tiny_pair_dirs[1])
     assert info.dtype == "float32" and info.context_window == 512
+    assert info.target_quantization == info.draft_quantization == "none"
     assert info.max_prompt_tokens == 511 and info.max_tokens_limit == 4096
     status = client.status()
     assert status.state == "ready" and status.pid > 0 and status.uptime_s > 0
@@ -56,7 +57,8 @@ def test_exact_mode_matches_in_process_engine(client, tiny_pair_dirs):
     from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
     from fly_llm.loading import load_engine
 
-    spec = ModelSpec(target=str(tiny_pair_dirs[0]), draft=str(tiny_pair_dirs[1]), dtype="float32", device=TEST_DEVICE)
+    spec = ModelSpec(target=str(tiny_pair_dirs[0]), draft=str(tiny_pair_dirs[1]), dtype="float32", device=TEST_DEVICE,
+                     target_quantization="none")  # as the tiny daemon runs it
     engine = load_engine(spec, FLyConfig(loose=False))
     local = engine.generate(PROMPTS, SamplingParams(max_tokens=24))
     sampling, fly = build_options(**EXACT)

@@ -23,9 +23,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from support.daemon_process import start_daemon
+from support.device import TEST_DEVICE
 from fly_llm.client import FLyClient, build_options
 from fly_llm.errors import Busy, FLyUnavailable, Timeout, TooLong
 from fly_llm.protocol import GenerateResult
+from fly_llm.quantization import quantization_of, quantize
 from support.tiny_models import CORPUS, greedy_tokens
 
 MAX_NEW = 16
@@ -36,17 +38,21 @@ ONE_TOKEN = ["x", "Q", "a", "5", "(", "\n", "The"]
 
 @pytest.fixture(scope="module")
 def traffic_daemon(tiny_pair_dirs, tmp_path_factory):
-    """A daemon with a small batch and queue, so bursts overflow it; its process and log stay readable."""
+    """A daemon with a small batch and queue, so bursts overflow it; its process and log stay readable.
+
+    Its target runs as a CPU user's does by default (int8 where torch has the kernels)."""
     daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("traffic"), "t", "--max-batch-size", "4",
-                          "--queue-size", "6", "--heartbeat-timeout", "2")
+                          "--queue-size", "6", "--heartbeat-timeout", "2", "--target-quantization", "auto")
     yield daemon
     daemon.stop()
 
 
 @pytest.fixture(scope="module")
 def greedy(tiny_pair_dirs):
-    """greedy(prompt) -> the target's own greedy continuation (MAX_NEW tokens, cut after EOS), float32, alone."""
+    """greedy(prompt) -> the target's own greedy continuation (MAX_NEW tokens, cut after EOS), float32, alone,
+    with the daemon's weights (quantized as 'auto' chooses)."""
     target = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs[0], dtype=torch.float32).eval()
+    quantize(target, "auto", torch.device(TEST_DEVICE))
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair_dirs[0])
 
     @lru_cache(maxsize=None)
@@ -54,6 +60,7 @@ def greedy(tiny_pair_dirs):
         return greedy_tokens(target, tokenizer.encode(prompt), MAX_NEW, [tokenizer.eos_token_id])
 
     run.token_count = lambda prompt: len(tokenizer.encode(prompt))
+    run.target = target
     return run
 
 
@@ -148,6 +155,9 @@ def wait_idle(client: FLyClient, timeout: float = 20.0) -> None:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_traffic_never_breaks_the_daemon(traffic_daemon, greedy, seed):
     endpoint, started = traffic_daemon.endpoint, time.monotonic()
+    with FLyClient(endpoint) as client:
+        info = client.info()
+    assert info.target_quantization == quantization_of(greedy.target)  # the reference runs the same weights
     outcomes: dict[str, int] = {}
     with FLyClient(endpoint, timeout=60, max_retries=0) as client, ThreadPoolExecutor(16) as pool:
         pending: list[Future] = []

@@ -13,6 +13,7 @@ TOML = """
 [model]
 target = "from-file"
 draft = "file-draft"
+target_quantization = "int4"
 dtype = "float32"
 [fly]
 window = 3
@@ -52,13 +53,15 @@ def test_precedence_cli_over_env_over_file(config_file, monkeypatch):
         monkeypatch.setenv(name, value)
     cli = {"target": "from-cli", "device-map": "auto", "k": None, "loose": None}
     spec, fly = (load_settings(model, config_file, cli) for model in (ModelSpec, FLyConfig))
-    assert spec == ModelSpec(target="from-cli", draft="file-draft", dtype="float32", device_map="auto")
+    assert spec == ModelSpec(target="from-cli", draft="file-draft", dtype="float32", device_map="auto",
+                             target_quantization="int4")
     assert fly.window == 5 and fly.k == 9 and fly.loose is False
     assert fly.entropy_threshold == FLyConfig().entropy_threshold
 
 
 @pytest.mark.parametrize(("model", "name", "file", "env", "flag"), [
     (ModelSpec, "draft", "file-draft", "env-draft", "flag-draft"),
+    (ModelSpec, "target_quantization", "int4", "none", "int8"),
     (FLyConfig, "k", 9, "11", 13),
     (DaemonSettings, "max_tokens_limit", 99, "98", 97),
     (DaemonSettings, "prefix_cache_mb", 64, "0", 32),

@@ -16,8 +16,7 @@ from fly_llm.decoding.engine import FLyEngine
 from fly_llm.default_models import DRAFT, EmbeddedModel, assemble, part_paths
 from fly_llm.errors import ModelError
 from fly_llm.model_cache import CACHE_DTYPE, MANIFEST, cache_problem, cached_conversion
-from fly_llm.models import (context_window, int8_kernels_available, is_quantized, load_models, quantize_draft,
-                            resolve_dtype)
+from fly_llm.models import context_window, load_models, resolve_dtype
 
 PROBE = "def add(a, b):\n    return a + b  # the quick brown fox<|im_end|>"
 
@@ -51,35 +50,6 @@ def test_draft_none_means_ngram_only(tiny_pair_dirs):
         assert loaded.draft is None and loaded.draft_name is None
 
 
-def test_int8_draft_keeps_exact_mode_lossless(tiny_pair_dirs):
-    """An int8 draft (the CPU default) only changes proposals: exact output is the target's greedy."""
-    target_dir, draft_dir = tiny_pair_dirs
-    spec = dict(target=str(target_dir), draft=str(draft_dir), dtype="float32", device="cpu")
-    plain = load_models(ModelSpec(**spec, draft_quantization="none"), progress=False)
-    int8 = load_models(ModelSpec(**spec, draft_quantization="int8"), progress=False)
-    auto = load_models(ModelSpec(**spec), progress=False)
-    assert not is_quantized(plain.draft) and is_quantized(int8.draft)
-    assert is_quantized(auto.draft) == int8_kernels_available()
-    assert not is_quantized(int8.target)
-    prompt = int8.tokenizer.encode(PROBE)
-    reference = plain.target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, min_new_tokens=24)
-    engine = FLyEngine(int8.target, int8.tokenizer, int8.draft, FLyConfig(loose=False, adaptive=False, ngram=False))
-    engine.add_request("r", prompt, SamplingParams(max_tokens=24))
-    tokens = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.new_token_ids
-    assert engine.stats.draft_model_rounds > 0
-    assert tokens == reference[0, len(prompt):].tolist()[:len(tokens)] and tokens
-
-
-def test_int8_draft_needs_a_cpu(tiny_pair_dirs):
-    target_dir, draft_dir = tiny_pair_dirs
-    draft = load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), device="cpu"), progress=False).draft
-    with pytest.raises(ModelError, match="needs a CPU"):
-        quantize_draft(draft, "int8", torch.device("cuda"))
-
-
 def test_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(ModelError, match="not a model directory"):
         load_models(ModelSpec(target=str(tmp_path / "nowhere"), device="cpu"), progress=False)
@@ -110,7 +80,7 @@ def test_context_window_is_capped():
 def test_gguf_is_converted_once_and_matches_the_weights(tmp_path, cache_dir):
     target, _, tokenizer = make_pair()
     path = write_tiny_gguf(tmp_path / "tiny.gguf", target, tokenizer)
-    spec = ModelSpec(target=str(path), draft="none", dtype="float32", device="cpu")
+    spec = ModelSpec(target=str(path), draft="none", dtype="float32", device="cpu", target_quantization="none")
     loaded = load_models(spec, progress=False)
     assert path.exists()  # the user's file is left alone
     expected = {k: v.to(CACHE_DTYPE).float() for k, v in target.state_dict().items()}

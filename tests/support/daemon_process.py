@@ -25,7 +25,8 @@ class DaemonProcess:
         env = dict(os.environ, FLY_RUNTIME_DIR=str(log.parent), PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         models = [] if target is None else ["--target", str(target), "--draft", str(draft), "--dtype", "float32",
-                                            "--device", TEST_DEVICE, "--draft-quantization", "none"]
+                                            "--device", TEST_DEVICE, "--target-quantization", "none",
+                                            "--draft-quantization", "none"]
         cmd = [sys.executable, "-m", "fly_daemon.cli", "start", "--foreground", "--endpoint", endpoint, *models,
                *extra]
         with open(log, "ab") as out:

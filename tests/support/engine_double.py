@@ -37,6 +37,7 @@ class CountingEngine:
 
     context_window = 64
     target_name, draft_name, device, dtype = "counting", None, "cpu", "float32"
+    target_quantization = draft_quantization = "none"
     tokenizer = None  # no chat template
     prompt_stats = PromptStats()  # no prefix cache
 

@@ -1,0 +1,169 @@
+"""Quantized weights for a loaded model's Linear layers, target and draft alike (docs/models.md).
+
+Two layers replace `torch.nn.Linear`, each on a kernel that torch itself ships:
+
+- `Int8Linear`: int8 weights per output channel and int8 activations per token, on fbgemm's
+  dynamic-quantized matmul (`torch.ops.quantized.linear_dynamic`, x86 CPUs). It is the only
+  choice measured here that is cheaper than float at every width a speculative round uses (one
+  new token and K+1 of them). fbgemm quantizes its whole input with one scale; each row is
+  therefore divided by its own largest magnitude first and a fixed anchor row holding +1 and -1
+  is appended, so the scale is the same on every call: a row's result depends on that row only,
+  bit for bit, whatever else is in the batch. That keeps exact mode lossless with respect to the
+  quantized target, and one request's outputs independent of its neighbours'.
+- `Int4Linear`: int4 weights in groups of 32 with a scale and a minimum each (as GGUF's Q4_K
+  blocks), on torch's weight-only kernel (`aten._weight_int4pack_mm_for_cpu`), activations in
+  bfloat16. Half the memory of int8; slower than int8 at verify widths on the CPUs measured.
+
+torchao's configs were measured too (docs/models.md): on a CPU without torch.compile they ran
+4-40x slower than these kernels, so they are not used.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import torch
+from torch import nn
+
+from fly_llm.config import QUANTIZATIONS
+from fly_llm.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP = 32
+_INT4_INNER_K_TILES = 2
+_INT4_OUTPUT_MULTIPLE = 16  # the packing kernel's requirement on the output width
+
+
+def int8_available() -> bool:
+    """Whether torch has fbgemm's dynamic int8 matmul (an x86 CPU build)."""
+    engines = torch.backends.quantized.supported_engines
+    return ("x86" in engines or "fbgemm" in engines) and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+def int4_available() -> bool:
+    """Whether torch has its CPU int4 weight-only matmul."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+class Int8Linear(nn.Module):
+    """A Linear with int8 weights (per output channel) and int8 activations (per token)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
+        zero = torch.zeros(self.out_features, dtype=torch.long)
+        with warnings.catch_warnings():  # torch warns that quantized tensor types will move to torchao
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
+            self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        # +1, -1, +1, …: with every row scaled into [-1, 1], the input's range is always exactly [-1, 1].
+        anchor = torch.ones(1, self.in_features)
+        anchor[0, 1::2] = -1.0
+        self.register_buffer("anchor", anchor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        peak = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+        scaled = torch.cat([rows / peak, self.anchor])
+        out = torch.ops.quantized.linear_dynamic(scaled, self._packed, True)[:-1] * peak
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class Int4Linear(nn.Module):
+    """A Linear with int4 weights in groups of INT4_GROUP input features (scale and minimum each)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        groups = weight.reshape(self.out_features, -1, INT4_GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        levels = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            levels.reshape(self.out_features, self.in_features), _INT4_INNER_K_TILES)
+        self.register_buffer("packed", packed)
+        # The kernel computes (level - 8) * scale + zero, so zero = low + 8 * scale.
+        scales_and_zeros = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP,
+                                                          self.scales_and_zeros).float()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {INT4_GROUP}"
+
+
+_LAYERS: dict[str, type[nn.Module]] = {"int8": Int8Linear, "int4": Int4Linear}
+_AVAILABLE = {"int8": int8_available, "int4": int4_available}
+
+
+def resolve_quantization(mode: str, device: torch.device, role: str = "target") -> str:
+    """'none', 'int8' or 'int4' for `mode` on `device`: 'auto' is int8 on a CPU with the kernels.
+
+    Why int8 for 'auto': docs/models.md (a target forward over 1 and over 16 new tokens, per
+    choice, on this project's CPUs). GPUs keep their float weights. An explicit choice that cannot
+    run here is a ModelError naming what is missing.
+    """
+    if mode not in QUANTIZATIONS:
+        raise ModelError(f"unknown {role}_quantization {mode!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    if mode == "none":
+        return "none"
+    if device.type != "cpu":
+        if mode == "auto":
+            return "none"
+        raise ModelError(f"{role}_quantization={mode!r} runs on CPU only (the device is {device}); use 'none'")
+    if mode == "auto":
+        return "int8" if int8_available() else "none"
+    if not _AVAILABLE[mode]():
+        kernel = "fbgemm's dynamic int8 matmul (an x86 CPU build of torch)" if mode == "int8" else \
+                 "aten._weight_int4pack_mm_for_cpu"
+        raise ModelError(f"{role}_quantization={mode!r} needs {kernel}, which this torch lacks; use 'none' or 'auto'")
+    return mode
+
+
+def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "target") -> str:
+    """Replace `model`'s Linear layers in place by quantized ones; returns the scheme applied.
+
+    Every Linear is replaced, the output head included; under int4 a Linear whose input width is
+    not a multiple of the group (32), or whose output width not one of 16, stays as it is. Embeddings, norms and attention keep the model's dtype.
+    """
+    scheme = resolve_quantization(mode, device, role)
+    if scheme == "none":
+        return scheme
+    layer = _LAYERS[scheme]
+    kept = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            if scheme == "int4" and (child.in_features % INT4_GROUP or child.out_features % _INT4_OUTPUT_MULTIPLE):
+                kept += 1
+                continue
+            setattr(parent, name, layer(child))
+    if kept:
+        log.info("%s: %d Linear layers kept in float (widths the int4 kernel cannot pack)", role, kept)
+    return scheme
+
+
+def quantization_of(model: nn.Module) -> str:
+    """'int8', 'int4' or 'none': which quantized layers `model` holds."""
+    for scheme, layer in _LAYERS.items():
+        if any(isinstance(m, layer) for m in model.modules()):
+            return scheme
+    return "none"

@@ -1,0 +1,113 @@
+"""Quantized Linear layers and quantized models (fly_llm.quantization): accuracy, row independence,
+the choice of scheme, and exact mode on a quantized target (the target as it runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.tiny_models import greedy_tokens
+
+from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.decoding.engine import FLyEngine
+from fly_llm.errors import ModelError
+from fly_llm import quantization
+from fly_llm.models import load_models
+from fly_llm.quantization import (Int4Linear, Int8Linear, int4_available, int8_available, quantization_of, quantize,
+                                  resolve_quantization)
+
+CPU = torch.device("cpu")
+needs_int8 = pytest.mark.skipif(not int8_available(), reason="torch has no fbgemm int8 kernels here")
+needs_int4 = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 kernel here")
+LAYERS = [pytest.param(Int8Linear, 0.05, marks=needs_int8), pytest.param(Int4Linear, 0.15, marks=needs_int4)]
+
+
+def _linear(inputs: int, outputs: int, bias: bool = True) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(inputs, outputs, bias=bias)
+
+
+@pytest.mark.parametrize(("layer", "tolerance"), LAYERS)
+def test_quantized_linear_is_close_to_float(layer, tolerance):
+    linear = _linear(128, 96)
+    x = torch.randn(3, 5, 128)
+    reference, out = linear(x), layer(linear)(x)
+    assert out.shape == reference.shape and out.dtype == x.dtype
+    assert ((out - reference).norm() / reference.norm()).item() < tolerance
+
+
+@pytest.mark.parametrize(("layer", "tolerance"), LAYERS)
+def test_a_rows_result_does_not_depend_on_the_batch(layer, tolerance):
+    """Exact mode verifies K+1 tokens of B rows at once, the reference decodes one token alone."""
+    quantized = layer(_linear(128, 64))
+    x = torch.randn(16, 128)
+    batched = quantized(x)
+    alone = torch.cat([quantized(x[i:i + 1]) for i in range(16)])
+    louder = x.clone()
+    louder[7] *= 1000  # one loud neighbour: a per-tensor activation scale would change every row
+    torch.testing.assert_close(alone, batched, rtol=0, atol=0 if layer is Int8Linear else 1e-5)
+    torch.testing.assert_close(quantized(louder)[:7], batched[:7], rtol=0, atol=0 if layer is Int8Linear else 1e-5)
+
+
+@needs_int8
+def test_int8_without_bias_and_in_bfloat16():
+    linear = _linear(64, 32, bias=False)
+    out = Int8Linear(linear)(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and out.shape == (4, 32)
+
+
+def test_auto_is_int8_on_cpu_and_float_on_gpu():
+    assert resolve_quantization("auto", CPU) == ("int8" if int8_available() else "none")
+    assert resolve_quantization("auto", torch.device("cuda")) == "none"
+    assert resolve_quantization("none", torch.device("cuda")) == "none"
+    with pytest.raises(ModelError, match="runs on CPU only"):
+        resolve_quantization("int8", torch.device("cuda"))
+
+
+def test_a_missing_kernel_falls_back_or_says_what_is_missing(monkeypatch):
+    monkeypatch.setattr(quantization, "int8_available", lambda: False)
+    monkeypatch.setitem(quantization._AVAILABLE, "int8", lambda: False)
+    monkeypatch.setitem(quantization._AVAILABLE, "int4", lambda: False)
+    assert resolve_quantization("auto", CPU) == "none"
+    with pytest.raises(ModelError, match="fbgemm"):
+        resolve_quantization("int8", CPU, "target")
+    with pytest.raises(ModelError, match="_weight_int4pack_mm_for_cpu"):
+        resolve_quantization("int4", CPU, "draft")
+    with pytest.raises(ModelError, match="unknown target_quantization"):
+        resolve_quantization("int3", CPU)
+
+
+@needs_int4
+def test_int4_keeps_layers_its_kernel_cannot_pack():
+    model = torch.nn.Sequential(_linear(64, 32), _linear(32, 8), _linear(8, 48))
+    assert quantize(model, "int4", CPU) == "int4"
+    assert isinstance(model[0], Int4Linear) and type(model[1]) is type(model[2]) is torch.nn.Linear
+    assert quantization_of(model) == "int4" and quantization_of(torch.nn.Linear(2, 2)) == "none"
+
+
+@pytest.mark.parametrize("scheme", [pytest.param("int8", marks=needs_int8), pytest.param("int4", marks=needs_int4),
+                                    "none"])
+def test_exact_mode_reproduces_the_quantized_target(tiny_pair_dirs, scheme):
+    """FLy off → the greedy output of the target as it runs (here: quantized), token for token."""
+    target_dir, draft_dir = tiny_pair_dirs
+    loaded = load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), dtype="float32", device="cpu",
+                                   target_quantization=scheme, draft_quantization=scheme), progress=False)
+    assert loaded.target_quantization == quantization_of(loaded.target) == scheme
+    assert loaded.draft_quantization == quantization_of(loaded.draft) == scheme
+    engine = FLyEngine(loaded.target, loaded.tokenizer, loaded.draft, FLyConfig(loose=False, adaptive=False))
+    prompts = [loaded.tokenizer.encode(text) for text in ("def add(a, b):", "x", "the quick brown fox " * 6)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=24))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert engine.stats.draft_model_rounds > 0
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == greedy_tokens(loaded.target, prompt, 24, [loaded.tokenizer.eos_token_id])
+
+
+def test_auto_quantizes_both_models_on_cpu(tiny_pair_dirs):
+    target_dir, draft_dir = tiny_pair_dirs
+    loaded = load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), device="cpu"), progress=False)
+    expected = "int8" if int8_available() else "none"
+    assert (loaded.target_quantization, loaded.draft_quantization) == (expected, expected)

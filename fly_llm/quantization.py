@@ -3,13 +3,13 @@
 Two layers replace `torch.nn.Linear`, each on a kernel that torch itself ships:
 
 - `Int8Linear`: int8 weights per output channel and int8 activations per token, on fbgemm's
-  dynamic-quantized matmul (`torch.ops.quantized.linear_dynamic`, x86 CPUs). It is the only
-  choice measured here that is cheaper than float at every width a speculative round uses (one
-  new token and K+1 of them). fbgemm quantizes its whole input with one scale; each row is
-  therefore divided by its own largest magnitude first and a fixed anchor row holding +1 and -1
-  is appended, so the scale is the same on every call: a row's result depends on that row only,
-  bit for bit, whatever else is in the batch. That keeps exact mode lossless with respect to the
-  quantized target, and one request's outputs independent of its neighbours'.
+  int8 matmul (`torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32`, x86 CPUs).
+  It is the only choice measured here that is cheaper than float at every width a speculative
+  round uses (one new token and K+1 of them). The kernel quantizes its whole input with one
+  given scale; each row is therefore divided by its own largest magnitude first, so the scale is
+  the same on every call: a row's result depends on that row only, bit for bit, whatever else is
+  in the batch. That keeps exact mode lossless with respect to the quantized target, and one
+  request's outputs independent of its neighbours'.
 - `Int4Linear`: int4 weights in groups of 32 with a scale and a minimum each (as GGUF's Q4_K
   blocks), on torch's weight-only kernel (`aten._weight_int4pack_mm_for_cpu`), activations in
   bfloat16. Half the memory of int8; slower than int8 at verify widths on the CPUs measured.
@@ -25,20 +25,27 @@ import warnings
 import torch
 from torch import nn
 
+from transformers import PreTrainedModel
+
 from fly_llm.config import QUANTIZATIONS
 from fly_llm.errors import ModelError
+from fly_llm.row_attention import use_row_attention
 
 log = logging.getLogger(__name__)
 
 INT4_GROUP = 32
 _INT4_INNER_K_TILES = 2
+# Rows scaled into [-1, 1] map onto 0..127 (zero at 64): 7-bit activations, as torch's x86 int8
+# kernels use them (u8·s8 pairs summed in int16 would saturate with 8 bits on AVX2).
+_INPUT_SCALE, _INPUT_ZERO = 2 / 127, 64
 _INT4_OUTPUT_MULTIPLE = 16  # the packing kernel's requirement on the output width
 
 
 def int8_available() -> bool:
     """Whether torch has fbgemm's dynamic int8 matmul (an x86 CPU build)."""
     engines = torch.backends.quantized.supported_engines
-    return ("x86" in engines or "fbgemm" in engines) and hasattr(torch.ops.quantized, "linear_dynamic")
+    return ("x86" in engines or "fbgemm" in engines) and hasattr(
+        torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")
 
 
 def int4_available() -> bool:
@@ -60,16 +67,12 @@ class Int8Linear(nn.Module):
             qweight = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
             self._packed = torch.ops.quantized.linear_prepack(qweight, None)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
-        # +1, -1, +1, …: with every row scaled into [-1, 1], the input's range is always exactly [-1, 1].
-        anchor = torch.ones(1, self.in_features)
-        anchor[0, 1::2] = -1.0
-        self.register_buffer("anchor", anchor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        peak = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-        scaled = torch.cat([rows / peak, self.anchor])
-        out = torch.ops.quantized.linear_dynamic(scaled, self._packed, True)[:-1] * peak
+        peak = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp(min=1e-12)
+        out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            rows / peak, _INPUT_SCALE, _INPUT_ZERO, self._packed) * peak
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -140,7 +143,8 @@ def resolve_quantization(mode: str, device: torch.device, role: str = "target") 
 def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "target") -> str:
     """Replace `model`'s Linear layers in place by quantized ones; returns the scheme applied.
 
-    Every Linear is replaced, the output head included; under int4 a Linear whose input width is
+    Every Linear is replaced, the output head included, and a transformers model is switched to
+    `row_attention`, so that each token's result is independent of the forward it is in; under int4 a Linear whose input width is
     not a multiple of the group (32), or whose output width not one of 16, stays as it is. Embeddings, norms and attention keep the model's dtype.
     """
     scheme = resolve_quantization(mode, device, role)
@@ -158,6 +162,8 @@ def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "tar
             setattr(parent, name, layer(child))
     if kept:
         log.info("%s: %d Linear layers kept in float (widths the int4 kernel cannot pack)", role, kept)
+    if isinstance(model, PreTrainedModel):
+        use_row_attention(model)  # quantized activations amplify attention's last-bit differences
     return scheme
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 from support.tiny_models import greedy_tokens
 
 from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
@@ -111,3 +112,29 @@ def test_auto_quantizes_both_models_on_cpu(tiny_pair_dirs):
     loaded = load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), device="cpu"), progress=False)
     expected = "int8" if int8_available() else "none"
     assert (loaded.target_quantization, loaded.draft_quantization) == (expected, expected)
+
+
+@needs_int8
+def test_a_quantized_target_scores_a_token_the_same_however_it_is_scheduled(tiny_pair_dirs):
+    """Bit for bit: a full forward, prefill + a 3-token verify, 1-token decode steps, and a left-padded
+    batch beside a longer row. With int8 activations, attention's last-bit differences between these
+    would be amplified into different greedy tokens on a real model (docs/models.md)."""
+    loaded = load_models(ModelSpec(target=str(tiny_pair_dirs[0]), draft="none", dtype="float32", device="cpu",
+                                   target_quantization="int8"), progress=False)
+    target, ids = loaded.target, loaded.tokenizer.encode("the quick brown fox jumps over " * 4)
+    with torch.inference_mode():
+        full = target(torch.tensor([ids])).logits[0, -3:]
+        cache = DynamicCache(config=target.config)
+        target(torch.tensor([ids[:-3]]), past_key_values=cache, use_cache=True)
+        verify = target(torch.tensor([ids[-3:]]), past_key_values=cache, use_cache=True).logits[0]
+        cache = DynamicCache(config=target.config)
+        target(torch.tensor([ids[:-3]]), past_key_values=cache, use_cache=True)
+        steps = torch.cat([target(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0]
+                           for t in ids[-3:]])
+        other = loaded.tokenizer.encode("def add(a, b): return a + b  # " * 6)[:len(ids) + 5]
+        padded = torch.tensor([[0] * (len(other) - len(ids)) + ids, other])
+        mask = (torch.arange(len(other)) >= len(other) - len(ids)).long()
+        mask = torch.stack([mask, torch.ones_like(mask)])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        batched = target(padded, attention_mask=mask, position_ids=positions).logits[0, -3:]
+    assert torch.equal(verify, full) and torch.equal(steps, full) and torch.equal(batched, full)

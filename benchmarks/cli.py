@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="quantized target weights, as for the daemon ('auto': int8 on CPU); every method, the HF "
                         "ones included, runs this target")
     p.add_argument("--draft-quantization", default="auto", choices=list(QUANTIZATIONS),
-                   help="quantized draft weights, as for the daemon ('auto': int8 on CPU); every method uses this draft")
+                   help="quantized draft weights, as for the daemon ('auto': int8 on CPU); every method uses "
+                        "this draft")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HumanEval test run")
     p.add_argument("--out", type=Path, default=Path("fly-bench-results"), help="output directory")

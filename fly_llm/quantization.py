@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import logging
 import warnings
+
 import torch
 from torch import nn
-
 from transformers import PreTrainedModel
 
 from fly_llm.config import QUANTIZATIONS
@@ -33,16 +33,16 @@ from fly_llm.row_attention import use_row_attention
 
 log = logging.getLogger(__name__)
 
-INT4_GROUP = 32
-_INT4_INNER_K_TILES = 2
 # Rows scaled into [-1, 1] map onto 0..127 (zero at 64): 7-bit activations, as torch's x86 int8
 # kernels use them (u8·s8 pairs summed in int16 would saturate with 8 bits on AVX2).
 _INPUT_SCALE, _INPUT_ZERO = 2 / 127, 64
+INT4_GROUP = 32
+_INT4_INNER_K_TILES = 2
 _INT4_OUTPUT_MULTIPLE = 16  # the packing kernel's requirement on the output width
 
 
 def int8_available() -> bool:
-    """Whether torch has fbgemm's dynamic int8 matmul (an x86 CPU build)."""
+    """Whether torch has fbgemm's int8 matmul (an x86 CPU build)."""
     engines = torch.backends.quantized.supported_engines
     return ("x86" in engines or "fbgemm" in engines) and hasattr(
         torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")
@@ -143,9 +143,11 @@ def resolve_quantization(mode: str, device: torch.device, role: str = "target") 
 def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "target") -> str:
     """Replace `model`'s Linear layers in place by quantized ones; returns the scheme applied.
 
-    Every Linear is replaced, the output head included, and a transformers model is switched to
-    `row_attention`, so that each token's result is independent of the forward it is in; under int4 a Linear whose input width is
-    not a multiple of the group (32), or whose output width not one of 16, stays as it is. Embeddings, norms and attention keep the model's dtype.
+    Every Linear is replaced, the output head included (under int4 a Linear whose input width is
+    not a multiple of the group, 32, or whose output width is not one of 16, stays as it is). A
+    transformers target is switched to `row_attention`, so that each token's result is independent
+    of the forward it is in (a draft only proposes and keeps its attention). Embeddings, norms and
+    attention keep the model's dtype.
     """
     scheme = resolve_quantization(mode, device, role)
     if scheme == "none":
@@ -162,8 +164,8 @@ def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "tar
             setattr(parent, name, layer(child))
     if kept:
         log.info("%s: %d Linear layers kept in float (widths the int4 kernel cannot pack)", role, kept)
-    if isinstance(model, PreTrainedModel):
-        use_row_attention(model)  # quantized activations amplify attention's last-bit differences
+    if role == "target" and isinstance(model, PreTrainedModel):
+        use_row_attention(model)  # exact mode needs it; a draft only proposes
     return scheme
 
 

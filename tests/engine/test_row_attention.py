@@ -21,7 +21,8 @@ def _attend(query, key, value, mask=None):
 
 def test_a_query_gets_the_same_bits_in_a_prefill_a_verify_a_decode_step_and_a_ragged_batch():
     torch.manual_seed(0)
-    q, k, v = torch.randn(1, HEADS, LENGTH, DIM), torch.randn(1, KV_HEADS, LENGTH, DIM), torch.randn(1, KV_HEADS, LENGTH, DIM)
+    q = torch.randn(1, HEADS, LENGTH, DIM)
+    k, v = torch.randn(1, KV_HEADS, LENGTH, DIM), torch.randn(1, KV_HEADS, LENGTH, DIM)
     prefill = _attend(q, k, v)  # causal, no mask
     decode = _attend(q[:, :, -1:], k, v)
     verify_mask = torch.ones(3, LENGTH, dtype=torch.bool).tril(LENGTH - 3)[None, None]

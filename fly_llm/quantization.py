@@ -114,6 +114,7 @@ class Int4Linear(nn.Module):
 
 _LAYERS: dict[str, type[nn.Module]] = {"int8": Int8Linear, "int4": Int4Linear}
 _AVAILABLE = {"int8": int8_available, "int4": int4_available}
+_KERNELS = {"int8": "fbgemm's int8 matmul (an x86 CPU build of torch)", "int4": "aten._weight_int4pack_mm_for_cpu"}
 
 
 def resolve_quantization(mode: str, device: torch.device, role: str = "target") -> str:
@@ -132,11 +133,10 @@ def resolve_quantization(mode: str, device: torch.device, role: str = "target") 
             return "none"
         raise ModelError(f"{role}_quantization={mode!r} runs on CPU only (the device is {device}); use 'none'")
     if mode == "auto":
-        return "int8" if int8_available() else "none"
+        return "int8" if _AVAILABLE["int8"]() else "none"
     if not _AVAILABLE[mode]():
-        kernel = "fbgemm's dynamic int8 matmul (an x86 CPU build of torch)" if mode == "int8" else \
-                 "aten._weight_int4pack_mm_for_cpu"
-        raise ModelError(f"{role}_quantization={mode!r} needs {kernel}, which this torch lacks; use 'none' or 'auto'")
+        raise ModelError(f"{role}_quantization={mode!r} needs {_KERNELS[mode]}, which this torch lacks; "
+                         "use 'none' or 'auto'")
     return mode
 
 

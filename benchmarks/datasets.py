@@ -7,11 +7,16 @@ the runner) and what `benchmarks.quality` needs to score an answer (nothing for 
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
+import sys
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DATASETS = ("humaneval", "gsm8k", "prose")
 SCORED = ("humaneval", "gsm8k")
@@ -93,9 +98,77 @@ def spread(items: list[Item], limit: int | None) -> list[Item]:
     return [items[int(i * step)] for i in range(limit)]
 
 
+class PromptFileError(ValueError):
+    """A prompt file (`fly-bench --prompts`) that cannot be read; the message names the line."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class _PromptLine(BaseModel):
+    """One line of a prompt file: a prompt (sent as one user turn) or chat messages, and an optional id."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = Field(None, min_length=1)
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[_Message] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> _PromptLine:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError('give exactly one of "prompt" or "messages"')
+        return self
+
+
+def load_prompts(path: Path) -> list[Item]:
+    """The user's own prompts: one JSON object per line, `{"prompt": "..."}` (one user turn, through the
+    chat template as every item) or `{"messages": [{"role": ..., "content": ...}, ...]}`, optionally with
+    an `"id"`; blank lines are skipped. The items are unscored; their dataset is `prompts:<file stem>`."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PromptFileError(f"cannot read the prompt file {path}: {exc}") from exc
+    dataset = f"prompts:{Path(path).stem}"
+    items: list[Item] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = _PromptLine.model_validate_json(line)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'line'}: {e['msg']}" for e in exc.errors())
+            raise PromptFileError(f"{path} line {number}: {problems}") from None
+        messages = ([{"role": "user", "content": row.prompt}] if row.prompt is not None
+                    else [m.model_dump() for m in row.messages])
+        items.append(Item(dataset, row.id or f"{Path(path).name}:{number}", messages))
+    if not items:
+        raise PromptFileError(f"{path} has no prompts (one JSON object per line)")
+    if len({item.item_id for item in items}) < len(items):
+        raise PromptFileError(f"{path}: two lines have the same id")
+    return items
+
+
 def load(name: str, limit: int | None = None) -> list[Item]:
     """The items of dataset `name` (one of DATASETS), `limit` of them spread evenly."""
     loaders = {"humaneval": load_humaneval, "gsm8k": load_gsm8k, "prose": load_prose}
     if name not in loaders:
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     return spread(loaders[name](), limit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.datasets prose > prose.jsonl`: a built-in set as a prompt file."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.datasets", description=main.__doc__)
+    p.add_argument("dataset", choices=DATASETS)
+    p.add_argument("--limit", type=int, default=0, help="items, spread evenly (0 = all)")
+    args = p.parse_args(argv)
+    for item in load(args.dataset, args.limit or None):
+        sys.stdout.write(json.dumps({"id": item.item_id, "messages": item.messages}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

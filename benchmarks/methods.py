@@ -137,8 +137,9 @@ class Runner:
 
     def __init__(self, target: torch.nn.Module, tokenizer: Any, draft: torch.nn.Module | None,
                  max_tokens: int, context_window: int | None = None, target_gguf: Path | None = None,
-                 float_target: torch.nn.Module | None = None) -> None:
+                 float_target: torch.nn.Module | None = None, costs: Any = None) -> None:
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        self.costs = costs  # the engine policy's Costs; None: timed here on first use
         self.float_target = float_target
         self.max_tokens, self.context_window = max_tokens, context_window
         self.target_gguf = target_gguf
@@ -166,13 +167,13 @@ class Runner:
 
     @property
     def engine(self):
-        """The FLyEngine over the same models, built on first use, its policy's costs timed here
-        (as `fly-daemon` does at start-up)."""
+        """The FLyEngine over the same models, built on first use, its policy's costs the given ones or
+        timed here (as `fly-daemon` does at start-up)."""
         if self._engine is None:
             from fly_llm.decoding.engine import FLyEngine
             from fly_llm.decoding.policy import AdaptivePolicy, Costs
 
-            policy = AdaptivePolicy(Costs.measure(self.target, self.draft))
+            policy = AdaptivePolicy(self.costs or Costs.measure(self.target, self.draft))
             self._engine = FLyEngine(self.target, self.tokenizer, self.draft, FLyConfig(),
                                      context_window=self.context_window, policy=policy)
         return self._engine
@@ -194,7 +195,7 @@ class Runner:
                 run = self._run_llamacpp(prompt_ids, max_tokens)
         if method.kind != "llamacpp":
             run.target_forwards = self._forwards
-        run.token_ids = self._strip_eos(run.token_ids)
+        run.token_ids = self.strip_eos(run.token_ids)
         return run
 
     def _run_hf(self, method: Method, prompt_ids: list[int], max_tokens: int, structure: Structure | None) -> Run:
@@ -270,7 +271,8 @@ class Runner:
         seconds = time.perf_counter() - start
         return Run(tokens, seconds, ttft if ttft is not None else seconds, max(1, len(tokens)))
 
-    def _strip_eos(self, ids: list[int]) -> list[int]:
+    def strip_eos(self, ids: list[int]) -> list[int]:
+        """`ids` without the end-of-sequence tokens at its end."""
         while ids and ids[-1] in self.eos_ids:
             ids = ids[:-1]
         return ids

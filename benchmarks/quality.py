@@ -19,7 +19,7 @@ import sys
 import tempfile
 from functools import lru_cache
 
-from benchmarks.datasets import Item
+from benchmarks.datasets import SCORED, Item
 
 MEMORY_LIMIT = 2 << 30
 _RUNNER = r"""
@@ -120,12 +120,11 @@ def _to_float(number: str) -> float | None:
 
 
 def score(item: Item, answer: str, timeout: float = 10.0) -> bool | None:
-    """Whether `answer` solves `item`: HumanEval tests pass / GSM8K final number matches; None for prose."""
-    if item.dataset == "prose":
+    """Whether `answer` solves `item`: HumanEval tests pass / GSM8K final number matches; None for an
+    unscored set (prose, the user's own prompts)."""
+    if item.dataset not in SCORED:
         return None
     if item.dataset == "humaneval":
         return _passes(humaneval_program(item, answer), timeout)
-    if item.dataset == "gsm8k":
-        got = final_number(answer)
-        return got is not None and abs(got - float(item.reference["answer"].replace(",", ""))) < 1e-6
-    raise ValueError(f"no scorer for dataset {item.dataset!r}")
+    got = final_number(answer)
+    return got is not None and abs(got - float(item.reference["answer"].replace(",", ""))) < 1e-6

@@ -37,7 +37,7 @@ def summarize(dataset: str, method: str, items: list[ItemResult], reference: lis
     metric = _mean([r.passed for r in items]) if scored else None
     ref_speed, ref_metric = _tokens_per_s(reference), _mean([r.passed for r in reference]) if scored else None
     ref = {r.item_id: r for r in reference}
-    stats = _merged_stats(items)
+    stats = merged_stats([r.stats for r in items])
     return {
         "dataset": dataset, "method": method, "items": len(items), "tokens": tokens,
         "seconds": round(sum(r.seconds for r in items), 4),
@@ -49,7 +49,7 @@ def summarize(dataset: str, method: str, items: list[ItemResult], reference: lis
         "loose_rate": stats.loose_rate if stats else 0.0,
         "acceptance_by_position": _acceptance_by_position(stats),
         "engine_stats": stats.model_dump() if stats else None,
-        "metric_name": METRIC_NAMES.get(dataset, "score"),
+        "metric_name": METRIC_NAMES.get(dataset, "unscored"),
         "metric": metric,
         "retention": metric / ref_metric if ref_metric else None,
         "flipped": _mean([r.passed != ref[r.item_id].passed for r in items]) if scored else None,
@@ -79,14 +79,14 @@ def _tokens_per_s(items: list[ItemResult]) -> float:
     return sum(r.tokens for r in items) / seconds if seconds else 0.0
 
 
-def _merged_stats(items: list[ItemResult]) -> RequestStats | None:
-    if not any(r.stats for r in items):
+def merged_stats(per_item: list[dict[str, Any] | None]) -> RequestStats | None:
+    """The engine counters of many items summed (their JSON dicts); None if none has any."""
+    if not any(per_item):
         return None
     total = RequestStats()
-    for r in items:
-        if r.stats:
-            total.merge(RequestStats.model_validate(
-                {k: v for k, v in r.stats.items() if k in RequestStats.model_fields}))
+    for stats in per_item:
+        if stats:
+            total.merge(RequestStats.model_validate({k: v for k, v in stats.items() if k in RequestStats.model_fields}))
     return total
 
 

@@ -115,3 +115,26 @@ def test_the_float_target_is_a_row_of_its_own_when_the_target_is_quantized(repor
                    "--methods", TARGET_FLOAT, "--target-quantization", "none")
     assert plain["environment"]["target_quantization"] == "none"
     assert "unquantized already" in plain["settings"]["skipped"][TARGET_FLOAT]
+
+
+def test_your_own_prompts_get_speed_and_agreement_unscored(tiny_pair_dirs, tmp_path):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "Summarise: the cat sat on the mat."}\n'
+                       '{"messages": [{"role": "user", "content": "Name three rivers."}]}\n', encoding="utf-8")
+    data = _bench(tiny_pair_dirs, tmp_path / "out", "--prompts", str(prompts), "--max-tokens", "8",
+                  "--methods", "spd", "fly")
+    assert data["settings"]["datasets"] == ["prompts:mine"] and data["settings"]["prompts"] == str(prompts)
+    by_method = {s["method"]: s for s in data["results"]}
+    assert set(by_method) == {"target", "spd", "fly"}
+    for s in by_method.values():
+        assert s["items"] == 2 and s["metric"] is None and s["metric_name"] == "unscored"
+        assert s["tokens_per_s"] > 0 and s["mat"] >= 1.0 and s["agreement"] is not None
+    assert by_method["spd"]["agreement"] == 1.0
+    assert "## prompts:mine (2 items, unscored)" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_a_bad_prompt_file_fails_before_the_models_load(tmp_path):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"prompt": 3}\n', encoding="utf-8")
+    with pytest.raises(SystemExit, match="bad.jsonl line 2: prompt: Input should be a valid string"):
+        cli.main(["--prompts", str(prompts), "--target", str(tmp_path / "nowhere"), "--out", str(tmp_path)])

@@ -100,3 +100,56 @@ def test_unscored_items_report_speed_and_agreement_but_no_metric():
         ["target", "draft", "dtype", "device", "threads", "cpu", "git_commit"], "x"),
         "settings": {"max_tokens": 8, "datasets": ["prose"]}, "created": "now", "results": [summary], "methods": {}}
     assert "| fly | 10.00 | 2.00× |" in markdown(report) and "| – | – |" in markdown(report)
+
+
+def _prompt_file(tmp_path, *lines: str):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_prompt_file_takes_both_line_shapes(tmp_path):
+    path = _prompt_file(
+        tmp_path, '{"prompt": "Write a haiku about rain."}', "",
+        '{"id": "q2", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}')
+    first, second = datasets.load_prompts(path)
+    assert first.dataset == second.dataset == "prompts:mine"
+    assert first.item_id == "mine.jsonl:1" and second.item_id == "q2"
+    assert first.messages == [{"role": "user", "content": "Write a haiku about rain."}]
+    assert second.messages[0] == {"role": "system", "content": "Be brief."}
+    assert quality.score(first, "anything") is None  # the user's prompts are not scored
+
+
+@pytest.mark.parametrize("bad, why", [
+    ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "exactly one of"),
+    ("{}", "exactly one of"),
+    ('{"promt": "typo"}', "promt"),
+    ('{"prompt": ""}', "prompt"),
+    ('{"messages": []}', "messages"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "role"),
+    ("not json", "line 2"),
+    ('["prompt"]', "line 2"),
+])
+def test_a_bad_prompt_line_is_named_in_the_error(tmp_path, bad, why):
+    path = _prompt_file(tmp_path, '{"prompt": "fine"}', bad)
+    with pytest.raises(datasets.PromptFileError, match="line 2") as error:
+        datasets.load_prompts(path)
+    assert why in str(error.value) and str(path) in str(error.value)
+
+
+def test_an_empty_or_missing_prompt_file_and_repeated_ids_are_errors(tmp_path):
+    with pytest.raises(datasets.PromptFileError, match="no prompts"):
+        datasets.load_prompts(_prompt_file(tmp_path, "", "  "))
+    with pytest.raises(datasets.PromptFileError, match="cannot read"):
+        datasets.load_prompts(tmp_path / "absent.jsonl")
+    with pytest.raises(datasets.PromptFileError, match="same id"):
+        datasets.load_prompts(_prompt_file(tmp_path, '{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}'))
+
+
+def test_a_built_in_set_exports_as_a_prompt_file(tmp_path, capsys):
+    assert datasets.main(["gsm8k", "--limit", "3"]) == 0
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text(capsys.readouterr().out, encoding="utf-8")
+    items = datasets.load_prompts(path)
+    assert [i.item_id for i in items] == [i.item_id for i in datasets.load("gsm8k", 3)]
+    assert items[0].messages == datasets.load("gsm8k", 3)[0].messages

@@ -1,0 +1,185 @@
+"""`fly-bench --quality`: many items decoded at once, scored, and kept in resumable parts.
+
+Each (dataset, method) is one part. Its items go through one FLyEngine with continuous batching
+(`--batch` rows; a finished row's place goes to the next item), and every finished item is scored
+and appended as one JSON line to `parts/<dataset>.<method>.jsonl` under `--out`. Rerunning the same
+command skips the items already there, so a run longer than one sitting continues where it
+stopped, and parts copied in from another run merge (the first line of an item wins). Method
+`target` is the engine with speculation off: plain greedy decoding, one token per target forward,
+the reference of every comparison (exact mode is lossless, so `spd` must equal it token for token).
+
+Speed here is throughput, the batch's tokens per second over each sitting (`*.timing.jsonl`), not
+the batch-1 latency of the other tables.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.datasets import Item
+from benchmarks.methods import Method, Runner
+from benchmarks.quality import score
+from benchmarks.report import REFERENCE
+from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.decoding.policy import Costs
+from fly_llm.stats import RequestStats
+
+PLAIN = FLyConfig(loose=False, adaptive=False, ngram=False, draft_model=False)
+"""Speculation off: one target forward per token (the quality runs' `target`)."""
+QUALITY_METHODS = ["target", "spd", "fly", "fly-w0", "fly-w4", "fly-no-gate"]
+"""The default methods of a quality run: the paper's ablation trend (W=6 is `fly`)."""
+DEFAULT_BATCH = 8
+
+
+@dataclass
+class ItemRecord:
+    """One item decoded by one method in a quality run, scored."""
+
+    item_id: str
+    passed: bool | None  # None: an unscored prompt set
+    tokens: int
+    hit_limit: bool  # stopped at --max-tokens rather than at its end
+    token_ids: list[int]
+    text: str
+    stats: dict[str, Any]
+
+
+@dataclass
+class Sitting:
+    """One uninterrupted stretch of a part: how many items and tokens it decoded, in how long."""
+
+    items: int
+    tokens: int
+    seconds: float
+    batch: int
+
+
+class QualityModeError(ValueError):
+    """A quality run asked for something it cannot do (a method that does not batch)."""
+
+
+def engine_config(method: Method) -> FLyConfig:
+    """The FLyConfig a method runs with in the engine; `target` is speculation off."""
+    if method.kind == "engine":
+        return method.fly
+    if method.name == REFERENCE:
+        return PLAIN
+    raise QualityModeError(f"method {method.name!r} does not run batched: quality runs take the target and "
+                           f"FLyEngine methods ({', '.join(QUALITY_METHODS)}, and the other fly-* ablations)")
+
+
+def policy_costs(out: Path, target: Any, draft: Any) -> Costs:
+    """The adaptive policy's costs for every sitting of a run: timed on its first sitting and kept in
+    `policy_costs.json` under `out`, so a resumed part drafts as the uninterrupted run would have."""
+    path = out / "policy_costs.json"
+    if path.exists():
+        return Costs(**json.loads(path.read_text(encoding="utf-8")))
+    costs = Costs.measure(target, draft)
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(costs)) + "\n", encoding="utf-8")
+    return costs
+
+
+def part_path(out: Path, dataset: str, method: str) -> Path:
+    """Where the items of one (dataset, method) part are appended."""
+    safe = dataset.replace("/", "_").replace(":", "_")
+    return out / "parts" / f"{safe}.{method}.jsonl"
+
+
+def read_records(path: Path) -> dict[str, ItemRecord]:
+    """The items of a part file by id (the first line of an id wins); empty if there is none."""
+    records: dict[str, ItemRecord] = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                record = ItemRecord(**json.loads(line))
+                records.setdefault(record.item_id, record)
+    return records
+
+
+def read_sittings(path: Path) -> list[Sitting]:
+    """The sittings recorded for a part file."""
+    timing = path.with_suffix(".timing.jsonl")
+    if not timing.exists():
+        return []
+    return [Sitting(**json.loads(line)) for line in timing.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _append(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def decode_batched(runner: Runner, config: FLyConfig, prompts: list[tuple[str, list[int]]], batch: int,
+                   max_tokens: int, finished: Callable[[str, list[int], bool, RequestStats], None]) -> None:
+    """Decode every (id, prompt ids) greedily with at most `batch` rows at once; call
+    `finished(id, token ids, hit_limit, stats)` as each one ends."""
+    engine = runner.engine
+    queue = list(reversed(prompts))
+    running: dict[str, list[int]] = {}
+    sampling = SamplingParams(max_tokens=max_tokens)
+    while queue or running:
+        while queue and len(running) < batch:
+            item_id, ids = queue.pop()
+            engine.add_request(item_id, ids, sampling, fly=config)
+            running[item_id] = []
+        for out in engine.step():
+            running[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finished(out.request_id, runner.strip_eos(running.pop(out.request_id)),
+                         out.finish_reason == "length", out.stats.model_copy(deep=True))
+
+
+def run_part(runner: Runner, method: Method, items: list[Item], prompts: list[list[int]], out: Path,
+             batch: int, timeout: float) -> None:
+    """Decode, score and append the items of one part not yet in its file; record the sitting."""
+    from tqdm import tqdm
+
+    dataset = items[0].dataset
+    path = part_path(out, dataset, method.name)
+    done = read_records(path)
+    todo = [(item, ids) for item, ids in zip(items, prompts) if item.item_id not in done]
+    if not todo:
+        return
+    by_id = {item.item_id: item for item, _ in todo}
+    bar = tqdm(total=len(items), initial=len(items) - len(todo), desc=f"{dataset}/{method.name}", unit="item")
+    tokens = 0
+
+    def finished(item_id: str, token_ids: list[int], hit_limit: bool, stats: RequestStats) -> None:
+        nonlocal tokens
+        text = runner.tokenizer.decode(token_ids, skip_special_tokens=True)
+        record = ItemRecord(item_id, score(by_id[item_id], text, timeout), len(token_ids), hit_limit, token_ids,
+                            text, stats.model_dump())
+        _append(path, asdict(record))
+        tokens += len(token_ids)
+        bar.update()
+
+    start = time.perf_counter()
+    decode_batched(runner, engine_config(method), [(item.item_id, ids) for item, ids in todo], batch,
+                   runner.max_tokens, finished)
+    _append(path.with_suffix(".timing.jsonl"),
+            asdict(Sitting(len(todo), tokens, round(time.perf_counter() - start, 3), batch)))
+    bar.close()
+
+
+def run_quality(runner: Runner, methods: list[Method], datasets: dict[str, tuple[list[Item], list[list[int]]]],
+                out: Path, batch: int, timeout: float) -> None:
+    """Every part of a quality run (dataset by dataset, method by method), skipping finished items."""
+    for method in methods:
+        engine_config(method)  # a method that cannot batch fails before anything is decoded
+    window = runner.engine.context_window
+    for items, prompts in datasets.values():
+        for item, ids in zip(items, prompts):
+            if len(ids) >= window:
+                raise QualityModeError(f"{item.item_id}: the prompt has {len(ids)} tokens; the target's context "
+                                       f"window is {window}")
+    for items, prompts in datasets.values():
+        for method in methods:
+            if items:
+                run_part(runner, method, items, prompts, out, batch, timeout)

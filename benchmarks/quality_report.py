@@ -3,14 +3,13 @@ intervals, flips and McNemar's test against target-only, token agreement; JSON, 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from benchmarks.confidence import flips, mcnemar_p, retention_interval, wilson_interval
 from benchmarks.datasets import Item
 from benchmarks.quality_run import ItemRecord, part_path, read_records, read_sittings
-from benchmarks.report import METRIC_NAMES, REFERENCE, merged_stats
+from benchmarks.report import METRIC_NAMES, REFERENCE, fmt, footer, header, merged_stats, save
 from fly_llm.decoding.drafters import common_prefix
 
 
@@ -77,15 +76,8 @@ def _interval(ci: list[float] | None) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     """The quality report as Markdown: one table per dataset, then the command and environment."""
-    env = report["environment"]
-    lines = [
-        "# fly-bench quality run", "",
-        f"`{report['command']}`", "",
-        f"Target `{env['target']}` ({env['target_quantization']} weights), draft `{env['draft']}` "
-        f"({env['draft_quantization']}), {env['dtype']} on {env['device']} ({env['threads']} threads, {env['cpu']}); "
-        f"greedy, chat template, max {report['settings']['max_tokens']} new tokens, up to "
-        f"{report['settings']['batch']} items decoded at once; commit `{env['git_commit']}`; {report['created']}.", "",
-    ]
+    lines = header(report, "fly-bench quality run",
+                   f", up to {report['settings']['batch']} items decoded at once")
     for dataset in report["settings"]["datasets"]:
         rows = [s for s in report["results"] if s["dataset"] == dataset]
         if not rows:
@@ -99,33 +91,24 @@ def markdown(report: dict[str, Any]) -> str:
         for s in rows:
             lines.append(
                 f"| {s['method']} | {s['items']} | {_pct(s['metric'])}{_interval(s['metric_ci'])} "
-                f"| {_pct(s['retention'])}{_interval(s['retention_ci'])} | {_or_dash(s['pass_to_fail'])} "
-                f"| {_or_dash(s['fail_to_pass'])} | {_or_dash(s['mcnemar_p'], '.3f')} | {_pct(s['agreement'])} "
-                f"| {_pct(s['hit_limit'])} | {_or_dash(s['mat'], '.2f')} | {_pct(s['loose_rate'])} "
-                f"| {_or_dash(s['throughput_tokens_per_s'], '.1f')} |")
+                f"| {_pct(s['retention'])}{_interval(s['retention_ci'])} | {fmt(s['pass_to_fail'])} "
+                f"| {fmt(s['fail_to_pass'])} | {fmt(s['mcnemar_p'], '.3f')} | {_pct(s['agreement'])} "
+                f"| {_pct(s['hit_limit'])} | {fmt(s['mat'], '.2f')} | {_pct(s['loose_rate'])} "
+                f"| {fmt(s['throughput_tokens_per_s'], '.1f')} |")
         lines.append("")
-    lines += ["Methods:", ""]
-    lines += [f"- `{name}`: {description}" for name, description in report["methods"].items()]
-    lines += ["", "Metric: pass@1 (HumanEval) or exact match (GSM8K) with its Wilson 95% interval. Retention = "
-              "metric / target-only's metric on the same items, with a paired bootstrap 95% interval (10,000 "
-              "resamples of the items). pass→fail / fail→pass count the items whose outcome differs from "
-              "target-only's; McNemar p is the exact two-sided test on those. Identical = share of items with "
-              "target-only's exact tokens; hit max tokens = share cut at the token limit. Throughput is the "
-              "batch's tokens per second (continuous batching), not a latency.", ""]
+    lines += footer(report["methods"], "Metric: pass@1 (HumanEval) or exact match (GSM8K) with its Wilson 95% "
+                    "interval. Retention = metric / target-only's metric on the same items, with a paired bootstrap "
+                    "95% interval (10,000 resamples of the items). pass→fail / fail→pass count the items whose "
+                    "outcome differs from target-only's; McNemar p is the exact two-sided test on those. Identical = "
+                    "share of items with target-only's exact tokens; hit max tokens = share cut at the token limit. "
+                    "Throughput is the batch's tokens per second (continuous batching), not a latency.")
     return "\n".join(lines)
-
-
-def _or_dash(value: float | None, spec: str = "") -> str:
-    return "–" if value is None else format(value, spec)
 
 
 def write(report: dict[str, Any], out: Path) -> list[Path]:
     """quality.json, quality.md and retention_ci.png under `out`; the paths written."""
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / "quality.json", out / "quality.md"
-    json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    md_path.write_text(markdown(report), encoding="utf-8")
-    return [json_path, md_path, plot_retention(report, out / "retention_ci.png")]
+    paths = save(report, out, "quality", markdown(report))
+    return [*paths, plot_retention(report, out / "retention_ci.png")]
 
 
 def plot_retention(report: dict[str, Any], path: Path) -> Path:

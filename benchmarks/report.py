@@ -97,20 +97,27 @@ def _acceptance_by_position(stats: RequestStats | None) -> list[float] | None:
     return [a / d if d else 0.0 for a, d in zip(stats.accepted_by_position, stats.drafted_by_position)]
 
 
-def _fmt(value: float | None, spec: str) -> str:
+def fmt(value: float | None, spec: str = "") -> str:
+    """`value` formatted with `spec`, or a dash for None."""
     return "–" if value is None else format(value, spec)
+
+
+def header(report: dict[str, Any], title: str, run: str = "") -> list[str]:
+    """The first Markdown lines of a report: title, command, models, machine, settings (`run` adds to them)."""
+    env = report["environment"]
+    quantization = f" ({env['target_quantization']} weights)" if env.get("target_quantization") else ""
+    return [
+        f"# {title}", "",
+        f"`{report['command']}`", "",
+        f"Target `{env['target']}`{quantization}, draft `{env['draft']}`, {env['dtype']} on {env['device']} "
+        f"({env['threads']} threads, {env['cpu']}); greedy, chat template, max {report['settings']['max_tokens']} "
+        f"new tokens{run}; commit `{env['git_commit']}`; {report['created']}.", "",
+    ]
 
 
 def markdown(report: dict[str, Any]) -> str:
     """The results as Markdown: one table per dataset, then the command and environment."""
-    env = report["environment"]
-    lines = [
-        "# fly-bench results", "",
-        f"`{report['command']}`", "",
-        f"Target `{env['target']}`, draft `{env['draft']}`, {env['dtype']} on {env['device']} "
-        f"({env['threads']} threads, {env['cpu']}); greedy, chat template, max {report['settings']['max_tokens']} "
-        f"new tokens; commit `{env['git_commit']}`; {report['created']}.", "",
-    ]
+    lines = header(report, "fly-bench results")
     for dataset in report["settings"]["datasets"]:
         rows = [s for s in report["results"] if s["dataset"] == dataset]
         if not rows:
@@ -123,28 +130,38 @@ def markdown(report: dict[str, Any]) -> str:
         ]
         for s in rows:
             lines.append(
-                f"| {s['method']} | {s['tokens_per_s']:.2f} | {_fmt(s['speedup'], '.2f')}× "
-                f"| {_fmt(s.get('vs_best_hf'), '.2f')}× | {_fmt(s.get('vs_llamacpp'), '.2f')}× | {s['mat']:.2f} "
-                f"| {s['loose_rate']:.1%} | {s['ttft_s']:.2f} | {_fmt(s['metric'], '.1%')} | {_fmt(s['retention'], '.1%')} "
-                f"| {_fmt(s['flipped'], '.0%')} | {_fmt(s['agreement'], '.0%')} |")
+                f"| {s['method']} | {s['tokens_per_s']:.2f} | {fmt(s['speedup'], '.2f')}× "
+                f"| {fmt(s.get('vs_best_hf'), '.2f')}× | {fmt(s.get('vs_llamacpp'), '.2f')}× | {s['mat']:.2f} "
+                f"| {s['loose_rate']:.1%} | {s['ttft_s']:.2f} | {fmt(s['metric'], '.1%')} | {fmt(s['retention'], '.1%')} "
+                f"| {fmt(s['flipped'], '.0%')} | {fmt(s['agreement'], '.0%')} |")
         lines.append("")
-    lines += ["Methods:", ""]
-    lines += [f"- `{name}`: {m['description']}" for name, m in report["methods"].items()]
-    lines += ["", "MAT = generated tokens per target forward pass (prefill included). vs best HF = tok/s "
-              "over the fastest of the Hugging Face methods (target, assisted, lookup); vs llama.cpp = tok/s over "
-              "llama.cpp's target-only decoding of the GGUF file (– when it did not run). Speedup, retention "
-              "(metric / target's metric), flipped (share of items whose pass/fail differs) and identical "
-              "(share of items with the target's exact tokens) compare with `target` on the same items.", ""]
+    lines += footer({name: m["description"] for name, m in report["methods"].items()},
+                    "MAT = generated tokens per target forward pass (prefill included). vs best HF = tok/s "
+                    "over the fastest of the Hugging Face methods (target, assisted, lookup); vs llama.cpp = tok/s "
+                    "over llama.cpp's target-only decoding of the GGUF file (– when it did not run). Speedup, "
+                    "retention (metric / target's metric), flipped (share of items whose pass/fail differs) and "
+                    "identical (share of items with the target's exact tokens) compare with `target` on the same "
+                    "items.")
     return "\n".join(lines)
+
+
+def footer(descriptions: dict[str, str], note: str) -> list[str]:
+    """The last Markdown lines of a report: each method's description, then what the columns mean."""
+    return ["Methods:", "", *(f"- `{name}`: {text}" for name, text in descriptions.items()), "", note, ""]
+
+
+def save(report: dict[str, Any], out: Path, stem: str, text: str) -> list[Path]:
+    """`<stem>.json` (the whole report) and `<stem>.md` (`text`) under `out`; the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    md_path.write_text(text, encoding="utf-8")
+    return [json_path, md_path]
 
 
 def write(report: dict[str, Any], out: Path) -> list[Path]:
     """Write results.json, results.md and the PNG plots under `out`; return the paths written."""
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / "results.json", out / "results.md"
-    json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    md_path.write_text(markdown(report), encoding="utf-8")
-    return [json_path, md_path, *plot(report, out)]
+    return [*save(report, out, "results", markdown(report)), *plot(report, out)]
 
 
 def plot(report: dict[str, Any], out: Path) -> list[Path]:

@@ -32,6 +32,10 @@ from fly_daemon.runtime import AlreadyRunning, check_endpoint, daemon_files, run
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from fly_llm.decoding.engine import FLyEngine
+
     from fly_daemon.http import HttpFront
     from fly_daemon.server import Server
 
@@ -56,24 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
     start = sub.add_parser("start", help="start the daemon (detached unless --foreground)")
     _endpoint_arg(start)
-    models = start.add_argument_group("models")
-    models.add_argument("--target", help="HF id, local directory or .gguf (default: the embedded pair)")
-    models.add_argument("--draft", help="HF id, local directory, .gguf, or 'none' for n-gram drafting only")
-    models.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"])
-    models.add_argument("--device", help="'auto', 'cpu', 'cuda', 'cuda:1', …")
-    models.add_argument("--device-map", help="passed to accelerate, e.g. 'auto' to spread over GPUs")
-    models.add_argument("--target-quantization", choices=list(QUANTIZATIONS),
-                        help="quantized target weights ('auto': int8 on CPU, float on GPU; docs/models.md)")
-    models.add_argument("--draft-quantization", choices=list(QUANTIZATIONS),
-                        help="quantized draft weights ('auto': int8 on CPU; the draft only proposes)")
-    fly = start.add_argument_group("FLy (defaults for every request; requests may override k, window, θ, loose)")
-    fly.add_argument("--k", type=int, help="upper bound on draft tokens per round")
-    fly.add_argument("--window", type=int, help="deferred window W (0: accept any gated mismatch)")
-    fly.add_argument("--entropy-threshold", type=float, help="entropy gate θ in nats (<= 0.01: off)")
-    fly.add_argument("--no-loose", dest="loose", action="store_const", const=False,
-                     help="exact speculative decoding (lossless)")
-    fly.add_argument("--no-ngram", dest="ngram", action="store_const", const=False,
-                     help="no n-gram prompt-lookup stage")
+    add_model_arguments(start)
     serve = start.add_argument_group("serving (defaults: fly_daemon.settings.DaemonSettings)")
     serve.add_argument("--queue-size", type=int, help="requests waiting beyond the batch; more get BUSY")
     serve.add_argument("--max-batch-size", type=int, help="requests in one engine step")
@@ -133,6 +120,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and FLy options of `fly-daemon start` (fly-serve takes the same)."""
+    models = parser.add_argument_group("models")
+    models.add_argument("--target", help="HF id, local directory or .gguf (default: the embedded pair)")
+    models.add_argument("--draft", help="HF id, local directory, .gguf, or 'none' for n-gram drafting only")
+    models.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"])
+    models.add_argument("--device", help="'auto', 'cpu', 'cuda', 'cuda:1', …")
+    models.add_argument("--device-map", help="passed to accelerate, e.g. 'auto' to spread over GPUs")
+    models.add_argument("--target-quantization", choices=list(QUANTIZATIONS),
+                        help="quantized target weights ('auto': int8 on CPU, float on GPU; docs/models.md)")
+    models.add_argument("--draft-quantization", choices=list(QUANTIZATIONS),
+                        help="quantized draft weights ('auto': int8 on CPU; the draft only proposes)")
+    fly = parser.add_argument_group("FLy (defaults for every request; requests may override k, window, θ, loose)")
+    fly.add_argument("--k", type=int, help="upper bound on draft tokens per round")
+    fly.add_argument("--window", type=int, help="deferred window W (0: accept any gated mismatch)")
+    fly.add_argument("--entropy-threshold", type=float, help="entropy gate θ in nats (<= 0.01: off)")
+    fly.add_argument("--no-loose", dest="loose", action="store_const", const=False,
+                     help="exact speculative decoding (lossless)")
+    fly.add_argument("--no-ngram", dest="ngram", action="store_const", const=False,
+                     help="no n-gram prompt-lookup stage")
+
+
 def _endpoint_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", help="ipc:///path.sock or tcp://127.0.0.1:PORT (default: $FLY_ENDPOINT, "
                                            "[daemon] endpoint, or an ipc socket in the private runtime dir)")
@@ -184,17 +193,9 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
             return 2
         curve = CurveKeys(settings.curve_secret_key, settings.curve_clients)
 
-    def load_engine():
-        from fly_llm.loading import load_engine
-
-        logging.getLogger("fly_daemon").info("loading models: target=%s draft=%s (%s, %s)",
-                                             spec.target or "embedded default", spec.draft or "default",
-                                             spec.dtype, spec.device)
-        return load_engine(spec, fly, prefix_cache_mb=settings.prefix_cache_mb, prefill_chunk=settings.prefill_chunk)
-
     metrics = Metrics()
     try:
-        server = Server(endpoint, load_engine, settings, metrics=metrics,
+        server = Server(endpoint, engine_loader(spec, fly, settings), settings, metrics=metrics,
                         max_frame_bytes=settings.max_frame_bytes, curve=curve)
         http = _http_front(server, settings)
     except (ValueError, OSError) as exc:  # a bind refused or taken
@@ -215,6 +216,20 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
     finally:
         if http is not None:
             http.stop()
+
+
+def engine_loader(spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings) -> "Callable[[], FLyEngine]":
+    """What the scheduler's model thread calls to load the engine (a daemon's, or a Ray replica's)."""
+
+    def load_engine() -> "FLyEngine":
+        from fly_llm.loading import load_engine
+
+        logging.getLogger("fly_daemon").info("loading models: target=%s draft=%s (%s, %s)",
+                                             spec.target or "embedded default", spec.draft or "default",
+                                             spec.dtype, spec.device)
+        return load_engine(spec, fly, prefix_cache_mb=settings.prefix_cache_mb, prefill_chunk=settings.prefill_chunk)
+
+    return load_engine
 
 
 def _http_front(server: "Server", settings: DaemonSettings) -> "HttpFront | None":

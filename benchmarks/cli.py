@@ -28,8 +28,8 @@ from benchmarks.datasets import DATASETS, SCORED, Item, PromptFileError, load, l
 from benchmarks.methods import (LLAMACPP, TARGET_FLOAT, Method, Runner, all_methods, default_methods,
                                 package_version)
 from benchmarks.quality import score
-from benchmarks.quality_run import (DEFAULT_BATCH, QUALITY_METHODS, QualityModeError, engine_config, policy_costs,
-                                    run_quality)
+from benchmarks.quality_run import (DEFAULT_BATCH, QUALITY_METHODS, QualityModeError, SingleStreamPolicy,
+                                    engine_config, policy_costs, run_quality)
 from benchmarks.report import REFERENCE, ItemResult, compare_to_best_hf, summarize, write
 from fly_llm.config import QUANTIZATIONS
 
@@ -225,7 +225,7 @@ def benchmark(models: Any, args: argparse.Namespace, datasets: dict[str, list[It
 def quality(models: Any, args: argparse.Namespace, datasets: dict[str, list[Item]], command: str) -> dict[str, Any]:
     """A quality run: decode the parts not yet under `args.out` (batched), then report every part there."""
     runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens, models.context_window,
-                    costs=policy_costs(args.out, models.target, models.draft))
+                    policy=SingleStreamPolicy(policy_costs(args.out, models.target, models.draft)))
     selected = [all_methods()[name] for name in args.methods]
     for method in selected:
         if runner.missing(method):

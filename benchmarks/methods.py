@@ -137,9 +137,9 @@ class Runner:
 
     def __init__(self, target: torch.nn.Module, tokenizer: Any, draft: torch.nn.Module | None,
                  max_tokens: int, context_window: int | None = None, target_gguf: Path | None = None,
-                 float_target: torch.nn.Module | None = None, costs: Any = None) -> None:
+                 float_target: torch.nn.Module | None = None, policy: Any = None) -> None:
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
-        self.costs = costs  # the engine policy's Costs; None: timed here on first use
+        self.policy = policy  # the engine's AdaptivePolicy; None: one with costs timed here on first use
         self.float_target = float_target
         self.max_tokens, self.context_window = max_tokens, context_window
         self.target_gguf = target_gguf
@@ -167,13 +167,13 @@ class Runner:
 
     @property
     def engine(self):
-        """The FLyEngine over the same models, built on first use, its policy's costs the given ones or
-        timed here (as `fly-daemon` does at start-up)."""
+        """The FLyEngine over the same models, built on first use, with the given policy or one whose
+        costs are timed here (as `fly-daemon` does at start-up)."""
         if self._engine is None:
             from fly_llm.decoding.engine import FLyEngine
             from fly_llm.decoding.policy import AdaptivePolicy, Costs
 
-            policy = AdaptivePolicy(self.costs or Costs.measure(self.target, self.draft))
+            policy = self.policy or AdaptivePolicy(Costs.measure(self.target, self.draft))
             self._engine = FLyEngine(self.target, self.tokenizer, self.draft, FLyConfig(),
                                      context_window=self.context_window, policy=policy)
         return self._engine

@@ -26,7 +26,8 @@ from benchmarks.methods import Method, Runner
 from benchmarks.quality import score
 from benchmarks.report import REFERENCE
 from fly_llm.config import FLyConfig, SamplingParams
-from fly_llm.decoding.policy import Costs
+from fly_llm.decoding.drafters import DraftPlan
+from fly_llm.decoding.policy import AdaptivePolicy, Costs, PolicyState
 from fly_llm.stats import RequestStats
 
 PLAIN = FLyConfig(loose=False, adaptive=False, ngram=False, draft_model=False)
@@ -71,6 +72,20 @@ def engine_config(method: Method) -> FLyConfig:
         return PLAIN
     raise QualityModeError(f"method {method.name!r} does not run batched: quality runs take the target and "
                            f"FLyEngine methods ({', '.join(QUALITY_METHODS)}, and the other fly-* ablations)")
+
+
+class SingleStreamPolicy(AdaptivePolicy):
+    """The adaptive policy planning every row as if it ran alone (batch size 1).
+
+    Quality is measured for what one user's request gets. The engine's policy weighs a round's
+    cost by the batch size, and at 8 rows on a CPU it stops drafting altogether: a batched quality
+    run would then measure plain decoding under FLy's name. Planning as at batch 1 keeps each
+    item's drafting (and so its loose acceptances) what it is when the item runs alone.
+    """
+
+    def plan(self, state: PolicyState, fly: FLyConfig, budget: int, batch_size: int, has_model: bool) -> DraftPlan:
+        """AdaptivePolicy.plan with the batch size taken as 1."""
+        return super().plan(state, fly, budget, 1, has_model)
 
 
 def policy_costs(out: Path, target: Any, draft: Any) -> Costs:

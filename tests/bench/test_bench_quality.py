@@ -11,7 +11,7 @@ import torch
 
 from benchmarks import cli
 from benchmarks.confidence import flips, mcnemar_p, retention_interval, wilson_interval
-from benchmarks.quality_run import QUALITY_METHODS, part_path, read_records, read_sittings
+from benchmarks.quality_run import QUALITY_METHODS, SingleStreamPolicy, part_path, read_records, read_sittings
 
 RUN = ["--dataset", "humaneval", "gsm8k", "--limit", "2", "--max-tokens", "12"]
 TIMING_FIELDS = {"throughput_tokens_per_s", "sittings", "batch"}
@@ -40,19 +40,31 @@ def batched(tiny_pair_dirs, tmp_path_factory):
 
 
 def test_batched_decoding_equals_one_at_a_time(tiny_pair_dirs, tmp_path):
-    """Same tokens and scores at batch 4 and batch 1 for the methods whose drafts do not depend on the
-    batch (the adaptive policy weighs the batch size, so default FLy's drafts, and with them which
-    tokens it accepts loosely, may differ; its records are checked by the runs below)."""
-    methods = ["--methods", "spd", "fly-fixed-k8"]
+    """Same tokens and scores at batch 4 and batch 1: each row drafts as it would alone (the quality
+    run's policy plans every row as at batch 1), so FLy's loose acceptances do not depend on the batch."""
+    methods = ["--methods", "spd", "fly", "fly-fixed-k8"]
     tokens = {}
     for batch in ("4", "1"):
         out = tmp_path / batch
         _quality(tiny_pair_dirs, out, *RUN, *methods, "--batch", batch)
         tokens[batch] = {(d, m): {i: (r.token_ids, r.passed, r.hit_limit)
                                   for i, r in read_records(part_path(out, d, m)).items()}
-                         for d in ("humaneval", "gsm8k") for m in ("target", "spd", "fly-fixed-k8")}
+                         for d in ("humaneval", "gsm8k") for m in ("target", "spd", "fly", "fly-fixed-k8")}
     assert tokens["4"] == tokens["1"]
     assert all(len(v) == 2 for v in tokens["4"].values())
+    fly = read_records(part_path(tmp_path / "4", "gsm8k", "fly")).values()
+    assert sum(r.stats["drafted"] for r in fly) > 0  # FLy drafted in the batch (not plain decoding)
+
+
+def test_the_quality_policy_plans_as_if_each_row_ran_alone():
+    from fly_llm.config import FLyConfig
+    from fly_llm.decoding.policy import AdaptivePolicy, Costs, PolicyState
+
+    costs = Costs(target_token=0.2, draft_step=0.3)  # a round's cost grows fast with the batch
+    fly = FLyConfig()
+    alone = AdaptivePolicy(costs).plan(PolicyState(), fly, 100, 1, True)
+    assert alone.k > 0 and AdaptivePolicy(costs).plan(PolicyState(), fly, 100, 8, True).k == 0
+    assert SingleStreamPolicy(costs).plan(PolicyState(), fly, 100, 8, True) == alone
 
 
 def test_report_has_every_method_and_exact_spd_is_the_target(batched):

@@ -132,6 +132,24 @@ def test_langchain_chat_openai(http_daemon, model):
     assert streamed_tokens == message.usage_metadata["output_tokens"]  # reported once, not per chunk
 
 
+def test_llama_index_openai_like(http_daemon, zmq_client, model):
+    """LlamaIndex's OpenAILike pointed at the front: chat, completion and a stream, exact mode = ZeroMQ's answer."""
+    openai_like = pytest.importorskip("llama_index.llms.openai_like", reason="pip install llama-index-llms-openai-like")
+    from llama_index.core.llms import ChatMessage
+
+    llm = openai_like.OpenAILike(api_base=http_daemon[1], api_key="unused", model=model, max_tokens=16,
+                                 temperature=0.0, is_chat_model=True, context_window=512, max_retries=0,
+                                 additional_kwargs={"extra_body": EXACT})
+    answer = llm.chat([ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES])
+    expected = zmq_client.chat(MESSAGES, *build_options(max_tokens=16, **EXACT)).text
+    assert answer.message.content == expected
+    streamed = "".join(r.delta or "" for r in llm.stream_chat([ChatMessage(role="user", content=PROMPTS[1])]))
+    assert streamed == llm.chat([ChatMessage(role="user", content=PROMPTS[1])]).message.content
+    text = openai_like.OpenAILike(api_base=http_daemon[1], api_key="unused", model=model, max_tokens=8,
+                                  temperature=0.0, is_chat_model=False, max_retries=0).complete(PROMPTS[0])
+    assert text.text and text.raw.usage.completion_tokens >= 1
+
+
 def test_tools_and_response_format_through_the_openai_client(client, model):
     """The grammar makes the tiny random model's calls and JSON valid; the OpenAI shapes carry them."""
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {

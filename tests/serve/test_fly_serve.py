@@ -7,7 +7,6 @@ and killing one replica's process leaves the application answering while Ray rep
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 import time
 
 import pytest
@@ -17,18 +16,13 @@ serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
 from fly_llm.config import FLyConfig, ModelSpec  # noqa: E402
+from support.daemon_process import free_port  # noqa: E402
 
 from fly_daemon.replicas import DEPLOYMENT, REPLICA_HEADER, application, build  # noqa: E402
 from fly_daemon.settings import DaemonSettings, SettingsError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 CHAT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_ready(url: str, timeout: float = 240.0) -> None:
@@ -60,7 +54,7 @@ def _replicas_answering(url: str, requests: int = 16) -> dict[str, int]:
 def served(tiny_pair_dirs):
     """The application with 2 replicas of the tiny pair on a local Ray instance; its base URL."""
     target, draft = tiny_pair_dirs
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="fly-serve-test")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

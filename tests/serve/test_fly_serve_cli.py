@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 from fly_daemon import serve_cli  # noqa: E402
 from fly_daemon.replicas import REPLICA_HEADER  # noqa: E402
 
-from test_fly_serve import _free_port  # noqa: E402
+from support.daemon_process import free_port  # noqa: E402
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -35,9 +35,8 @@ def test_bad_options_fail_before_ray_starts(argv, message, capsys, monkeypatch):
 @pytest.mark.timeout(600)
 def test_fly_serve_serves_until_interrupted(tiny_pair_dirs, tmp_path):
     target, draft = tiny_pair_dirs
-    port = _free_port()
-    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS")
+    port = free_port()
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONUNBUFFERED": "1"}  # a local Ray
     log = (tmp_path / "fly-serve.log").open("w+")
     proc = subprocess.Popen([sys.executable, "-m", "fly_daemon.serve_cli", "--http", f"127.0.0.1:{port}",
                              "--replicas", "1", "--target", str(target), "--draft", str(draft), "--dtype", "float32",

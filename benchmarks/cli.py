@@ -228,8 +228,8 @@ def quality(models: Any, args: argparse.Namespace, datasets: dict[str, list[Item
                     policy=SingleStreamPolicy(policy_costs(args.out, models.target, models.draft)))
     selected = [all_methods()[name] for name in args.methods]
     for method in selected:
-        if runner.missing(method):
-            raise QualityModeError(f"method {method.name!r}: {runner.missing(method)}")
+        if why := runner.missing(method):
+            raise QualityModeError(f"method {method.name!r}: {why}")
     started = time.perf_counter()
     if not args.report_only:
         run_quality(runner, selected, {name: (items, [encode(models.tokenizer, item) for item in items])

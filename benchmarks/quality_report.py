@@ -8,13 +8,13 @@ from typing import Any
 
 from benchmarks.confidence import flips, mcnemar_p, retention_interval, wilson_interval
 from benchmarks.datasets import Item
-from benchmarks.quality_run import ItemRecord, part_path, read_records, read_sittings
+from benchmarks.quality_run import ItemRecord, Sitting, part_path, read_records, read_sittings
 from benchmarks.report import METRIC_NAMES, REFERENCE, fmt, footer, header, merged_stats, save
 from fly_llm.decoding.drafters import common_prefix
 
 
 def summarize_part(dataset: str, method: str, records: list[ItemRecord], reference: dict[str, ItemRecord],
-                   sittings: list[Any]) -> dict[str, Any]:
+                   sittings: list[Sitting]) -> dict[str, Any]:
     """Every figure of one (dataset, method) part; `reference` is target-only's records by id."""
     paired = [(r, reference[r.item_id]) for r in records if r.item_id in reference]
     scored = bool(records) and all(r.passed is not None for r in records)

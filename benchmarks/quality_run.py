@@ -185,9 +185,9 @@ def run_part(runner: Runner, method: Method, items: list[Item], prompts: list[li
 
 def run_quality(runner: Runner, methods: list[Method], datasets: dict[str, tuple[list[Item], list[list[int]]]],
                 out: Path, batch: int, timeout: float) -> None:
-    """Every part of a quality run (dataset by dataset, method by method), skipping finished items."""
-    for method in methods:
-        engine_config(method)  # a method that cannot batch fails before anything is decoded
+    """Every part of a quality run (dataset by dataset, method by method), skipping finished items.
+
+    Every method must run in the engine (`engine_config`; fly-bench checks that before loading models)."""
     window = runner.engine.context_window
     for items, prompts in datasets.values():
         for item, ids in zip(items, prompts):

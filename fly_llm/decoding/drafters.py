@@ -222,6 +222,15 @@ class DraftPlan:
     ngram: bool
     model: bool
 
+    @property
+    def may_loosen(self) -> bool:
+        """Whether FLy's loose rule may keep this round's mismatches: only when the draft model chose
+        the tokens (alone, or checking n-gram proposals). A raw n-gram copy is no model's judgement,
+        and once a loosened copy restarts earlier text the target agrees with the copy's next
+        tokens, so the deferred window passes again and again: on HumanEval such rounds looped the
+        prompt's docstring to the token limit."""
+        return self.model
+
 
 class Cascade:
     """The draft cascade over the batch: the grammar stage, an optional n-gram and an optional model stage."""

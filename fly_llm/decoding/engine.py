@@ -23,7 +23,7 @@ import itertools
 import random
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -267,7 +267,7 @@ class FLyEngine:
         plans = [self.policy.plan(r.policy, r.fly, n, len(rows), self.draft is not None) for r, n in zip(rows, budgets)]
         drafts = self._cascade.propose(contexts, plans, budgets, [r.fly.draft_confidence for r in rows])
         forced = self._cascade.forced
-        accepted, tokens, native, loose = self._verify(contexts, drafts)
+        accepted, tokens, native, loose = self._verify(contexts, drafts, [p.may_loosen for p in plans])
         valid = [len(c) + a for c, a in zip(contexts, accepted)]  # context + kept drafts, both caches
         self._kv.truncate(valid)
         self._cascade.rollback(valid)
@@ -288,8 +288,9 @@ class FLyEngine:
             self._remove_rows(finished)
         return outputs
 
-    def _verify(self, contexts: list[list[int]], drafts: list[list[int]]):
-        """One target forward over [last token, drafts…] per row, then the FLy rule.
+    def _verify(self, contexts: list[list[int]], drafts: list[list[int]], may_loosen: list[bool]):
+        """One target forward over [last token, drafts…] per row, then the FLy rule (loose only in
+        the rows whose request has it on and whose round `may_loosen`).
 
         Returns per row, on the host: kept draft count, emitted tokens, and the native / loose
         flags of its draft positions (one device→host copy for all of it).
@@ -300,7 +301,9 @@ class FLyEngine:
         logits = self._kv.forward(self.target, input_ids)
         apply_masks(logits, self._cascade.grammar.masks(drafts, k + 1))
         lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
-        verdict = verify(input_ids[:, 1:], logits, lengths, *self._settings_of_rows(logits.device))
+        rules, sampling = self._settings_of_rows(logits.device)
+        rules = replace(rules, loose=rules.loose & torch.tensor(may_loosen, device=logits.device))
+        verdict = verify(input_ids[:, 1:], logits, lengths, rules, sampling)
         host = torch.cat([verdict.accepted[:, None], verdict.tokens, verdict.native.long(), verdict.loose.long()],
                          1).tolist()
         accepted = [h[0] for h in host]

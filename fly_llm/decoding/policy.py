@@ -2,8 +2,9 @@
 
 `FLyConfig.k` is an upper bound. From each request's own history the policy estimates, per
 stage, the chance α that the target agrees with the next draft token (native acceptance), and,
-shared by the stages, the chance ρ that FLy's rule rescues a native mismatch at a position where
-the rule may act (a position with at least W draft tokens after it: the last W are strict). It
+for draft-model rounds (the only ones FLy loosens: `DraftPlan.may_loosen`), the chance ρ that
+FLy's rule rescues a native mismatch at a position where the rule may act (a position with at
+least W draft tokens after it: the last W are strict); n-gram rounds are valued with ρ = 0. It
 picks the plan with the highest expected tokens per unit of time:
 
     tokens(K) = 1 + Σ_{j=1..K} Π_{i<j} a_i,   a_i = α + (1-α)·ρ where i < K-W, else α
@@ -122,7 +123,7 @@ class AdaptivePolicy:
         loose = _Loose(state.rescue.value, fly.window) if fly.loose else _Loose()
         best, best_speed = PLAIN, 1.0
         if can_ngram:
-            k, gain = _best_k(state.ngram.value, k_max, per_token, loose)
+            k, gain = _best_k(state.ngram.value, k_max, per_token)  # n-gram rounds are verified exactly
             speed = (1 + state.ngram_hit * gain) / (1 + per_token * k)  # a miss is a plain round
             if speed > best_speed:
                 best, best_speed = DraftPlan(k=k, ngram=True, model=False), speed
@@ -143,9 +144,10 @@ class AdaptivePolicy:
 
         `accepted` counts every kept draft token, `loose` those FLy's rule kept although the target
         disagreed; `window` is the round's W when the loose rule was on (None: off, so the round
-        says nothing about ρ); `model_forwards` is how many draft-model forwards the round took.
+        says nothing about ρ, nor does a round that may not loosen: an n-gram round);
+        `model_forwards` is how many draft-model forwards the round took.
         """
-        if window is not None and drafted:
+        if window is not None and drafted and plan.may_loosen:
             rejected_where_eligible = accepted < drafted - window
             state.rescue.update(loose, rejected_where_eligible, self.decay)
         native, misses = accepted - loose, loose + (accepted < drafted)

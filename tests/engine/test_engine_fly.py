@@ -89,3 +89,21 @@ def test_exact_rows_stay_exact_next_to_loose_rows(pair):
                           max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
     assert tokens["exact"] == ref[:len(tokens["exact"])]
     assert engine.stats.accepted_loose > 0
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_ngram_copies_are_never_loosened(pair, adaptive):
+    """With the n-gram stage alone FLy has no draft model's judgement to trust: even with the
+    loosest rule (W=0, no gate) the output is the target's greedy one, token for token."""
+    target, draft, tokenizer = pair
+    engine = FLyEngine(target, tokenizer, draft, FLyConfig(k=8, window=0, entropy_threshold=0.0,
+                                                           draft_model=False, adaptive=adaptive))
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        gen = engine.generate(prompt, SamplingParams(max_tokens=24))[0]
+        ref = target.generate(torch.tensor([ids], device=target.device),
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=target.device),
+                              max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        assert gen.token_ids == ref[:len(gen.token_ids)], prompt
+        assert gen.stats.accepted_loose == 0
+    assert engine.stats.drafted > 0  # the n-gram stage did draft

@@ -153,3 +153,20 @@ def test_rescue_counts_only_mismatches_where_the_rule_could_act():
     assert state.rescue.misses == pytest.approx(before[1] * 0.81 + 1)
     policy.observe(state, DraftPlan(8, False, True), 8, 8, loose=1, window=6)  # one rescue, nothing rejected
     assert state.rescue.hits == pytest.approx(before[0] * 0.729 + 1)
+
+
+def test_ngram_rounds_are_valued_and_learned_as_exact():
+    """n-gram rounds are verified exactly (DraftPlan.may_loosen): a high rescue rate does not
+    lengthen them, and they tell the policy nothing about FLy's rescues."""
+    policy, ngram = AdaptivePolicy(), DraftPlan(15, True, False)
+    rescuing, exact = PolicyState(), PolicyState()
+    _feed(policy, rescuing, DraftPlan(15, False, True), drafted=10, accepted=8, n=30, loose=2, model_forwards=10)
+    assert rescuing.rescue.value > 0.5
+    for state in (rescuing, exact):
+        _feed(policy, state, ngram, drafted=6, accepted=3, n=30)
+    only_ngram = FLyConfig(draft_model=False)
+    assert (policy.plan(rescuing, only_ngram, budget=100, batch_size=1, has_model=False)
+            == policy.plan(exact, FLyConfig(draft_model=False, loose=False), budget=100, batch_size=1, has_model=False))
+    before = (rescuing.rescue.hits, rescuing.rescue.misses)
+    policy.observe(rescuing, ngram, 8, 1, loose=0, window=6)  # a mismatch where a model round could be rescued
+    assert (rescuing.rescue.hits, rescuing.rescue.misses) == before

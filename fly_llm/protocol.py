@@ -149,6 +149,7 @@ class GenerateRequest(_Message):
     timeout_s: float | None = Field(None, gt=0, le=86_400, description="Deadline from admission.")
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="False: at most one tool call (OpenAI's option).")
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
@@ -169,7 +170,8 @@ class GenerateRequest(_Message):
         """What constrains the output (tools / tool_choice / response_format), or None."""
         if self.tools is None and self.tool_choice is None and self.response_format is None:
             return None
-        return Structure(tools=self.tools, tool_choice=self.tool_choice, response_format=self.response_format)
+        return Structure(tools=self.tools, tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls,
+                         response_format=self.response_format)
 
 
 class CancelRequest(_Message):

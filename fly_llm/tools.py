@@ -23,7 +23,7 @@ TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 MAX_TOOLS = 128
 """Most tools one request may offer."""
-STRUCTURE_OPTIONS = ("tools", "tool_choice", "response_format")
+STRUCTURE_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
 """The request options that constrain the output (the clients' keywords next to sampling and FLy options)."""
 
 _NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
@@ -119,6 +119,7 @@ class Structure(_Strict):
 
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="False: at most one call per answer (None, True: any number).")
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")

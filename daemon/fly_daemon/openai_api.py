@@ -185,11 +185,11 @@ class ChatCompletionRequest(GenerationBody):
     messages: list[Message] = Field(min_length=1)
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, description="Accepted; several calls are always allowed.")
+    parallel_tool_calls: bool | None = Field(None, description="False: at most one tool call.")
 
     def _source(self) -> dict[str, Any]:
         return {"messages": [m.to_protocol() for m in self.messages], "tools": self.tools,
-                "tool_choice": self.tool_choice}
+                "tool_choice": self.tool_choice, "parallel_tool_calls": self.parallel_tool_calls}
 
     def _choice(self, result: GenerateResult) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": result.text}

@@ -82,37 +82,38 @@ class AsyncFLyClient(ClientBase):
 
     async def chat(self, messages: Messages, sampling: SamplingParams | None = None,
                    fly: FLyOverrides | None = None, timeout: float | None = None, *, tools: Tools | None = None,
-                   tool_choice: ToolChoice | dict | None = None,
+                   tool_choice: ToolChoice | dict | None = None, parallel_tool_calls: bool | None = None,
                    response_format: ResponseFormat | dict | None = None) -> GenerateResult:
         """Answer chat `messages` (rendered with the target's chat template on the daemon).
 
         With `tools` the model may call them (`tool_choice`: "auto", "none", "required" or one
-        named function); the result's `tool_calls` lists the calls. `response_format` constrains
-        the answer to JSON (a schema, or any object) or a regex.
+        named function; `parallel_tool_calls=False`: at most one call); the result's `tool_calls`
+        lists the calls. `response_format` constrains the answer to JSON (a schema, or any object) or a regex.
         """
         return (await self.batch([messages], sampling, fly, timeout, tools=tools, tool_choice=tool_choice,
-                                 response_format=response_format))[0]
+                                 parallel_tool_calls=parallel_tool_calls, response_format=response_format))[0]
 
     async def stream(self, prompt: str | None = None, *, messages: Messages | None = None,
                      sampling: SamplingParams | None = None, fly: FLyOverrides | None = None,
                      timeout: float | None = None, tools: Tools | None = None,
-                     tool_choice: ToolChoice | dict | None = None,
+                     tool_choice: ToolChoice | dict | None = None, parallel_tool_calls: bool | None = None,
                      response_format: ResponseFormat | dict | None = None) -> AsyncIterator[TokenChunk | GenerateResult]:
         """Yield TokenChunks as text (and whole tool calls) are generated, then the final GenerateResult;
         leaving early cancels."""
         request = self._request(prompt, messages, sampling, fly, timeout, stream=True, tools=tools,
-                                tool_choice=tool_choice, response_format=response_format)
+                                tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                                response_format=response_format)
         with self._open([request]) as (conn, (replies,)):
             async for reply in self._replies(conn, replies):
                 yield reply
 
     async def batch(self, prompts: list[str] | list[Messages], sampling: SamplingParams | None = None,
                     fly: FLyOverrides | None = None, timeout: float | None = None, *, tools: Tools | None = None,
-                    tool_choice: ToolChoice | dict | None = None,
+                    tool_choice: ToolChoice | dict | None = None, parallel_tool_calls: bool | None = None,
                     response_format: ResponseFormat | dict | None = None) -> list[GenerateResult]:
         """Generate for many prompts (strings or message lists), all sent at once and batched by the daemon."""
         requests = self._batch(prompts, sampling, fly, timeout, tools=tools, tool_choice=tool_choice,
-                               response_format=response_format)
+                               parallel_tool_calls=parallel_tool_calls, response_format=response_format)
         with self._open(requests) as (conn, routes):
             return [[r async for r in self._replies(conn, replies)][-1] for replies in routes]
 

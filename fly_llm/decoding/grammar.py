@@ -59,7 +59,8 @@ def _json(schema: dict) -> str:
 
 
 def _tools_grammar(structure: Structure, special_tags: frozenset[str]) -> str:
-    """Hermes-format calls of the offered tools: forced ('required', a name), optional ('auto') or none."""
+    """Hermes-format calls of the offered tools: forced ('required', a name), optional ('auto') or none;
+    at most one call when `parallel_tool_calls` is False."""
     choice = structure.tool_choice or "auto"
     if choice == "none":  # tools are described in the prompt, but no call may start
         return ("start: TEXT\n"
@@ -72,14 +73,19 @@ def _tools_grammar(structure: Structure, special_tags: frozenset[str]) -> str:
     body = f"body: {_json({'anyOf': variants} if len(variants) > 1 else variants[0])}\n"
     open_tag, close_tag = (f"<{t[1:-1]}>" if t in special_tags else json.dumps(t) for t in (TOOL_OPEN, TOOL_CLOSE))
     call = f'call: {open_tag} "\\n" body "\\n" {close_tag}\n'
+    several = structure.parallel_tool_calls is not False
+    repeat = "*" if several else "?"
     if choice == "auto":  # text, tagged calls in it, or (small models answer so) bare call objects, constrained too
-        bare = 'bare: body ("\\n" body)*\nTEXT: /([^{](.|\\n)*)?/\n'  # text never starts like a bare call
+        bare = 'bare: body ("\\n" body)*\n' if several else "bare: body\n"
+        bare += 'TEXT: /([^{](.|\\n)*)?/\n'  # text never starts like a bare call
         if TOOL_OPEN in special_tags:  # text cannot hold a special token: the tag itself starts a call
-            return "start: TEXT (call TEXT)* | bare\n" + call + body + bare
-        return ("start: (call_head call_tail)* TEXT | bare\n"
+            return f"start: TEXT (call TEXT){repeat} | bare\n" + call + body + bare
+        end = "TEXT" if several else "LAST"  # after the one call, text with no tag (it would start another)
+        last = "" if several else f"LAST: /([^{{](.|\\n)*)?/ & ~/(?s:.*){_regex_literal(TOOL_OPEN)}(?s:.*)/\n"
+        return (f"start: (call_head call_tail){repeat} {end} | bare\n"
                 f"call_head[lazy]: TEXT {open_tag}\n"
-                f'call_tail: "\\n" body "\\n" {close_tag}\n' + body + bare)
-    calls = "call" if isinstance(choice, NamedToolChoice) else 'call ("\\n" call)*'
+                f'call_tail: "\\n" body "\\n" {close_tag}\n' + body + bare + last)
+    calls = 'call ("\\n" call)*' if several and not isinstance(choice, NamedToolChoice) else "call"
     return f'start: {calls} "\\n"?\n' + call + body  # the model may end its last call with a newline
 
 

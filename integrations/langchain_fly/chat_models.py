@@ -59,11 +59,12 @@ class ChatFLy(FLyBase, BaseChatModel):
 
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
                    tool_choice: str | dict | bool | None = None, strict: bool | None = None,
-                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+                   parallel_tool_calls: bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """Offer `tools` to the model: `@tool` functions, pydantic classes, JSON schemas or OpenAI tool dicts.
 
         `tool_choice`: "auto" (default: text or calls), "none", "required" or "any" (at least one
-        call), or a tool's name (exactly one call of it); an OpenAI dict works too. The grammar makes
+        call), or a tool's name (exactly one call of it); an OpenAI dict works too.
+        `parallel_tool_calls=False`: at most one call per answer. The grammar makes
         every call's arguments valid under the tool's schema; objects with `properties` take no
         other keys unless the schema says `additionalProperties`. `strict=True` is LangChain's
         OpenAI strict conversion (every property required). A tool that cannot be converted, a bad
@@ -75,6 +76,8 @@ class ChatFLy(FLyBase, BaseChatModel):
         check_tools(formatted, choice)
         if choice is not None:
             kwargs["tool_choice"] = choice
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
         return self.bind(tools=formatted, **kwargs)
 
     def with_structured_output(self, schema: dict[str, Any] | type | None, *, method: Method = "json_schema",

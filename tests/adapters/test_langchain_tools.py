@@ -103,6 +103,19 @@ def test_a_named_choice_calls_that_tool_once(chat, choice):
     assert [c["name"] for c in message.tool_calls] == ["negate"]
 
 
+def test_parallel_tool_calls_false_reaches_the_daemon_and_one_call_comes_back(chat, monkeypatch):
+    """As for ChatOpenAI: bind_tools(parallel_tool_calls=False) is sent with the request, where the
+    grammar allows one call (test_grammar: a second call is refused); unset, nothing is sent."""
+    sent = []
+    real_chat = chat._client.chat
+    monkeypatch.setattr(chat._client, "chat", lambda *a, **kw: sent.append(kw) or real_chat(*a, **kw))
+    single = chat.bind_tools(TOOLS, tool_choice="required", parallel_tool_calls=False).invoke(ASK)
+    chat.bind_tools(TOOLS, tool_choice="required").invoke(ASK)
+    assert sent[0]["parallel_tool_calls"] is False and "parallel_tool_calls" not in sent[1]
+    assert len(single.tool_calls) == 1
+    assert_valid_calls(single, schemas(chat.bind_tools(TOOLS)))
+
+
 def test_choice_none_never_calls(chat):
     message = chat.bind_tools(TOOLS, tool_choice="none").invoke(ASK, max_tokens=40)
     assert not message.tool_calls and not message.invalid_tool_calls and "<tool_call>" not in message.content

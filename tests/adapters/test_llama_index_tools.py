@@ -81,8 +81,15 @@ def test_a_named_tool_choice_calls_that_tool(llm, choice):
     assert [c.tool_name for c in calls] == ["add"]
 
 
-def test_without_parallel_calls_only_the_first_call_is_kept(llm):
+def test_without_parallel_calls_the_grammar_allows_one_call(llm, monkeypatch):
+    """LlamaIndex's allow_parallel_tool_calls=False (its default) is sent as parallel_tool_calls=False,
+    which the grammar enforces (test_grammar); allowed, nothing is sent."""
+    sent = []
+    real_chat = llm.client.chat
+    monkeypatch.setattr(llm.client, "chat", lambda *a, **kw: sent.append(kw) or real_chat(*a, **kw))
     response = llm.chat_with_tools(TOOLS, ASK, tool_required=True)
+    llm.chat_with_tools(TOOLS, ASK, tool_required=True, allow_parallel_tool_calls=True)
+    assert sent[0]["parallel_tool_calls"] is False and "parallel_tool_calls" not in sent[1]
     assert len(llm.get_tool_calls_from_response(response)) == 1
 
 

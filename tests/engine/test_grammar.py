@@ -197,3 +197,43 @@ def test_tool_tags_that_are_special_tokens_are_named_as_tokens():
     assert accepts("none", text + eos) and not accepts("none", text + call + eos)
     forced = compiler.matcher(compiler.grammar(Structure(tools=tools, tool_choice="required"))).compute_ff_tokens()
     assert forced[0] == open_id
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_parallel_tool_calls_false_allows_at_most_one_call(special):
+    """OpenAI's parallel_tool_calls=False: the grammar ends the answer's calls after the first, with
+    the tool-call tags as text or (Qwen2.5) as special tokens; a single call stays valid."""
+    from fly_llm.decoding.grammar import GrammarCompiler
+    from support.tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    if special:
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}}}]
+
+    def call(x: int) -> list[int]:
+        body = tokenizer.encode(f'\n{{"name": "f", "arguments": {{"x": {x}}}}}\n')
+        if special:
+            return [tokenizer.convert_tokens_to_ids("<tool_call>"), *body, tokenizer.convert_tokens_to_ids("</tool_call>")]
+        return tokenizer.encode("<tool_call>") + body + tokenizer.encode("</tool_call>")
+
+    text, newline, eos = tokenizer.encode("The dog sleeps."), tokenizer.encode("\n"), [tokenizer.eos_token_id]
+    bare = [tokenizer.encode('{"name": "f", "arguments": {"x": 1}}'), tokenizer.encode('{"name": "f", "arguments": {"x": 2}}')]
+    answers = {  # choice -> (one call, two calls)
+        "auto": (text + call(1) + text + eos, text + call(1) + text + call(2) + text + eos),
+        "required": (call(1) + eos, call(1) + newline + call(2) + eos),
+    }
+
+    def accepts(choice, parallel, tokens) -> bool:
+        structure = Structure(tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
+        return compiler.matcher(compiler.grammar(structure)).validate_tokens(tokens) == len(tokens)
+
+    for choice, (one, two) in answers.items():
+        for parallel in (None, True, False):
+            assert accepts(choice, parallel, one), (choice, parallel)
+            assert accepts(choice, parallel, two) == (parallel is not False), (choice, parallel)
+    assert accepts("auto", False, bare[0] + eos) and accepts("auto", False, text + eos)
+    assert accepts("auto", None, bare[0] + newline + bare[1] + eos)
+    assert not accepts("auto", False, bare[0] + newline + bare[1] + eos)

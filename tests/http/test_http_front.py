@@ -256,3 +256,14 @@ def test_answers_are_not_held_back_by_nagle(tmp_path):
             assert client.get("/health").status_code == 200
             times.append(time.perf_counter() - began)
     assert sorted(times)[5] < 0.03, times
+
+
+def test_parallel_tool_calls_reaches_the_request_structure():
+    """OpenAI's parallel_tool_calls=False becomes the request's (the grammar allows one call: test_grammar)."""
+    from fly_daemon.openai_api import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    assert ChatCompletionRequest.model_validate(body).to_generate("a").structure.parallel_tool_calls is None
+    single = ChatCompletionRequest.model_validate({**body, "parallel_tool_calls": False}).to_generate("b")
+    assert single.structure.parallel_tool_calls is False

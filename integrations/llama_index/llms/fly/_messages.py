@@ -54,8 +54,3 @@ def tool_selections(message: ChatMessage) -> list[ToolSelection]:
                           else b.tool_kwargs)
             for b in message.blocks if isinstance(b, ToolCallBlock)]
 
-
-def first_call_only(message: ChatMessage) -> None:
-    """Drop every call after the first (the caller did not allow parallel calls)."""
-    calls = [b for b in message.blocks if isinstance(b, ToolCallBlock)]
-    message.blocks = [b for b in message.blocks if not isinstance(b, ToolCallBlock) or b is calls[0]]

@@ -36,7 +36,7 @@ from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_end
 from fly_llm.config import REQUEST_OPTIONS
 from fly_llm.protocol import GenerateResult, InfoReply, TokenChunk, ToolCall
 from fly_llm.tools import STRUCTURE_OPTIONS, check_tools, closed_schema, tool_choice_for
-from llama_index.llms.fly._messages import answer, first_call_only, to_wire, tool_selections
+from llama_index.llms.fly._messages import answer, to_wire, tool_selections
 from llama_index.llms.fly._structured import parse_partial, parse_structured, response_format_for
 
 
@@ -204,7 +204,8 @@ class FLyLLM(FunctionCallingLLM):
         """The `chat` arguments for a turn with `tools` (what `chat_with_tools` and its twins send).
 
         `tool_required` forces at least one call; `tool_choice` ("auto", "none", "required", a
-        tool's name or an OpenAI dict) takes precedence. A bad tool or choice is a ValueError naming it.
+        tool's name or an OpenAI dict) takes precedence; unless `allow_parallel_tool_calls`, the
+        grammar allows at most one call. A bad tool or choice is a ValueError naming it.
         """
         specs = [_openai_tool(t) for t in tools]
         choice = tool_choice_for(tool_choice if tool_choice is not None else ("required" if tool_required else None),
@@ -213,15 +214,9 @@ class FLyLLM(FunctionCallingLLM):
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(ChatMessage(role="user", content=user_msg) if isinstance(user_msg, str) else user_msg)
-        structure = {"tools": specs or None, "tool_choice": choice if specs else None}
+        structure = {"tools": specs or None, "tool_choice": choice if specs else None,
+                     "parallel_tool_calls": None if allow_parallel_tool_calls or not specs else False}
         return {"messages": messages, **{k: v for k, v in structure.items() if v is not None}, **kwargs}
-
-    def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[BaseTool],
-                                           allow_parallel_tool_calls: bool = False, **kwargs: Any) -> ChatResponse:
-        """Keep only the first call unless parallel calls are allowed."""
-        if not allow_parallel_tool_calls and len(tool_selections(response.message)) > 1:
-            first_call_only(response.message)
-        return response
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
                                      **kwargs: Any) -> list[ToolSelection]:

@@ -204,16 +204,20 @@ class StatusRequest(_Message):
 
 
 class TokenizeRequest(_Message):
-    """Count/encode text (or chat messages through the chat template) with the daemon's tokenizer."""
+    """Count/encode text (or chat messages and the tools offered, through the chat template) with the
+    daemon's tokenizer: the prompt a GenerateRequest with the same messages and tools would have."""
 
     kind: Literal["tokenize"] = "tokenize"
     text: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.text is None) == (self.messages is None):
             raise ValueError("give exactly one of 'text' or 'messages'")
+        if self.tools and self.messages is None:
+            raise ValueError("tools need chat messages (the chat template renders them)")
         _check_messages(self.messages)
         return self
 

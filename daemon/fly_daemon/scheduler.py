@@ -335,10 +335,8 @@ class Scheduler:
 
     def _encode(self, job: Job) -> None:
         request = job.request
-        messages = [m.for_template() for m in request.messages] if request.messages is not None else None
-        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         try:
-            job.prompt_ids = self.engine.encode(prompt=request.prompt, messages=messages, tools=tools)
+            job.prompt_ids = self.engine.encode(request.prompt, *_template_inputs(request))
         except FLyError:
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects these messages
@@ -454,9 +452,8 @@ class Scheduler:
                 if not self._tokenize:
                     return
                 envelope, request = self._tokenize.popleft()
-            messages = [m.model_dump() for m in request.messages] if request.messages is not None else None
             try:
-                ids = self.engine.encode(prompt=request.text, messages=messages)
+                ids = self.engine.encode(request.text, *_template_inputs(request))
             except FLyError as exc:
                 self._emit(envelope, ErrorReply(id=request.id, code=exc.code, message=exc.message))
                 continue
@@ -464,3 +461,10 @@ class Scheduler:
                 self._emit(envelope, ErrorReply(id=request.id, code=BadRequest.code, message=str(exc)))
                 continue
             self._emit(envelope, TokenizeReply(id=request.id, token_ids=ids, count=len(ids)))
+
+
+def _template_inputs(request: GenerateRequest | TokenizeRequest) -> tuple[list[dict] | None, list[dict] | None]:
+    """A request's chat messages and tools as the chat template takes them (generate and tokenize alike)."""
+    messages = [m.for_template() for m in request.messages] if request.messages is not None else None
+    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+    return messages, tools

@@ -129,9 +129,11 @@ class AsyncFLyClient(ClientBase):
         """Load, throughput and acceptance counters of the daemon."""
         return await self._rpc(StatusRequest(id=new_id()))
 
-    async def tokenize(self, text: str | None = None, messages: Messages | None = None) -> TokenizeReply:
-        """Token ids of `text` (or of `messages` through the chat template) with the daemon's tokenizer."""
-        return await self._rpc(tokenize_request(text, messages))
+    async def tokenize(self, text: str | None = None, messages: Messages | None = None,
+                       tools: Tools | None = None) -> TokenizeReply:
+        """Token ids of `text` (or of `messages` and the `tools` offered, through the chat template) with the
+        daemon's tokenizer: as many as `chat(messages, tools=tools)` would have as its prompt."""
+        return await self._rpc(tokenize_request(text, messages, tools))
 
     def close(self) -> None:
         """Close every socket of this client."""

@@ -90,10 +90,10 @@ def batch_requests(prompts: list[str] | list[Messages], sampling: SamplingParams
             else generate_request(None, p, sampling, fly, timeout, **structure) for p in prompts]
 
 
-def tokenize_request(text: str | None, messages: Messages | None) -> TokenizeRequest:
-    """A TokenizeRequest for `text`, or for `messages` through the chat template."""
+def tokenize_request(text: str | None, messages: Messages | None, tools: Tools | None = None) -> TokenizeRequest:
+    """A TokenizeRequest for `text`, or for `messages` (and the `tools` offered) through the chat template."""
     with checked():
-        return TokenizeRequest(id=new_id(), text=text, messages=_chat(messages))
+        return TokenizeRequest(id=new_id(), text=text, messages=_chat(messages), tools=tools)
 
 
 # ---- replies ----

@@ -106,9 +106,11 @@ class FLyClient(ClientBase):
         """Load, throughput and acceptance counters of the daemon."""
         return self._rpc(StatusRequest(id=new_id()))
 
-    def tokenize(self, text: str | None = None, messages: Messages | None = None) -> TokenizeReply:
-        """Token ids of `text` (or of `messages` through the chat template) with the daemon's tokenizer."""
-        return self._rpc(tokenize_request(text, messages))
+    def tokenize(self, text: str | None = None, messages: Messages | None = None,
+                 tools: Tools | None = None) -> TokenizeReply:
+        """Token ids of `text` (or of `messages` and the `tools` offered, through the chat template) with the
+        daemon's tokenizer: as many as `chat(messages, tools=tools)` would have as its prompt."""
+        return self._rpc(tokenize_request(text, messages, tools))
 
     def close(self) -> None:
         """Close every socket of this client (call when no thread uses it any more)."""

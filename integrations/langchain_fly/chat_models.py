@@ -43,11 +43,10 @@ class ChatFLy(FLyBase, BaseChatModel):
         return "fly-chat"
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
-        """Count the prompt tokens of `messages` after the daemon's chat template."""
-        if tools:
-            raise ValueError("the daemon's tokenize request takes no tools, so ChatFLy cannot count tool schemas; "
-                             "count the messages alone")
-        return self._client.tokenize(messages=to_wire(messages)).count
+        """Count the prompt tokens of `messages` (and of the `tools`' schemas, as bind_tools takes them)
+        after the daemon's chat template: the prompt the daemon would decode from."""
+        wire_tools = [openai_tool(t, None) for t in tools] if tools else None
+        return self._client.tokenize(messages=to_wire(messages), tools=wire_tools).count
 
     def batch(self, inputs: list[LanguageModelInput], config: RunnableConfig | list[RunnableConfig] | None = None,
               *, return_exceptions: bool = False, **kwargs: Any) -> list[BaseMessage]:

@@ -70,8 +70,6 @@ def test_bad_options_fail_before_any_request() -> None:
         chat.invoke("hi", model="llama")
     with pytest.raises(TypeError, match="unknown option"):
         chat.invoke("hi", max_new_tokens=4)
-    with pytest.raises(ValueError, match="cannot count tool schemas"):
-        chat.get_num_tokens_from_messages([HumanMessage("hi")], tools=[{"name": "t"}])
 
 
 def test_serialisation_round_trip() -> None:

@@ -167,6 +167,16 @@ def test_tool_calls_and_results_go_back_to_the_daemon(chat):
     assert longer > chat.get_num_tokens_from_messages([HumanMessage(ASK)])  # the calls are in the template
 
 
+def test_token_counts_with_tools_are_the_prompt_the_daemon_decodes(chat):
+    """get_num_tokens_from_messages(tools=...) counts the tools' schemas as the chat template renders
+    them: exactly the prompt tokens of the same call with those tools bound."""
+    messages = [HumanMessage(ASK)]
+    with_tools = chat.get_num_tokens_from_messages(messages, tools=TOOLS)
+    answer = chat.bind_tools(TOOLS).invoke(messages, max_tokens=1)
+    assert with_tools == answer.usage_metadata["input_tokens"]
+    assert with_tools > chat.get_num_tokens_from_messages(messages)  # the schemas are in the prompt
+
+
 def test_answers_with_call_blocks_in_their_content_go_back_as_calls():
     call = {"name": "add", "args": {"a": 1, "b": 2}, "id": "abc", "type": "tool_call"}
     answer = AIMessage([{"type": "text", "text": "let me add"}, {"type": "thinking", "thinking": "hm"},

@@ -76,8 +76,7 @@ def _interval(ci: list[float] | None) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     """The quality report as Markdown: one table per dataset, then the command and environment."""
-    lines = header(report, "fly-bench quality run",
-                   f", up to {report['settings']['batch']} items decoded at once")
+    lines = header(report, "fly-bench quality run")
     for dataset in report["settings"]["datasets"]:
         rows = [s for s in report["results"] if s["dataset"] == dataset]
         if not rows:
@@ -85,8 +84,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             f"## {dataset} ({rows[0]['metric_name']})", "",
             "| method | items | metric [95% CI] | retention [95% CI] | pass→fail | fail→pass | McNemar p "
-            "| identical to target | hit max tokens | MAT | loose rate | throughput tok/s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| identical to target | hit max tokens | MAT | loose rate | throughput tok/s | batch |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for s in rows:
             lines.append(
@@ -94,14 +93,15 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {_pct(s['retention'])}{_interval(s['retention_ci'])} | {fmt(s['pass_to_fail'])} "
                 f"| {fmt(s['fail_to_pass'])} | {fmt(s['mcnemar_p'], '.3f')} | {_pct(s['agreement'])} "
                 f"| {_pct(s['hit_limit'])} | {fmt(s['mat'], '.2f')} | {_pct(s['loose_rate'])} "
-                f"| {fmt(s['throughput_tokens_per_s'], '.1f')} |")
+                f"| {fmt(s['throughput_tokens_per_s'], '.1f')} | {', '.join(map(str, s['batch']))} |")
         lines.append("")
     lines += footer(report["methods"], "Metric: pass@1 (HumanEval) or exact match (GSM8K) with its Wilson 95% "
                     "interval. Retention = metric / target-only's metric on the same items, with a paired bootstrap "
                     "95% interval (10,000 resamples of the items). pass→fail / fail→pass count the items whose "
                     "outcome differs from target-only's; McNemar p is the exact two-sided test on those. Identical = "
                     "share of items with target-only's exact tokens; hit max tokens = share cut at the token limit. "
-                    "Throughput is the batch's tokens per second (continuous batching), not a latency.")
+                    "Throughput is the batch's tokens per second (continuous batching), not a latency; batch = the most "
+                    "items decoded at once in the part's sittings.")
     return "\n".join(lines)
 
 

@@ -187,7 +187,9 @@ def run_quality(runner: Runner, methods: list[Method], datasets: dict[str, tuple
                 out: Path, batch: int, timeout: float) -> None:
     """Every part of a quality run (dataset by dataset, method by method), skipping finished items.
 
-    Every method must run in the engine (`engine_config`; fly-bench checks that before loading models)."""
+    The target-only part of a dataset runs after its other methods, so that runs of different methods
+    started side by side into the same `out` do not each decode it first. Every method must run in the
+    engine (`engine_config`; fly-bench checks that before loading models)."""
     window = runner.engine.context_window
     for items, prompts in datasets.values():
         for item, ids in zip(items, prompts):
@@ -195,6 +197,6 @@ def run_quality(runner: Runner, methods: list[Method], datasets: dict[str, tuple
                 raise QualityModeError(f"{item.item_id}: the prompt has {len(ids)} tokens; the target's context "
                                        f"window is {window}")
     for items, prompts in datasets.values():
-        for method in methods:
+        for method in sorted(methods, key=lambda m: m.name == REFERENCE):
             if items:
                 run_part(runner, method, items, prompts, out, batch, timeout)

@@ -153,3 +153,20 @@ def test_retention_interval_matches_the_exact_bootstrap_distribution():
     assert retention_interval([True], [False]) is None
     with pytest.raises(ValueError):
         retention_interval([True], [True, False])
+
+
+def test_the_target_part_runs_after_the_other_methods(monkeypatch, tmp_path):
+    """So that a `--methods fly` run and a `--methods target` run started side by side into one
+    directory do not both decode the target-only part first."""
+    from types import SimpleNamespace
+
+    from benchmarks import quality_run
+    from benchmarks.methods import all_methods
+
+    order = []
+    monkeypatch.setattr(quality_run, "run_part", lambda runner, method, *rest: order.append(method.name))
+    runner = SimpleNamespace(engine=SimpleNamespace(context_window=100))
+    item = SimpleNamespace(item_id="x")
+    methods = [all_methods()[name] for name in ("target", "fly", "spd")]
+    quality_run.run_quality(runner, methods, {"d": ([item], [[1, 2]])}, tmp_path, 1, 1.0)
+    assert order == ["fly", "spd", "target"]

@@ -107,7 +107,7 @@ def test_an_interrupted_run_resumes_and_parts_merge_into_the_same_report(tiny_pa
     again = _quality(tiny_pair_dirs, resumed, *RUN, "--batch", "1")
     assert _without_timing(again) == _without_timing(report)
     assert [s.items for s in read_sittings(fly)] == [2, 1]  # the first sitting, then only the lost item
-    # Two runs on different datasets (other sittings, other machines), merged by copying the parts.
+    # Two runs on different datasets (other sittings), merged by copying the parts.
     merged, other = tmp_path / "merged", tmp_path / "other"
     for out, dataset in ((merged, "humaneval"), (other, "gsm8k")):
         out.mkdir()

@@ -43,6 +43,7 @@ def summarize_part(dataset: str, method: str, records: list[ItemRecord], referen
         mat=stats.mat if stats else None, loose_rate=stats.loose_rate if stats else None,
         throughput_tokens_per_s=sum(s.tokens for s in sittings) / seconds if seconds else None,
         batch=sorted({s.batch for s in sittings}), sittings=len(sittings),
+        machines=sorted({s.machine or "unrecorded" for s in sittings}),
         engine_stats=stats.model_dump() if stats else None)
     return summary
 
@@ -94,6 +95,10 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {fmt(s['fail_to_pass'])} | {fmt(s['mcnemar_p'], '.3f')} | {_pct(s['agreement'])} "
                 f"| {_pct(s['hit_limit'])} | {fmt(s['mat'], '.2f')} | {_pct(s['loose_rate'])} "
                 f"| {fmt(s['throughput_tokens_per_s'], '.1f')} | {', '.join(map(str, s['batch']))} |")
+        machines = sorted({m for s in rows for m in s["machines"]})
+        if len(machines) > 1:
+            lines += ["", f"**Warning: these parts were decoded on different kinds of machine ({'; '.join(machines)}):** "
+                          "greedy tokens differ between them, so identity and flips compare numerics, not methods."]
         lines.append("")
     lines += footer(report["methods"], "Metric: pass@1 (HumanEval) or exact match (GSM8K) with its Wilson 95% "
                     "interval. Retention = metric / target-only's metric on the same items, with a paired bootstrap "

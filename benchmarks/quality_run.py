@@ -58,6 +58,19 @@ class Sitting:
     tokens: int
     seconds: float
     batch: int
+    machine: str = ""  # what decoded it (`machine_kind`); "" in sittings recorded before it was kept
+
+
+def machine_kind(model: Any) -> str:
+    """The numerics a part was decoded with: device, the CPU's vector ISA (or the GPU) and dtype.
+
+    Greedy tokens are reproducible on one kind of machine, not across them (an AVX2 and an AVX-512
+    CPU round the int8 target differently), so parts pair only within one kind."""
+    import torch
+
+    device = model.device
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
+    return f"{device.type} {hardware} {str(model.dtype).removeprefix('torch.')}"
 
 
 class QualityModeError(ValueError):
@@ -179,7 +192,8 @@ def run_part(runner: Runner, method: Method, items: list[Item], prompts: list[li
     decode_batched(runner, engine_config(method), [(item.item_id, ids) for item, ids in todo], batch,
                    runner.max_tokens, finished)
     _append(path.with_suffix(".timing.jsonl"),
-            asdict(Sitting(len(todo), tokens, round(time.perf_counter() - start, 3), batch)))
+            asdict(Sitting(len(todo), tokens, round(time.perf_counter() - start, 3), batch,
+                           machine_kind(runner.target))))
     bar.close()
 
 

@@ -170,3 +170,20 @@ def test_the_target_part_runs_after_the_other_methods(monkeypatch, tmp_path):
     methods = [all_methods()[name] for name in ("target", "fly", "spd")]
     quality_run.run_quality(runner, methods, {"d": ([item], [[1, 2]])}, tmp_path, 1, 1.0)
     assert order == ["fly", "spd", "target"]
+
+
+def test_parts_from_different_machines_are_flagged(batched, tiny_pair_dirs, tmp_path):
+    """Each sitting records what decoded it; a dataset whose parts come from different kinds of machine
+    gets a warning in the report (their greedy tokens differ for reasons other than the method)."""
+    out, report = batched
+    assert all(s["machines"] == [report["results"][0]["machines"][0]] for s in report["results"])
+    assert report["results"][0]["machines"][0].startswith("cpu ")
+    assert "Warning" not in (out / "quality.md").read_text()
+    mixed = tmp_path / "mixed"
+    shutil.copytree(out / "parts", mixed / "parts")
+    shutil.copy(out / "policy_costs.json", mixed)
+    timing = part_path(mixed, "gsm8k", "fly").with_suffix(".timing.jsonl")
+    timing.write_text(json.dumps({**json.loads(timing.read_text()), "machine": "cpu AVX2 float32"}) + "\n")
+    _quality(tiny_pair_dirs, mixed, *RUN, "--report-only")
+    humaneval, gsm8k = (mixed / "quality.md").read_text().split("## gsm8k")
+    assert "Warning" not in humaneval and "cpu AVX2 float32" in gsm8k.split("Methods:")[0]

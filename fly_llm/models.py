@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from fly_llm.attention import use_float32_attention
 from fly_llm.config import ModelSpec
 from fly_llm.default_models import DRAFT, TARGET, ensure_default_pair
 from fly_llm.errors import ModelError
@@ -101,11 +102,13 @@ def _load_tokenizer(source: str, name: str) -> PreTrainedTokenizerBase:
 
 def _load_model(source: str, name: str, dtype: torch.dtype, device: torch.device,
                 device_map: str | None) -> PreTrainedModel:
-    """Load straight onto `device` (or spread by accelerate's `device_map`), in eval mode."""
+    """Load straight onto `device` (or spread by accelerate's `device_map`), in eval mode; a half-precision
+    model on CPU attends in float32 (`fly_llm.attention`)."""
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map or {"": device})
     except (OSError, ValueError) as exc:
         raise ModelError(f"could not load the model {name}: {exc}") from exc
+    use_float32_attention(model)
     return model.eval()
 
 

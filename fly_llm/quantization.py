@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 
 from fly_llm.config import QUANTIZATIONS
 from fly_llm.errors import ModelError
-from fly_llm.row_attention import use_row_attention
+from fly_llm.attention import use_row_attention
 
 log = logging.getLogger(__name__)
 

@@ -264,7 +264,9 @@ class FLyEngine:
         rows = self._rows
         contexts = [r.tokens for r in rows]
         budgets = [r.max_new - len(r.output) - 1 for r in rows]
-        plans = [self.policy.plan(r.policy, r.fly, n, len(rows), self.draft is not None) for r, n in zip(rows, budgets)]
+        # A row's first round never runs the draft model, so its first token waits for no draft prefill.
+        plans = [self.policy.plan(r.policy, r.fly, n, len(rows), self.draft is not None and bool(r.output))
+                 for r, n in zip(rows, budgets)]
         drafts = self._cascade.propose(contexts, plans, budgets, [r.fly.draft_confidence for r in rows])
         forced = self._cascade.forced
         accepted, tokens, native, loose = self._verify(contexts, drafts, [p.may_loosen for p in plans])
@@ -334,7 +336,14 @@ class FLyEngine:
         req.cached_tokens = target.lengths[0]
         self._prompt.prompt_tokens += len(req.prompt)
         self._prompt.cached_tokens += req.cached_tokens
-        return PromptFill(req.prompt[:-1], target, draft, fill_draft=req.fly.draft_model)
+        return PromptFill(req.prompt[:-1], target, draft, fill_draft=req.fly.draft_model and self._draft_waits(req, draft))
+
+    def _draft_waits(self, req: _Request, draft: BatchKV | None) -> bool:
+        """Whether the draft cache is filled before the request joins: only when what it lacks is more
+        than one prefill chunk. Otherwise the draft stage catches up at the row's first model round
+        (after its first token), in one forward no bigger than a chunk."""
+        missing = len(req.prompt) - 1 - (draft.lengths[0] if draft is not None else 0)
+        return bool(self.prefill_chunk) and missing > self.prefill_chunk
 
     def _join(self, req: _Request) -> None:
         """Splice the first waiting request's complete prompt caches into the batch; keep its prompt's KV."""

@@ -173,6 +173,27 @@ def test_a_long_prompt_enters_in_chunks_while_a_running_row_keeps_decoding(cache
     assert tokens == {"running": greedy(tuple(short)), "long": greedy(tuple(long))}
 
 
+@pytest.mark.parametrize("chunk", [0, 256])
+def test_a_first_token_waits_for_no_draft_prefill(chunk):
+    """A prompt within one chunk joins with its draft cache empty and its first round runs no
+    draft-model forward; the draft catches up in a later round, and the output stays exact."""
+    eng = engine(cache_bytes=0, chunk=chunk)
+    prompt = SYSTEM + QUESTIONS[2]
+    calls: list[int] = []
+    hook = DRAFT.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        eng.add_request("r", prompt, SamplingParams(max_tokens=MAX_NEW), EXACT)
+        tokens = [t for out in eng.step() for t in out.new_token_ids]
+        assert tokens and not calls
+        while eng.has_unfinished():
+            tokens += [t for out in eng.step() for t in out.new_token_ids]
+            eng.check()
+    finally:
+        hook.remove()
+    assert calls and eng.stats.draft_model_rounds > 0
+    assert tokens == greedy(tuple(prompt))
+
+
 def test_short_prompts_share_one_steps_prefill_budget():
     """Budget 8 per step: 5 + 0 tokens join in step 1, the 9-token prompt gets 3 there and 6 in step 2."""
     eng = engine(cache_bytes=0, chunk=8)

@@ -281,7 +281,8 @@ class FLyEngine:
                                    self.draft is not None, used_ngram=plan.ngram and n > f, forced=min(f, a))
             if a >= f:  # the policy sees its own drafts only: forced tokens are free and not its choice
                 self.policy.observe(req.policy, plan, n - f, a - f, self._cascade.model_forwards[b],
-                                    loose=sum(loose[b][f:a]), window=req.fly.window if req.fly.loose else None)
+                                    loose=sum(loose[b][f:a]), window=req.fly.window if req.fly.loose else None,
+                                    batch_size=len(rows))
             outputs.append(self._emit(req, tokens[b]))
             if req.finish_reason is not None:
                 finished.append(b)

@@ -8,7 +8,7 @@ import torch
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.drafters import DraftPlan
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.decoding.policy import PLAIN, AdaptivePolicy, Costs, PolicyState
+from fly_llm.decoding.policy import PLAIN, AdaptivePolicy, Costs, PolicyState, _Rate
 from support.tiny_models import make_pair
 
 torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
@@ -170,3 +170,19 @@ def test_ngram_rounds_are_valued_and_learned_as_exact():
     before = (rescuing.rescue.hits, rescuing.rescue.misses)
     policy.observe(rescuing, ngram, 8, 1, loose=0, window=6)  # a mismatch where a model round could be rescued
     assert (rescuing.rescue.hits, rescuing.rescue.misses) == before
+
+
+def test_a_draft_model_whose_rounds_did_not_pay_is_only_probed_however_good_its_acceptance_looks():
+    """Choosing the model whenever its acceptance estimate is high picks its lucky streaks: once it
+    has run, it is chosen only while its rounds really yielded more tokens per unit of time."""
+    policy = AdaptivePolicy(CHEAP_DRAFT)
+    exact = FLyConfig(ngram=False, loose=False)
+    looks_good = PolicyState(model=_Rate(20.0, 1.0), since_model=0)
+    assert policy.plan(looks_good, exact, budget=100, batch_size=1, has_model=True).model  # never ran: trusted
+    policy.observe(looks_good, DraftPlan(4, False, True), 4, 0, model_forwards=12)  # 1 token in 1 + 0.028 + 1.2
+    assert looks_good.model_realized == pytest.approx(1 / (1 + 4 * CHEAP_DRAFT.target_token + 12 * 0.1))
+    looks_good.model = _Rate(20.0, 1.0)
+    assert policy.plan(looks_good, exact, budget=100, batch_size=1, has_model=True) == PLAIN
+    policy.observe(looks_good, DraftPlan(8, False, True), 8, 8, model_forwards=8)  # 9 tokens in 1.856
+    assert looks_good.model_realized > 1
+    assert policy.plan(looks_good, exact, budget=100, batch_size=1, has_model=True).model

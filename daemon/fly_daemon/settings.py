@@ -50,7 +50,7 @@ class DaemonSettings(Limits):
     metrics_port: int | None = Field(None, ge=1, le=65535)
     prefix_cache_mb: int = Field(1024, ge=0, le=1 << 20, description="MiB of KV the prefix cache keeps of recent "
                                  "prompts and conversations (both models); 0 = off.")
-    prefill_chunk: int = Field(256, ge=0, description="Prompt tokens prefilled per engine step, so running streams "
+    prefill_chunk: int = Field(128, ge=0, description="Prompt tokens prefilled per engine step, so running streams "
                                "keep going while a long prompt enters; 0 = a whole prompt at once.")
     curve_secret_key: Path | None = None
     curve_clients: Path | None = None

@@ -29,9 +29,10 @@ catch-ups included) are kept as decayed sums, and once it has run, it is chosen 
 rounds yielded more tokens per unit of time than the best other plan is expected to. Acceptance
 estimated over a few tokens is noisy, and choosing the model whenever the estimate is high picks
 its lucky streaks: on general prose the model rounds so chosen emitted 2.2 tokens in the time of
-2.8 plain steps (measured, embedded pair, int8, bf16, 2 threads), each of them a loss. Rounds are never timed: the costs are fixed (the defaults, or
-`Costs.measure` once at start-up), so the choices — and hence FLy-mode output — depend only on the
-tokens.
+2.8 plain steps (measured, embedded pair, int8, bf16, 2 threads), each of them a loss.
+
+Rounds are never timed: the costs are fixed (the defaults, or `Costs.measure` once at start-up),
+so the choices — and hence FLy-mode output — depend only on the tokens.
 
 With `FLyConfig.adaptive = False` every round drafts k tokens with the configured stages.
 """
@@ -50,7 +51,6 @@ from fly_llm.decoding.drafters import DraftPlan
 PLAIN = DraftPlan(k=0, ngram=False, model=False)
 _FIRST_PROBE = 8
 _OPTIMISTIC_ALPHA = 0.9  # the draft model is only probed if it could win at this acceptance
-_REALIZED_DECAY = 0.9  # per draft-model round: what its last few rounds yielded
 
 
 @dataclass(frozen=True)
@@ -106,10 +106,11 @@ class PolicyState:
     rescue: _Rate = field(default_factory=lambda: _Rate(0.5, 0.5))  # optimistic: try K > W early
     ngram_hit: float = 0.5  # decayed share of n-gram lookups that found a proposal
     model_steps: float = 1.0  # decayed draft-model forwards per drafted token (< 1 when n-grams help)
-    since_model: int = _FIRST_PROBE  # rounds since the draft model last ran (a new request probes it at once)
+    since_model: int = _FIRST_PROBE  # rounds since the draft model last ran (a new request probes it at once;
+    # the engine offers no draft model in a request's first round, so that is its second)
     model_probe_every: int = _FIRST_PROBE
     probing: bool = False  # the current model round is a probe
-    model_tokens: float = 0.0  # decayed tokens emitted by draft-model rounds
+    model_tokens: float = 0.0  # tokens emitted by draft-model rounds, decayed per model round
     model_time: float = 0.0  # their decayed time, in plain target forwards (0: the model never ran)
 
     @property
@@ -172,9 +173,9 @@ class AdaptivePolicy:
         native, misses = accepted - loose, loose + (accepted < drafted)
         if plan.model:
             state.model.update(native, misses, self.decay)
-            time = 1 + self.costs.target_token * batch_size * drafted + self.costs.draft_step * model_forwards
-            state.model_tokens = state.model_tokens * _REALIZED_DECAY + accepted + 1
-            state.model_time = state.model_time * _REALIZED_DECAY + time
+            round_time = 1 + self.costs.target_token * batch_size * drafted + self.costs.draft_step * model_forwards
+            state.model_tokens = state.model_tokens * self.decay + accepted + 1
+            state.model_time = state.model_time * self.decay + round_time
             if drafted:
                 steps = model_forwards / drafted
                 state.model_steps = state.model_steps * self.decay + (1 - self.decay) * steps

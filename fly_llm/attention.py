@@ -96,7 +96,7 @@ def use_row_attention(model: torch.nn.Module) -> None:
 
 def use_float32_attention(model: torch.nn.Module) -> None:
     """Switch a half-precision transformers model on CPU from SDPA to `float32_sdpa` (others unchanged)."""
-    half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    if half and on_cpu and model.config._attn_implementation == "sdpa":
+    weight = next(model.parameters())
+    half = weight.dtype in (torch.bfloat16, torch.float16)
+    if half and weight.device.type == "cpu" and model.config._attn_implementation == "sdpa":
         model.set_attn_implementation(FLOAT32_SDPA)

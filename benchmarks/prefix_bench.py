@@ -9,6 +9,8 @@ prompt options), greedy exact mode so both sides give the same tokens:
 
 - agent: a 6-turn chat; each turn sends the whole conversation so far (the previous answers and a
   new user message). Per turn: TTFT without the cache and with it, and whether the answers match.
+  Run twice: as a plain chat, and as an agent does it, with tool schemas in every prompt
+  (`AGENT_TOOLS`, rendered by the chat template into the system prompt).
 - rag: the same long system prompt + context (`--context-tokens`) with 6 different questions.
 - itl: a stream is decoding when a `--long-tokens` prompt arrives; the stream's inter-token
   latency (median, p99, longest stall) with the whole prompt prefilled at once vs in pieces of
@@ -43,6 +45,25 @@ AGENT_TURNS = [
     "Make it also accept a custom delimiter.",
     "What is the time complexity?",
     "Summarise the final function in one sentence.",
+]
+AGENT_TOOLS = [  # what a coding agent offers its model: six tools, OpenAI function format
+    {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": {arg: {"type": "string", "description": arg_doc} for arg, arg_doc in args.items()},
+        "required": list(args)}}}
+    for name, description, args in [
+        ("read_file", "Read a text file of the project and return its contents.",
+         {"path": "Path of the file, relative to the project root."}),
+        ("write_file", "Create or overwrite a text file of the project with the given contents.",
+         {"path": "Path of the file, relative to the project root.", "contents": "The file's new text."}),
+        ("run_tests", "Run the project's test suite (or the tests matching a pattern) and return the report.",
+         {"pattern": "A pytest -k expression selecting tests; empty for all."}),
+        ("search_code", "Search the project's source for a regular expression; returns matching lines.",
+         {"regex": "A Python regular expression.", "glob": "Which files to search, e.g. '*.py'."}),
+        ("python", "Run a short Python snippet in a sandbox and return what it printed.",
+         {"code": "The Python source to run."}),
+        ("search_docs", "Search the Python standard library documentation and return the best passages.",
+         {"query": "What to look for, in words."}),
+    ]
 ]
 RAG_QUESTIONS = [
     "How do I serialise a Python object to JSON?",
@@ -115,7 +136,8 @@ def compare_turns(plain: FLyEngine, cached: FLyEngine, prompts, max_tokens: int)
     return rows
 
 
-def agent(plain: FLyEngine, cached: FLyEngine, max_tokens: int) -> list[dict]:
+def agent(plain: FLyEngine, cached: FLyEngine, max_tokens: int, tools: list[dict] | None = None) -> list[dict]:
+    """The 6-turn conversation, each turn's prompt holding the whole conversation (and `tools`' schemas)."""
     def prompt(turn: int):
         def make(answers: list[list[int]]) -> list[int]:
             messages = [{"role": "system", "content": SYSTEM}]
@@ -124,7 +146,7 @@ def agent(plain: FLyEngine, cached: FLyEngine, max_tokens: int) -> list[dict]:
                 if i < len(answers):
                     text = plain.tokenizer.decode(answers[i], skip_special_tokens=True)
                     messages.append({"role": "assistant", "content": text})
-            return chat(plain, messages)
+            return plain.encode(messages=messages, tools=tools)
         return make
     return compare_turns(plain, cached, [prompt(t) for t in range(1, len(AGENT_TURNS) + 1)], max_tokens)
 
@@ -195,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
                   device=str(base.device), threads=torch.get_num_threads(), platform=platform.platform(),
                   max_tokens=args.max_tokens)
     report["agent"] = agent(plain, cached, args.max_tokens)
+    report["agent_tools"] = agent(plain, cached, args.max_tokens, AGENT_TOOLS)
     report["rag"] = rag(plain, cached, min(args.context_tokens, room // 2), args.max_tokens)
     long_prompt = base.tokenizer.encode(context_text(base.tokenizer, min(args.long_tokens, room)))
     report["itl"] = {f"chunk {chunk or 'off'}": itl(variant(base, chunk=chunk), long_prompt, 4 * args.max_tokens)
@@ -203,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     md = "\n".join([f"# prefix_bench\n\n`{report['command']}`\n\ntarget {report['target']}, draft {report['draft']}, "
                     f"{report['dtype']} on {report['device']}, {report['threads']} threads\n",
                     table("agent: 6 turns, the whole conversation each time", report["agent"]),
+                    table(f"agent with tools: the same, {len(AGENT_TOOLS)} tool schemas in every prompt",
+                          report["agent_tools"]),
                     table("rag: one long context, 6 questions", report["rag"]),
                     f"### itl: a stream while a {len(long_prompt)}-token prompt arrives\n",
                     "| prefill | tokens | median ITL (s) | p99 ITL (s) | p99 / median | longest stall (s) |",

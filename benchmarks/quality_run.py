@@ -100,6 +100,11 @@ class SingleStreamPolicy(AdaptivePolicy):
         """AdaptivePolicy.plan with the batch size taken as 1."""
         return super().plan(state, fly, budget, 1, has_model)
 
+    def observe(self, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int, model_forwards: int = 0,
+                *, loose: int = 0, window: int | None = None, batch_size: int = 1) -> None:
+        """AdaptivePolicy.observe with the batch size taken as 1 (a round's realized cost as if alone)."""
+        super().observe(state, plan, drafted, accepted, model_forwards, loose=loose, window=window, batch_size=1)
+
 
 def policy_costs(out: Path, target: Any, draft: Any) -> Costs:
     """The adaptive policy's costs for every sitting of a run: timed on its first sitting and kept in

@@ -71,6 +71,19 @@ def test_the_quality_policy_plans_as_if_each_row_ran_alone():
     assert SingleStreamPolicy(costs).plan(PolicyState(), fly, 100, 8, True) == alone
 
 
+def test_the_quality_policy_learns_from_a_round_as_if_its_row_ran_alone():
+    """A batched round's realized cost must not count the batch: else a batched quality run stops
+    drafting where the same item alone drafts (as a GSM8K part at --batch 4 did: MAT 1.14)."""
+    from fly_llm.decoding.drafters import DraftPlan
+    from fly_llm.decoding.policy import AdaptivePolicy, Costs, PolicyState
+
+    costs, plan = Costs(target_token=0.2, draft_step=0.3), DraftPlan(k=8, ngram=False, model=True)
+    alone, batched = PolicyState(), PolicyState()
+    AdaptivePolicy(costs).observe(alone, plan, 8, 3, 8, batch_size=1)
+    SingleStreamPolicy(costs).observe(batched, plan, 8, 3, 8, batch_size=4)
+    assert batched == alone
+
+
 def test_report_has_every_method_and_exact_spd_is_the_target(batched):
     out, report = batched
     assert report["settings"]["methods"] == QUALITY_METHODS

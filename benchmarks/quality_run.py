@@ -15,6 +15,7 @@ the batch-1 latency of the other tables.
 from __future__ import annotations
 
 import json
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -62,15 +63,31 @@ class Sitting:
 
 
 def machine_kind(model: Any) -> str:
-    """The numerics a part was decoded with: device, the CPU's vector ISA (or the GPU) and dtype.
+    """The numerics a part was decoded with: device, the CPU's vector ISA and model name (or the
+    GPU), dtype and torch's thread count.
 
-    Greedy tokens are reproducible on one kind of machine, not across them (an AVX2 and an AVX-512
-    CPU round the int8 target differently), so parts pair only within one kind."""
+    Greedy tokens are reproducible on one kind of machine, not across them: an AVX2 and an AVX-512
+    CPU round the int8 target differently, and so do 1 and 2 threads on one CPU (GSM8K item 232's
+    first token, 2026-12-04), so parts pair only within one kind."""
     import torch
 
     device = model.device
-    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
-    return f"{device.type} {hardware} {str(model.dtype).removeprefix('torch.')}"
+    if device.type == "cuda":
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        hardware = f"{torch.backends.cpu.get_cpu_capability()} {_cpu_name()}"
+    return f"{device.type} {hardware} {str(model.dtype).removeprefix('torch.')} {torch.get_num_threads()} threads"
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 class QualityModeError(ValueError):

@@ -200,3 +200,21 @@ def test_parts_from_different_machines_are_flagged(batched, tiny_pair_dirs, tmp_
     _quality(tiny_pair_dirs, mixed, *RUN, "--report-only")
     humaneval, gsm8k = (mixed / "quality.md").read_text().split("## gsm8k")
     assert "Warning" not in humaneval and "cpu AVX2 float32" in gsm8k.split("Methods:")[0]
+
+
+def test_the_machine_kind_names_the_thread_count_that_changes_int8_numerics():
+    import torch
+    from torch import nn
+
+    from benchmarks.quality_run import machine_kind
+
+    model = nn.Linear(2, 2)
+    model.device, model.dtype = torch.device("cpu"), torch.float32
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = machine_kind(model)
+        torch.set_num_threads(2)
+        assert machine_kind(model) != one and one.endswith("float32 1 threads")
+    finally:
+        torch.set_num_threads(before)

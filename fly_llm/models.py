@@ -103,9 +103,14 @@ def _load_tokenizer(source: str, name: str) -> PreTrainedTokenizerBase:
 def _load_model(source: str, name: str, dtype: torch.dtype, device: torch.device,
                 device_map: str | None) -> PreTrainedModel:
     """Load straight onto `device` (or spread by accelerate's `device_map`), in eval mode; a half-precision
-    model on CPU attends in float32 (`fly_llm.attention`)."""
+    model on CPU attends in float32 (`fly_llm.attention`).
+
+    `use_kernels=False`: transformers 5 otherwise swaps layers for kernels it downloads from the Hub
+    when the `kernels` package is installed (on CUDA: `kernels-community/rotary`), which is network
+    at run time and fails offline."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map or {"": device})
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device_map or {"": device},
+                                                     use_kernels=False)
     except (OSError, ValueError) as exc:
         raise ModelError(f"could not load the model {name}: {exc}") from exc
     use_float32_attention(model)

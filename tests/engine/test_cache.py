@@ -95,13 +95,13 @@ def test_row_kv_skips_holes_and_single_row_seeds_a_row_that_extends_like_a_prefi
     model = make_pair("llama", dtype=torch.float64)[0]
     rng = random.Random(1)
     rows = [[rng.randrange(5, 300) for _ in range(n)] for n in (9, 4)]
-    kv = BatchKV(torch.device("cpu"))
+    kv = BatchKV(model.device)
     for tokens in rows:
         kv.add_row(_prefill(model, tokens))
     with torch.inference_mode():
         for _ in range(3):  # append 3 columns per row, keep 1 or 2: holes
             new = [[rng.randrange(5, 300) for _ in range(3)] for _ in rows]
-            kv.forward(model, torch.tensor(new))
+            kv.forward(model, torch.tensor(new, device=model.device))
             for tokens, more, keep in zip(rows, new, (1, 2)):
                 tokens.extend(more[:keep])
             kv.truncate([len(t) for t in rows])
@@ -113,7 +113,7 @@ def test_row_kv_skips_holes_and_single_row_seeds_a_row_that_extends_like_a_prefi
                 torch.testing.assert_close(v, layer.values[0], rtol=1e-9, atol=1e-9)
         tokens = rows[0]
         parts = [([k[:, :3], k[:, 3:5]], [v[:, :3], v[:, 3:5]]) for k, v in kv.row_kv(0, 0, 5)]
-        seeded = BatchKV.single_row(parts, torch.device("cpu"))
+        seeded = BatchKV.single_row(parts, model.device)
         seeded.extend(model, tokens[5:])
         seeded.check()
         for mine, theirs in zip(seeded.cache.layers, _prefill(model, tokens).cache.layers):

@@ -85,7 +85,7 @@ def test_model_stage_and_cascade_follow_draft_greedy(draft_model, use_ngram):
                       ModelStage(draft_model, draft_model.device))
     for b, context in enumerate(contexts):
         # row 0 starts empty: caught up on first use
-        cascade.add_row(context, BatchKV.prefill(draft_model, context[:-1] if b else [], torch.device("cpu")))
+        cascade.add_row(context, BatchKV.prefill(draft_model, context[:-1] if b else [], draft_model.device))
     with torch.inference_mode():
         for round_, ks in enumerate([[5, 3, 8], [1, 0, 6], [4, 4, 4], [8, 2, 1]]):
             plans = [DraftPlan(k=k, ngram=use_ngram, model=True) for k in ks]
@@ -119,7 +119,7 @@ def test_confidence_stopping_cuts_a_row_at_its_first_unsure_token_and_no_other_r
     def stage() -> ModelStage:
         s = ModelStage(draft, draft.device)
         for context in contexts:
-            s.add_row(BatchKV.prefill(draft, context[:-1], torch.device("cpu")))
+            s.add_row(BatchKV.prefill(draft, context[:-1], draft.device))
         return s
 
     full = stage().propose(contexts, [8, 8])

@@ -37,6 +37,8 @@ def test_load_local_dir(tiny_pair_dirs):
     assert loaded.dtype == torch.float32 and loaded.device == torch.device("cpu")
     assert loaded.context_window == 512
     assert not loaded.target.training and not loaded.draft.training
+    # No Hub kernels: transformers would download them at load time (on CUDA), network at run time.
+    assert not loaded.target.use_kernels and not loaded.draft.use_kernels
     reference = make_tokenizer()
     assert loaded.tokenizer.encode(PROBE) == reference.encode(PROBE)
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
@@ -78,7 +80,7 @@ def test_context_window_is_capped():
 
 
 def test_gguf_is_converted_once_and_matches_the_weights(tmp_path, cache_dir):
-    target, _, tokenizer = make_pair()
+    target, _, tokenizer = make_pair(device="cpu")  # compared with the CPU-loaded conversion
     path = write_tiny_gguf(tmp_path / "tiny.gguf", target, tokenizer)
     spec = ModelSpec(target=str(path), draft="none", dtype="float32", device="cpu", target_quantization="none")
     loaded = load_models(spec, progress=False)

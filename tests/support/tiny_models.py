@@ -130,7 +130,7 @@ def write_tiny_gguf(path: Path, model, tokenizer) -> Path:
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        data = tensor.detach().float()
+        data = tensor.detach().float().cpu()
         if ".attn_q." in name:
             array = _permute_for_gguf(data, cfg.num_attention_heads)
         elif ".attn_k." in name:

@@ -93,6 +93,7 @@ def test_report_has_every_method_and_exact_spd_is_the_target(batched):
     for dataset in ("humaneval", "gsm8k"):
         spd = by[dataset, "spd"]
         assert spd["agreement"] == 1.0 and spd["pass_to_fail"] == spd["fail_to_pass"] == 0 and spd["loose_rate"] == 0
+        assert spd["strict_items"] == 2 and spd["strict_differ"] == 0
         assert by[dataset, "target"]["mat"] == 1.0 and spd["mat"] >= 1.0
         assert by[dataset, "fly-w0"]["loose_rate"] > 0  # W=0 accepts any gated mismatch of the draft model
         for s in by.values():
@@ -195,11 +196,23 @@ def test_parts_from_different_machines_are_flagged(batched, tiny_pair_dirs, tmp_
     mixed = tmp_path / "mixed"
     shutil.copytree(out / "parts", mixed / "parts")
     shutil.copy(out / "policy_costs.json", mixed)
-    timing = part_path(mixed, "gsm8k", "fly").with_suffix(".timing.jsonl")
+    timing = part_path(mixed, "gsm8k", "spd").with_suffix(".timing.jsonl")
     timing.write_text(json.dumps({**json.loads(timing.read_text()), "machine": "cpu AVX2 float32"}) + "\n")
     _quality(tiny_pair_dirs, mixed, *RUN, "--report-only")
     humaneval, gsm8k = (mixed / "quality.md").read_text().split("## gsm8k")
-    assert "Warning" not in humaneval and "cpu AVX2 float32" in gsm8k.split("Methods:")[0]
+    gsm8k = gsm8k.split("Methods:")[0]
+    assert "Warning" not in humaneval and "cpu AVX2 float32" in gsm8k and "numerics agree" in gsm8k
+    assert "spd 0 of 2 differ" in gsm8k
+
+    # An exact-SPD item (no loose acceptance) whose tokens differ from target-only's: other numerics.
+    spd = part_path(mixed, "gsm8k", "spd")
+    records = [json.loads(line) for line in spd.read_text().splitlines()]
+    records[0]["token_ids"] = records[0]["token_ids"][:-1] + [records[0]["token_ids"][-1] + 1]
+    spd.write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = _quality(tiny_pair_dirs, mixed, *RUN, "--report-only")
+    gsm8k = (mixed / "quality.md").read_text().split("## gsm8k")[1].split("Methods:")[0]
+    assert "spd 1 of 2 differ" in gsm8k and "compare numerics, not methods" in gsm8k
+    assert {(s["dataset"], s["method"]): s["strict_differ"] for s in report["results"]}["gsm8k", "spd"] == 1
 
 
 def test_the_machine_kind_names_the_thread_count_that_changes_int8_numerics():

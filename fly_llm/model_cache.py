@@ -117,7 +117,8 @@ def convert_gguf(gguf: Path, out: Path, *, name: str, progress: bool = True,
         steps.set_postfix_str("weights")
         # dequantize=True: plain dense weights even where a packed-GGUF matmul kernel is installed.
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=CACHE_DTYPE,
-                                                      quantization_config=GgufConfig(dequantize=True))
+                                                      quantization_config=GgufConfig(dequantize=True),
+                                                      use_kernels=False)  # no Hub kernels (fly_llm.models)
         steps.update()
     if before_save is not None:
         before_save()

@@ -61,8 +61,10 @@ class InProcessClient:
         except RuntimeError:  # the loop has closed: nobody waits any more
             pass
 
-    async def replies(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | GenerateResult]:
-        """Submit `request`; yield its chunks (if it streams), then its result.
+    async def replies(self, request: GenerateRequest, *, tenant: str = "local",
+                      client: str | None = None) -> AsyncIterator[TokenChunk | GenerateResult]:
+        """Submit `request` for `tenant` and `client` (see `Scheduler.submit`); yield its chunks (if it
+        streams), then its result.
 
         Raises the request's error (BUSY, TOO_LONG, NOT_READY, …) as its FLyError. Leaving the
         iteration early cancels the request.
@@ -73,7 +75,7 @@ class InProcessClient:
         self._waiting[request.id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            self.scheduler.submit(LOCAL, request)
+            self.scheduler.submit(LOCAL, request, tenant=tenant, client=client)
             while not finished:
                 reply = await queue.get()
                 finished = not isinstance(reply, TokenChunk)

@@ -55,6 +55,13 @@ class Limits(BaseModel):
     max_batch_tokens: int = Field(65_536, ge=1, description="Cap on prompt + max_tokens over the running batch.")
     max_tokens_limit: int = Field(4096, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
     max_prompt_tokens: int | None = Field(None, ge=1, description="None = the context window - 1.")
+    max_prompt_chars: int | None = Field(None, ge=1, description="Longest prompt in characters (messages and "
+                                         "tools included), refused before tokenizing; None = 16 × the prompt "
+                                         "token limit.")
+    max_requests_per_client: int = Field(64, ge=1, description="Requests one client (a ZeroMQ socket, an HTTP "
+                                         "connection) may have queued or running; more get BUSY.")
+    share_prefix_cache: bool = Field(False, description="Let every client reuse every other's cached prompts "
+                                     "(a single-tenant deployment); else each credential has its own.")
     heartbeat_timeout: float = Field(5.0, ge=0, description="Seconds without a client heartbeat before a "
                                                              "request is cancelled; 0 = never.")
     drain_timeout: float = Field(10.0, ge=0, description="Seconds running requests get to finish on stop.")
@@ -67,6 +74,8 @@ class Job:
     envelope: Envelope
     request: GenerateRequest
     engine_id: str
+    tenant: str  # whose prefix cache it may use (a credential: "local", "curve:KEY", "http-key:HASH")
+    client: str  # what the per-client cap counts (one socket, one HTTP connection)
     submitted: float
     last_seen: float
     prompt_ids: list[int] = field(default_factory=list)
@@ -120,8 +129,13 @@ class Scheduler:
 
     # ---- called from the socket thread ----
 
-    def submit(self, envelope: Envelope, request: GenerateRequest) -> None:
-        """Queue a request (while models load too); raises NotReady, TooLong, BadRequest (duplicate id) or Busy."""
+    def submit(self, envelope: Envelope, request: GenerateRequest, *, tenant: str = "local",
+               client: str | None = None) -> None:
+        """Queue a request (while models load too); raises NotReady, TooLong, BadRequest (duplicate id) or Busy.
+
+        `tenant` names the credential it came with (its prefix cache scope); `client` what the
+        per-client cap counts (default: the envelope, one ZeroMQ socket).
+        """
         if request.sampling.max_tokens > self.limits.max_tokens_limit:
             raise TooLong(f"max_tokens {request.sampling.max_tokens} exceeds the daemon's limit "
                           f"{self.limits.max_tokens_limit}")
@@ -132,7 +146,7 @@ class Scheduler:
                 raise BadRequest(f"request id {request.id!r} is already in flight")
             if len(self._waiting) >= self.limits.queue_size:
                 raise Busy(f"admission queue full ({self.limits.queue_size} waiting)")
-            job = Job(envelope, request, f"r{next(self._ids)}", now, now)
+            job = Job(envelope, request, f"r{next(self._ids)}", tenant, client or _client_of(envelope), now, now)
             structure = request.structure
             if structure is not None and structure.calls_tools:
                 job.tool_calls = ToolCallStream(frozenset(t.function.name for t in structure.tools)
@@ -159,12 +173,13 @@ class Scheduler:
                     job.kill = Cancelled("the client went away")
         self._wake.set()
 
-    def touch(self, request_ids: list[str]) -> None:
-        """A heartbeat: the client still waits for these requests."""
-        wanted, now = set(request_ids), time.monotonic()
+    def touch(self, envelope: Envelope, request_ids: list[str]) -> None:
+        """A heartbeat: the client at `envelope` still waits for these of its requests."""
+        now = time.monotonic()
         with self._lock:
-            for job in self._jobs.values():
-                if job.request.id in wanted:
+            for rid in request_ids:
+                job = self._jobs.get((envelope, rid))
+                if job is not None:
                     job.last_seen = now
 
     def tokenize(self, envelope: Envelope, request: TokenizeRequest) -> None:
@@ -461,6 +476,11 @@ class Scheduler:
                 self._emit(envelope, ErrorReply(id=request.id, code=BadRequest.code, message=str(exc)))
                 continue
             self._emit(envelope, TokenizeReply(id=request.id, token_ids=ids, count=len(ids)))
+
+
+def _client_of(envelope: Envelope) -> str:
+    """The default client of a request: its socket (the ROUTER's routing frames)."""
+    return "zmq:" + "/".join(frame.hex() for frame in envelope)
 
 
 def _template_inputs(request: GenerateRequest | TokenizeRequest) -> tuple[list[dict] | None, list[dict] | None]:

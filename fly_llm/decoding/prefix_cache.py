@@ -6,6 +6,8 @@ tokens for the target and, when they were known, for the draft model. `seed` tur
 cached prefix of a prompt into one-row caches for both models (the rest of the prompt is then
 prefilled); `save` stores a row's KV, for a prompt when it joins the batch and for prompt +
 output when a request leaves, so the next turn of a conversation starts where this one ended.
+Both take a `scope` (the daemon passes the request's tenant): what one scope saved is never seeded
+into another's request.
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ class PrefixCache:
         self.store: PrefixStore[KVBlock] = PrefixStore(budget, block_size, lambda block: block.nbytes)
 
     @torch.inference_mode()
-    def seed(self, prompt: list[int], device: torch.device,
-             draft_device: torch.device | None) -> tuple[BatchKV, BatchKV | None]:
+    def seed(self, prompt: list[int], device: torch.device, draft_device: torch.device | None,
+             scope: str = "") -> tuple[BatchKV, BatchKV | None]:
         """One-row caches for the target (and the draft model, with `draft_device`) holding the longest
-        cached prefix of the prompt minus its last token (the engine's invariant: the last token is
-        fed in the first round)."""
+        prefix of the prompt minus its last token that `scope` has cached (the engine's invariant: the
+        last token is fed in the first round)."""
         limit = len(prompt) - 1
-        chain = [block.value for block in self.store.match(prompt[:limit])]
+        chain = [block.value for block in self.store.match(prompt[:limit], scope)]
         target = BatchKV.single_row(_parts([b.target for b in chain], limit), device)
         if draft_device is None:
             return target, None
@@ -57,8 +59,8 @@ class PrefixCache:
         return target, BatchKV.single_row(_parts(drafted, limit), draft_device)
 
     @torch.inference_mode()
-    def save(self, tokens: list[int], target: BatchKV, row: int, draft: BatchKV | None) -> None:
-        """Store row `row`'s KV of `tokens` (the row's context): as many tokens as each cache holds.
+    def save(self, tokens: list[int], target: BatchKV, row: int, draft: BatchKV | None, scope: str = "") -> None:
+        """Store row `row`'s KV of `tokens` (the row's context) in `scope`: as many tokens as each cache holds.
 
         Nothing is copied when the budget is 0 (the cache is off). If the device runs out of memory
         while copying, the cache empties itself and the request goes on."""
@@ -76,7 +78,7 @@ class PrefixCache:
             return KVBlock(old.target if old is not None else target.row_kv(row, i * n, (i + 1) * n), draft_kv)
 
         try:
-            self.store.insert(tokens[:target.lengths[row]], value_of)
+            self.store.insert(tokens[:target.lengths[row]], value_of, scope)
         except torch.OutOfMemoryError:
             self.store.clear()  # memory pressure: give the cache's memory back rather than fail the request
 

@@ -2,7 +2,9 @@
 
 A prompt is cut into blocks of `block_size` tokens; block i is keyed by (the id of block i−1,
 its own tokens), so a key names a whole prefix exactly (no hashing, no collisions) while each
-block stores only its own tokens and value. `match(tokens)` walks the blocks from the start and
+block stores only its own tokens and value. A prompt's first block is keyed by (its scope, its
+tokens): the scope is a string, a block id an int, so no chain of one scope is ever found from
+another (the daemon's tenants, docs/daemon.md). `match(tokens)` walks the blocks from the start and
 returns the longest cached chain — its last block may extend past the end of `tokens` (a prompt
 that ends inside a cached block matches all of its tokens); `insert(tokens, value_of)` adds the
 missing whole blocks (and may replace the values of existing ones).
@@ -25,16 +27,16 @@ from itertools import count
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
-ROOT = -1
-"""The parent id of a prompt's first block."""
+Parent = int | str
+"""What a block's key starts with: the id of the block before it, or (for a prompt's first block) its scope."""
 
 
 @dataclass(eq=False)
 class Block(Generic[V]):
-    """One cached block: its tokens, the id of the block before it, and its value."""
+    """One cached block: its tokens, the id of the block before it (or its scope), and its value."""
 
     id: int
-    parent: int
+    parent: Parent
     tokens: tuple[int, ...]
     value: V
     nbytes: int
@@ -51,22 +53,22 @@ class PrefixStore(Generic[V]):
         self.size = size
         self.bytes = 0
         self.evictions = 0  # blocks evicted so far
-        self._blocks: OrderedDict[tuple[int, tuple[int, ...]], Block[V]] = OrderedDict()  # oldest first
+        self._blocks: OrderedDict[tuple[Parent, tuple[int, ...]], Block[V]] = OrderedDict()  # oldest first
         self._by_id: dict[int, Block[V]] = {}
-        self._children: dict[int, dict[int, Block[V]]] = {}  # parent id -> its cached children by id
+        self._children: dict[Parent, dict[int, Block[V]]] = {}  # parent -> its cached children by id
         self._ids = count()
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def match(self, tokens: Sequence[int]) -> list[Block[V]]:
-        """The cached blocks that begin `tokens`, in order (the longest chain); marks them used.
+    def match(self, tokens: Sequence[int], scope: str = "") -> list[Block[V]]:
+        """The cached blocks of `scope` that begin `tokens`, in order (the longest chain); marks them used.
 
         They hold min(len(chain) × block_size, len(tokens)) tokens of `tokens`: when the tokens left
         after the whole blocks begin a cached block, that block comes last (the one with the smallest
         tokens if several do).
         """
-        chain, parent, n = [], ROOT, self.block_size
+        chain, parent, n = [], scope, self.block_size
         for start in range(0, len(tokens) - n + 1, n):
             block = self._blocks.get((parent, tuple(tokens[start:start + n])))
             if block is None:
@@ -80,15 +82,15 @@ class PrefixStore(Generic[V]):
         self._touch(chain)
         return chain
 
-    def insert(self, tokens: Sequence[int], value_of: Callable[[int, V | None], V | None]) -> None:
-        """Store the whole blocks of `tokens`, evicting least recently used blocks to make room.
+    def insert(self, tokens: Sequence[int], value_of: Callable[[int, V | None], V | None], scope: str = "") -> None:
+        """Store the whole blocks of `tokens` in `scope`, evicting least recently used blocks to make room.
 
         `value_of(i, old)` gives block i's value: for a missing block (old is None) a new value,
         for a cached one a replacement or None to keep `old`. Blocks of `tokens` itself are never
         evicted to make room for it: when only they are left, the rest is not stored.
         """
         n = self.block_size
-        chain = self.match(tokens)[:len(tokens) // n]
+        chain = self.match(tokens, scope)[:len(tokens) // n]
         keep = {block.id for block in chain}
         for i, block in enumerate(chain):
             value = value_of(i, block.value)
@@ -104,7 +106,7 @@ class PrefixStore(Generic[V]):
             size = self.size(value)
             if not self._make_room(size, keep):
                 break
-            block = Block(next(self._ids), chain[-1].id if chain else ROOT, tuple(tokens[i * n:(i + 1) * n]),
+            block = Block(next(self._ids), chain[-1].id if chain else scope, tuple(tokens[i * n:(i + 1) * n]),
                           value, size)
             self._blocks[(block.parent, block.tokens)] = block
             self._by_id[block.id] = block
@@ -123,8 +125,8 @@ class PrefixStore(Generic[V]):
 
     def check(self) -> None:
         """Assert the invariants: bytes ≤ budget and equal to the values' sizes; every key names its
-        block; every block's parent is cached and more recently used than the block; the children
-        index lists exactly the blocks."""
+        block; every block's parent is a scope, or a cached block more recently used than the block;
+        the children index lists exactly the blocks."""
         assert self.bytes <= self.budget, (self.bytes, self.budget)
         assert self.bytes == sum(b.nbytes for b in self._blocks.values()), "byte count ≠ blocks"
         assert len(self._by_id) == len(self._blocks), "id index ≠ blocks"
@@ -137,7 +139,7 @@ class PrefixStore(Generic[V]):
             assert block.nbytes == self.size(block.value), f"block {block.id}: stale size"
             order[block.id] = position
         for block in self._blocks.values():
-            if block.parent != ROOT:
+            if isinstance(block.parent, int):
                 assert block.parent in order, f"block {block.id} lost its parent {block.parent}"
                 assert order[block.parent] > order[block.id], f"block {block.id} is more recent than its parent"
 

@@ -1,8 +1,9 @@
-"""The prefix store against a plain reference, under random inserts, replacements and lookups.
+"""The prefix store against a plain reference, under random inserts, replacements and lookups in scopes.
 
-The reference keeps an OrderedDict from each cached prefix (the whole token tuple up to a block's
-end) to that block's value, with the same LRU rule and the same choice of a last, partly matched
-block; the store keys blocks by (parent id, tokens).
+The reference keeps an OrderedDict from each cached (scope, prefix) (the whole token tuple up to a
+block's end) to that block's value, with the same LRU rule and the same choice of a last, partly
+matched block; the store keys blocks by (parent id or scope, tokens). A lookup in one scope never
+returns a value that only another scope stored.
 After every rule both give the same lookups, bytes and evictions, and `PrefixStore.check()` holds
 (bytes ≤ budget, index consistent, every block's parent cached and more recent).
 """
@@ -21,6 +22,7 @@ from fly_llm.decoding.prefix_store import PrefixStore
 Value = tuple[str, int]  # (label, bytes)
 
 tokens_st = st.lists(st.integers(0, 2), max_size=14)
+scopes_st = st.sampled_from(["", "a", "b"])
 sizes_st = st.lists(st.integers(1, 12), min_size=7, max_size=7)
 
 
@@ -29,29 +31,30 @@ def size(value: Value) -> int:
 
 
 class Reference:
-    """The obvious model: an LRU OrderedDict from cached prefixes (whole blocks) to values."""
+    """The obvious model: an LRU OrderedDict from cached (scope, prefix) pairs (whole blocks) to values."""
 
     def __init__(self, budget: int, block_size: int) -> None:
         self.budget, self.n = budget, block_size
-        self.entries: OrderedDict[tuple[int, ...], Value] = OrderedDict()  # oldest first
+        self.entries: OrderedDict[tuple[str, tuple[int, ...]], Value] = OrderedDict()  # oldest first
         self.bytes = self.evictions = 0
 
-    def match(self, tokens: list[int]) -> list[tuple[int, ...]]:
+    def match(self, tokens: list[int], scope: str) -> list[tuple[str, tuple[int, ...]]]:
         chain = []
         for end in range(self.n, len(tokens) + 1, self.n):
-            if tuple(tokens[:end]) not in self.entries:
+            if (scope, tuple(tokens[:end])) not in self.entries:
                 break
-            chain.append(tuple(tokens[:end]))
+            chain.append((scope, tuple(tokens[:end])))
         done = len(chain) * self.n
         if 0 < len(tokens) - done < self.n:  # the rest begins a cached block: the one with the smallest tokens
-            partial = sorted(k for k in self.entries if len(k) == done + self.n and k[:len(tokens)] == tuple(tokens))
+            partial = sorted(k for k in self.entries
+                             if k[0] == scope and len(k[1]) == done + self.n and k[1][:len(tokens)] == tuple(tokens))
             chain += partial[:1]
         for key in reversed(chain):
             self.entries.move_to_end(key)
         return chain
 
-    def insert(self, tokens: list[int], value_of) -> None:
-        chain = self.match(tokens)[:len(tokens) // self.n]
+    def insert(self, tokens: list[int], value_of, scope: str) -> None:
+        chain = self.match(tokens, scope)[:len(tokens) // self.n]
         for i, key in enumerate(chain):
             value = value_of(i, self.entries[key])
             if value is not None and self._room(value[1] - self.entries[key][1], chain):
@@ -61,14 +64,14 @@ class Reference:
             value = value_of(i, None)
             if not self._room(value[1], chain):
                 break
-            key = tuple(tokens[:(i + 1) * self.n])
+            key = scope, tuple(tokens[:(i + 1) * self.n])
             self.entries[key] = value
             self.bytes += value[1]
             chain.append(key)
         for key in reversed(chain):
             self.entries.move_to_end(key)
 
-    def _room(self, size: int, chain: list[tuple[int, ...]]) -> bool:
+    def _room(self, size: int, chain: list[tuple[str, tuple[int, ...]]]) -> bool:
         while self.bytes + size > self.budget:
             oldest = next(iter(self.entries), None)
             if oldest is None or oldest in chain:
@@ -95,20 +98,22 @@ class StoreMachine(RuleBasedStateMachine):
     def start(self, budget, block_size):
         self.store = PrefixStore(budget, block_size, size)
         self.ref = Reference(budget, block_size)
-        self.inserts = 0
+        self.scope_of: dict[str, str] = {}  # insert label -> the scope it stored into
 
-    @rule(tokens=tokens_st, sizes=sizes_st, grow=st.integers(0, 4))
-    def insert(self, tokens, sizes, grow):
-        self.inserts += 1
-        value_of = values_for(str(self.inserts), sizes, grow)
-        self.store.insert(tokens, value_of)
-        self.ref.insert(tokens, value_of)
+    @rule(tokens=tokens_st, sizes=sizes_st, grow=st.integers(0, 4), scope=scopes_st)
+    def insert(self, tokens, sizes, grow, scope):
+        label = str(len(self.scope_of))
+        self.scope_of[label] = scope
+        value_of = values_for(label, sizes, grow)
+        self.store.insert(tokens, value_of, scope)
+        self.ref.insert(tokens, value_of, scope)
 
-    @rule(tokens=tokens_st)
-    def match(self, tokens):
-        chain = self.store.match(tokens)
-        expected = self.ref.match(tokens)
+    @rule(tokens=tokens_st, scope=scopes_st)
+    def match(self, tokens, scope):
+        chain = self.store.match(tokens, scope)
+        expected = self.ref.match(tokens, scope)
         assert [b.value for b in chain] == [self.ref.entries[k] for k in expected]
+        assert all(self.scope_of[b.value[0][1:].split("/")[0]] == scope for b in chain), "another scope's block"
         matched = min(len(chain) * self.store.block_size, len(tokens))
         assert [t for b in chain for t in b.tokens][:matched] == list(tokens[:matched])
 

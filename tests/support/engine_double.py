@@ -30,6 +30,7 @@ class _Output:
     prompt_tokens: int
     stats: RequestStats = field(default_factory=RequestStats)
     cached_tokens: int = 0
+    error: str | None = None
 
 
 class CountingEngine:
@@ -47,15 +48,22 @@ class CountingEngine:
         self.step_s = step_s
         self.fail_next_step = False
         self.rows: dict[str, list[int]] = {}
+        self.scopes: dict[str, str] = {}  # request id -> the cache_scope it was added with
 
     def encode(self, prompt=None, messages=None, tools=None) -> list[int]:
         text = prompt if prompt is not None else " ".join(m["content"] for m in messages)
         return [1] * len(text.split())
 
-    def add_request(self, request_id, prompt_ids, sampling, fly=None, structure=None) -> None:
+    def compile_structure(self, structure):
+        """No grammars here: every structure compiles to no matcher."""
+        return None
+
+    def add_request(self, request_id, prompt_ids, sampling, fly=None, structure=None, *, matcher=None,
+                    cache_scope: str = "") -> None:
         if len(prompt_ids) >= self.context_window:
             raise TooLong("prompt does not fit")
         self.rows[request_id] = [sampling.max_tokens, 0, len(prompt_ids)]
+        self.scopes[request_id] = cache_scope
 
     def abort_request(self, request_id) -> bool:
         return self.rows.pop(request_id, None) is not None

@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="also serve the OpenAI-compatible HTTP API here, e.g. 127.0.0.1:8000")
     serve.add_argument("--api-key", help="Bearer key the HTTP API requires (needed for a non-loopback --http; "
                                          "prefer FLY_API_KEY: flags show in the process list)")
+    serve.add_argument("--allowed-host", dest="allowed_hosts", action="append", metavar="HOST",
+                       help="also answer HTTP requests whose Host is HOST (repeatable; '*': any); else a "
+                            "loopback --http answers only localhost, 127.0.0.1, [::1] and its own host")
     start.add_argument("--foreground", action="store_true", help="stay attached; log to the terminal")
     start.add_argument("--wait", type=float, default=900.0, help="detached: seconds to wait for 'ready'")
     start.add_argument("-v", "--verbose", action="store_true")
@@ -236,10 +239,14 @@ def _http_front(server: "Server", settings: DaemonSettings) -> "HttpFront | None
     """The OpenAI-compatible HTTP front on `settings.http` (bound, not yet serving), or None."""
     if settings.http is None:
         return None
-    from fly_daemon.http import HttpFront, create_app
+    from fly_daemon.http import HttpFront, create_app, require_key_off_loopback, trusted_hosts
+    from fly_daemon.runtime import host_port
 
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    app = create_app(server.inproc, api_key=api_key, max_body_bytes=settings.max_frame_bytes)
+    host, _ = host_port(settings.http)
+    require_key_off_loopback(host, api_key)
+    hosts = trusted_hosts(host, settings.allowed_hosts)
+    app = create_app(server.inproc, api_key=api_key, max_body_bytes=settings.max_frame_bytes, allowed_hosts=hosts)
     return HttpFront(app, settings.http, api_key=api_key)
 
 

@@ -5,17 +5,24 @@ of HTTP). Routes: POST /v1/chat/completions, POST /v1/completions (server-sent e
 `"stream": true`), GET /v1/models, GET /health. Errors are OpenAI's error shape with our stable
 codes (fly_llm.errors) as `code`; a client that disconnects, while waiting or mid-stream, cancels
 its request. A non-loopback bind needs an API key (Bearer), as a non-loopback ZeroMQ bind needs CURVE.
+With a key, every route but /health needs it (/docs and /redoc are off, /openapi.json needs the key).
+A front on loopback answers only requests whose Host header is a loopback name, its bound host or
+an allowed host (a web page reaching it by DNS rebinding names its own host). An unexpected failure
+answers INTERNAL with a request id that the log's traceback carries, never the exception's text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import re
 import secrets
 import socket
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection, Iterable
 from typing import Any, TypeVar
 
 import uvicorn
@@ -44,27 +51,42 @@ STATUS = {"BAD_REQUEST": 400, "TOO_LONG": 400, "UNAUTHORIZED": 401, "BUSY": 503,
 """The HTTP status of each error code; 503s may be retried (BUSY: nothing was admitted)."""
 CLIENT_CLOSED = 499
 """The status logged for a request whose client left before its answer (nobody receives it)."""
+MISDIRECTED = 421
+"""The status of a request whose Host header names a host this front does not serve."""
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+"""The Host names a loopback front always answers."""
+_HOST = re.compile(r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+|[0-9a-f:]+))(?::\d{1,5})?")
 
 
 class UnknownModel(BadRequest):
     """The request names a model this daemon does not serve (HTTP 404, code BAD_REQUEST)."""
 
 
-def create_app(client: InProcessClient, *, api_key: str | None = None,
-               max_body_bytes: int = MAX_FRAME_BYTES) -> FastAPI:
-    """The FastAPI app serving `client`'s scheduler; /v1 needs `Authorization: Bearer <api_key>` if one is set."""
+def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_bytes: int = MAX_FRAME_BYTES,
+               allowed_hosts: Collection[str] | None = None) -> FastAPI:
+    """The FastAPI app serving `client`'s scheduler.
+
+    With `api_key`, every route but /health needs `Authorization: Bearer <api_key>` (/docs and /redoc are
+    off). With `allowed_hosts` (see `trusted_hosts`), a request whose Host header names another host is
+    refused (421).
+    """
+    guard = [Depends(_bearer(api_key))] if api_key else []
+    docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if api_key else {}
     app = FastAPI(title="fly-llm", version=fly_llm.__version__,
-                  description="OpenAI-compatible HTTP front of fly-daemon (FLy speculative decoding).")
+                  description="OpenAI-compatible HTTP front of fly-daemon (FLy speculative decoding).", **docs)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer(api_key))] if api_key else [])
+    if allowed_hosts is not None:
+        app.add_middleware(_TrustedHosts, hosts=allowed_hosts)
+    v1 = APIRouter(prefix="/v1", dependencies=guard)
+    tenant = request_tenant(api_key)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _generate(client, body, request)
+        return await _generate(client, body, request, tenant)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _generate(client, body, request)
+        return await _generate(client, body, request, tenant)
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
@@ -77,9 +99,49 @@ def create_app(client: InProcessClient, *, api_key: str | None = None,
         return JSONResponse({"state": client.state, "detail": client.detail},
                             status_code=200 if client.state == "ready" else 503)
 
+    if api_key:
+        @app.get("/openapi.json", dependencies=guard, include_in_schema=False)
+        async def openapi() -> dict[str, Any]:
+            return app.openapi()
+
     app.include_router(v1)
     _add_error_handlers(app)
     return app
+
+
+def request_tenant(api_key: str | None) -> str:
+    """The tenant a front's requests are submitted under: 'http-key:' + a short sha256 of its key, else 'local'."""
+    return f"http-key:{hashlib.sha256(api_key.encode()).hexdigest()[:16]}" if api_key else "local"
+
+
+def require_key_off_loopback(host: str, api_key: str | None) -> None:
+    """ValueError when `host` is not loopback and there is no API key (an empty key is none)."""
+    if not is_loopback_host(host) and not (api_key and api_key.strip()):
+        raise ValueError(f"refusing to serve HTTP on {host} (not loopback) without an API key "
+                         "(--api-key or FLY_API_KEY)")
+
+
+def trusted_hosts(host: str, extra: Iterable[str] = ()) -> frozenset[str] | None:
+    """The Host names a front bound on `host` answers (for `create_app`); None = any.
+
+    The loopback names, `host` and `extra`; but beyond loopback, where the key guards every route, any
+    host unless `extra` names some. '*' in `extra` allows any host. ValueError for an entry that is not
+    a host name.
+    """
+    extra = list(extra)
+    if "*" in extra or not (extra or is_loopback_host(host)):
+        return None
+    return frozenset({*LOOPBACK_NAMES, host.lower(), *(_host_name(h) or _bad_host(h) for h in extra)})
+
+
+def _host_name(value: str) -> str | None:
+    """The host name of a Host header ('name', 'name:port', '[v6]:port'), lowercased; None if it is not one."""
+    match = _HOST.fullmatch(value.strip().lower())
+    return match and (match["v6"] or match["name"])
+
+
+def _bad_host(value: str) -> str:
+    raise ValueError(f"not a host name: {value!r} (allowed hosts are names or addresses, e.g. fly.example)")
 
 
 def _bearer(api_key: str) -> Callable[..., Awaitable[None]]:
@@ -95,15 +157,16 @@ def _bearer(api_key: str) -> Callable[..., Awaitable[None]]:
 
 # ---- generation ----
 
-async def _generate(client: InProcessClient, body: GenerationBody, request: Request) -> Response:
-    """Serve one chat or text completion, whole or as server-sent events."""
+async def _generate(client: InProcessClient, body: GenerationBody, request: Request, tenant: str) -> Response:
+    """Serve one chat or text completion, whole or as server-sent events, as `tenant` and its connection's peer."""
+    peer = request.client.host if request.client else "unknown"
 
     async def start() -> tuple[dict[str, Any], Replies, TokenChunk | GenerateResult]:
         model = await client.loaded_model()
         if body.model != model:
             raise UnknownModel(f"model {body.model!r} is not served here; GET /v1/models lists {model!r}")
         head = body.head(model)
-        replies = client.replies(body.to_generate(head["id"]))
+        replies = client.replies(body.to_generate(head["id"]), tenant=tenant, client=f"{tenant}@{peer}")
         return head, replies, await anext(replies)  # an error before the first token is a plain HTTP error
 
     try:
@@ -133,6 +196,8 @@ async def _events(body: GenerationBody, head: dict[str, Any], first: TokenChunk 
         yield "data: [DONE]\n\n"
     except FLyError as exc:
         yield _event(error_body(exc, _error_type(_status(exc))))
+    except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
+        yield _event(error_body(_internal(exc), _error_type(500)))
     finally:
         await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
 
@@ -191,8 +256,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("the HTTP front failed on a request")
-        return _error(Internal(f"unexpected error: {exc}"), 500)
+        return _error(_internal(exc), 500)
+
+
+def _internal(exc: BaseException) -> Internal:
+    """INTERNAL naming a new request id, never `exc`'s text (it may hold a prompt); the log gets the traceback."""
+    request_id = uuid.uuid4().hex[:12]
+    log.error("the HTTP front failed on a request (request id %s)", request_id, exc_info=exc)
+    return Internal(f"internal error (request id {request_id}); the server's log has the details")
 
 
 def _status(error: FLyError) -> int:
@@ -238,6 +309,23 @@ class _BodyLimit:
         await self.app(scope, limited, send)
 
 
+class _TrustedHosts:
+    """ASGI middleware: a request whose Host header names none of `hosts` is refused (421, BAD_REQUEST)."""
+
+    def __init__(self, app: ASGIApp, hosts: Collection[str]) -> None:
+        self.app = app
+        self.hosts = frozenset(hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        host = Headers(scope=scope).get("host", "")
+        if scope["type"] != "http" or _host_name(host) in self.hosts:
+            await self.app(scope, receive, send)
+            return
+        error = BadRequest(f"Host {host[:100]!r} is not served here (allowed: {', '.join(sorted(self.hosts))}; "
+                           "add one with --allowed-host or FLY_ALLOWED_HOSTS)")
+        await _error(error, MISDIRECTED)(scope, receive, send)
+
+
 # ---- serving ----
 
 class HttpFront:
@@ -246,9 +334,7 @@ class HttpFront:
     def __init__(self, app: FastAPI, address: str, *, api_key: str | None = None) -> None:
         """Bind `address` ('HOST:PORT'); ValueError for a non-loopback host without an API key, OSError if taken."""
         host, port = host_port(address)
-        if not is_loopback_host(host) and not api_key:
-            raise ValueError(f"refusing to serve HTTP on {address} (not loopback) without an API key "
-                             "(--api-key or FLY_API_KEY)")
+        require_key_off_loopback(host, api_key)
         try:
             self._socket = _listen(host, port)
         except OSError as exc:

@@ -22,11 +22,12 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import platformdirs
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
+                               TomlConfigSettingsSource)
 
 from fly_llm.config import FLyConfig, ModelSpec
 from fly_llm.protocol import MAX_FRAME_BYTES
@@ -56,7 +57,10 @@ class DaemonSettings(Limits):
     curve_clients: Path | None = None
     http: str | None = Field(None, description="HOST:PORT of the OpenAI-compatible HTTP front; None = off.")
     api_key: SecretStr | None = Field(None, description="Bearer key the HTTP front requires (needed to bind a "
-                                                        "non-loopback address).")
+                                      "non-loopback address); empty or blank = no key.")
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Host names the HTTP front answers besides the loopback names and its "
+        "bound host ('*' = any); FLY_ALLOWED_HOSTS takes them comma-separated.")
 
     @field_validator("http")
     @classmethod
@@ -64,6 +68,19 @@ class DaemonSettings(Limits):
         if address is not None:
             host_port(address)
         return address
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _blank_is_none(cls, key: Any) -> Any:
+        """An empty or blank key is no key (surrounding blanks, as a shell or a file leaves them, are dropped)."""
+        if isinstance(key, SecretStr):
+            key = key.get_secret_value()
+        return (key.strip() or None) if isinstance(key, str) else key
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _comma_separated(cls, hosts: Any) -> Any:
+        return [h.strip() for h in hosts.split(",") if h.strip()] if isinstance(hosts, str) else hosts
 
 
 TABLES: dict[type[BaseModel], str] = {ModelSpec: "model", FLyConfig: "fly", DaemonSettings: "daemon"}

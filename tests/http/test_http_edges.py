@@ -56,9 +56,11 @@ def test_a_loopback_front_answers_only_loopback_host_names(tmp_path):
         assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 
-def test_a_wildcard_allows_any_host(tmp_path):
+def test_a_wildcard_allows_any_host_and_a_bad_entry_is_refused(tmp_path):
     with front(tmp_path, allowed_hosts=["*"]) as (_, client):
         assert client.get("/health", headers={"Host": "anything.example"}).status_code == 200
+    with pytest.raises(ValueError, match="not a host name"):
+        _http_front(None, DaemonSettings(http="127.0.0.1:0", allowed_hosts=["a b"]))  # type: ignore[arg-type]
 
 
 def test_docs_and_schema_need_the_key(tmp_path):
@@ -156,4 +158,4 @@ def test_beyond_loopback_the_key_guards_any_host_unless_hosts_are_listed(tmp_pat
         _error(client.get("/v1/models", headers={"Host": "fly.example"}), 401, "UNAUTHORIZED")
     with front(tmp_path, http="0.0.0.0:0", api_key=KEY, allowed_hosts=["fly.example"]) as (_, client):
         assert client.get("/health", headers={"Host": "fly.example"}).status_code == 200
-        _error(client.get("/health", headers={"Host": "localhost"}), 421, "BAD_REQUEST")
+        _error(client.get("/health", headers={"Host": "other.example"}), 421, "BAD_REQUEST")

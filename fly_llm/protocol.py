@@ -8,7 +8,6 @@ Replies: chunk (streamed text), result, error, info, health, status, tokenize.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -16,6 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from fly_llm.config import FLyConfig, FLyOverrides, SamplingParams
 from fly_llm.errors import BadRequest, TooLong
+from fly_llm.json_text import loads
 from fly_llm.stats import FinishReason, PromptStats, RequestStats
 from fly_llm.tools import MAX_TOOLS, ResponseFormat, Structure, ToolCall, ToolChoice, ToolSpec
 
@@ -68,7 +68,7 @@ class MessageToolCall(BaseModel):
         arguments = self.function.arguments
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
+                arguments = loads(arguments) if arguments.strip() else {}
             except ValueError as exc:
                 raise ValueError(f"tool call {self.id}: arguments are not JSON: {exc}") from None
             if not isinstance(arguments, dict):

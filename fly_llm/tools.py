@@ -13,11 +13,12 @@ The daemon renders `tools` with the target's chat template, constrains decoding 
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from fly_llm.json_text import loads, loads_objects
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
@@ -231,8 +232,11 @@ def _reason(exc: ValidationError) -> str:
 
 
 def parse_call(body: str) -> ToolCall:
-    """A ToolCall (with a fresh id) from the JSON between the tags; ValueError unless {"name": str, "arguments": {…}}."""
-    return _call(json.loads(body))
+    """A ToolCall (with a fresh id) from the JSON between the tags; ValueError unless {"name": str, "arguments": {…}}.
+
+    Any text either parses or raises ValueError (nesting deeper than json_text.MAX_DEPTH included).
+    """
+    return _call(loads(body))
 
 
 def _call(data: Any) -> ToolCall:
@@ -322,15 +326,10 @@ _BARE_STARTS = ("{", "```json")
 
 def _bare_calls(text: str) -> list[ToolCall]:
     """The call objects of a bare answer (one or more, separated by whitespace); [] if it is anything else."""
-    decoder, calls, at = json.JSONDecoder(), [], 0
     try:
-        while at < len(text):
-            data, at = decoder.raw_decode(text, at)
-            calls.append(_call(data))
-            at = len(text) - len(text[at:].lstrip())
+        return [_call(data) for data in loads_objects(text)]
     except ValueError:
         return []
-    return calls
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings, strategies as st
 from pydantic import ValidationError
 
-from fly_llm.tools import Structure, ToolCallStream, split_tool_calls
+from fly_llm.json_text import MAX_DEPTH
+from fly_llm.tools import TOOL_CLOSE, TOOL_OPEN, Structure, ToolCallStream, parse_call, split_tool_calls
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
 
@@ -77,3 +79,45 @@ def test_openai_nested_json_schema_is_accepted():
     fmt = Structure.model_validate({"response_format": {"type": "json_schema", "json_schema": {
         "name": "a", "schema": {"type": "object"}}}}).response_format
     assert fmt.json_schema_ == {"type": "object"} and fmt.name == "a"
+
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize("body", [f'{{"name": "f", "arguments": {{"x": {DEEP}}}}}', DEEP, "{" * 5000],
+                         ids=["deep arguments", "deep array", "unclosed objects"])
+def test_deep_nesting_in_model_output_is_text_not_a_crash(body):
+    text = f"{TOOL_OPEN}{body}{TOOL_CLOSE}"
+    with pytest.raises(ValueError):
+        parse_call(body)
+    assert split_tool_calls(text) == (text, [])
+    assert _stream(body, [len(body) // 2], frozenset({"f"})) == (body, [])  # a bare answer, too
+
+
+def test_a_call_nested_up_to_the_limit_parses():
+    depth = MAX_DEPTH - 3  # the call object and "arguments" hold the rest
+    body = f'{{"name": "f", "arguments": {{"x": {"[" * depth}{"]" * depth}}}}}'
+    assert parse_call(body).name == "f"
+
+
+_JSONISH = st.text(alphabet='{}[]":,\\ ntrue0123456789.-<>/_abcfl\u00e9\ufffd\U0001f642', max_size=300)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.one_of(_JSONISH, st.sampled_from([TOOL_OPEN, TOOL_CLOSE, "```json", CALL, DEEP, "[" * 3000, "]" * 3000,
+                                                               "{" * 3000, '{"name": "f", "arguments": '])),
+                       max_size=12),
+       offered=st.booleans())
+def test_the_call_parsers_raise_nothing_undocumented_on_any_text(pieces, offered):
+    """feed/finish and split_tool_calls never raise; parse_call raises only ValueError."""
+    text = "".join(pieces)
+    names = frozenset({"f"}) if offered else frozenset()
+    stream = ToolCallStream(names)
+    for piece in pieces:
+        stream.feed(piece)
+    stream.finish()
+    split_tool_calls(text)
+    try:
+        parse_call(text)
+    except ValueError:
+        pass

@@ -1,0 +1,47 @@
+"""Reading JSON text that nobody vouches for: JSON strings inside frames, tool calls in model output (no torch).
+
+The standard library's parser recurses once per nesting level, so a few KB of `[[[[…` raise
+RecursionError wherever it is read. These readers parse with the same bounded parser as the
+wire's frames (pydantic-core's jiter, native code that refuses nesting deeper than MAX_DEPTH),
+so any input either parses or raises ValueError. They also refuse what a frame refuses: NaN,
+Infinity and lone surrogates (text that could not be sent on as UTF-8 JSON).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic_core import from_json
+
+MAX_DEPTH = 200
+"""Deepest nesting of arrays and objects that parses (jiter's recursion limit; deeper is a ValueError)."""
+
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*+"?|[\[{]|[\]}]', re.DOTALL)
+"""A string (possessive, unterminated ones to the end: linear time on any text) or a bracket."""
+
+
+def loads(text: str | bytes) -> Any:
+    """The JSON value in `text`; ValueError for anything else (invalid, too deep, trailing text, lone surrogates)."""
+    return from_json(text.encode() if isinstance(text, str) else text, allow_inf_nan=False)
+
+
+def loads_objects(text: str) -> list[Any]:
+    """The JSON objects in `text`, one after another with only whitespace around them; ValueError otherwise."""
+    values, start, depth = [], 0, 0
+    for token in _TOKEN.finditer(text):
+        kind = token.group()
+        if depth == 0:
+            if kind != "{" or text[start:token.start()].strip():
+                raise ValueError("expected JSON objects separated by whitespace")
+            start = token.start()
+        if kind in ("[", "{"):
+            depth += 1
+        elif kind in ("]", "}"):
+            depth -= 1
+            if depth == 0:
+                values.append(loads(text[start:token.end()]))
+                start = token.end()
+    if depth != 0 or text[start:].strip():
+        raise ValueError("expected JSON objects separated by whitespace")
+    return values

@@ -317,8 +317,8 @@ class _TrustedHosts:
         self.hosts = frozenset(hosts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        host = Headers(scope=scope).get("host", "")
-        if scope["type"] != "http" or _host_name(host) in self.hosts:
+        host = Headers(scope=scope).get("host", "") if scope["type"] == "http" else None  # lifespan: no headers
+        if host is None or _host_name(host) in self.hosts:
             await self.app(scope, receive, send)
             return
         error = BadRequest(f"Host {host[:100]!r} is not served here (allowed: {', '.join(sorted(self.hosts))}; "

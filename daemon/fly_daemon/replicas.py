@@ -8,29 +8,67 @@ whose models failed to load or whose model thread stopped reports unhealthy, and
 
 Used by `fly-serve` (fly_daemon.serve_cli), or by Ray users directly: `serve run
 fly_daemon.replicas:build target=... replicas=2` or a Serve config file naming `fly_daemon.replicas:build`.
+
+Wherever Serve's HTTP proxies listen beyond loopback, the builder and every replica refuse to serve
+without an API key or with Ray's token authentication off (`require_secure_exposure`); on loopback the
+routes answer only loopback Host names and `allowed_hosts`, as the daemon's own front does.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
 
+import ray
 from ray import serve
-from ray.serve.config import AutoscalingConfig
+from ray._private.authentication.authentication_utils import is_token_auth_enabled
+from ray.serve.config import AutoscalingConfig, HTTPOptions
+from ray.serve.context import _get_global_client
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fly_llm.config import FLyConfig, ModelSpec
 
 from fly_daemon.cli import engine_loader
-from fly_daemon.http import create_app
+from fly_daemon.http import create_app, require_key_off_loopback, trusted_hosts
 from fly_daemon.inproc import InProcessClient
+from fly_daemon.runtime import is_loopback_host
 from fly_daemon.scheduler import Scheduler
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
 REPLICA_HEADER = "x-fly-replica"
 DEPLOYMENT = "FLyReplica"
+RAY_AUTH_MODE = "RAY_AUTH_MODE"
+"""Ray's switch for token authentication of its own cluster (gRPC, dashboard): 'token' or 'disabled'."""
 _LOAD_POLL_S = 0.1
+
+
+def serve_http_host() -> str | None:
+    """Where Ray Serve's HTTP proxies listen: the running Serve instance's host, else the host `serve.start`
+    takes by default (None: no proxies)."""
+    client = _get_global_client(raise_if_no_controller_running=False) if ray.is_initialized() else None
+    return client.http_config.host if client is not None else HTTPOptions().host
+
+
+def require_secure_exposure(host: str | None, api_key: str | None) -> None:
+    """ValueError if HTTP proxies on `host`, beyond loopback, would serve without an API key or with Ray's
+    token authentication off; for a Ray not started yet in this process, RAY_AUTH_MODE=token when unset."""
+    if host is None or is_loopback_host(host):
+        return
+    require_key_off_loopback(host, api_key)
+    mode = _ray_auth_mode()
+    if mode != "token":
+        raise ValueError(f"refusing to serve HTTP on {host} (not loopback) with Ray's token authentication off "
+                            f"({RAY_AUTH_MODE}={mode}): start the cluster with {RAY_AUTH_MODE}=token "
+                            "(`ray get-auth-token --generate` makes a token)")
+
+
+def _ray_auth_mode() -> str:
+    """Ray's authentication mode here: the running cluster's, else RAY_AUTH_MODE (set to 'token' when unset)."""
+    if ray.is_initialized():
+        return "token" if is_token_auth_enabled() else "disabled"
+    return os.environ.setdefault(RAY_AUTH_MODE, "token").lower()
 
 
 class ReplicaHeader:
@@ -59,6 +97,9 @@ class FLyReplica:
 
     def __init__(self, spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings) -> None:
         self.settings = settings
+        self.api_key = settings.api_key_value()
+        self.http_host = serve_http_host()
+        require_secure_exposure(self.http_host, self.api_key)  # before loading models: Serve may be bound anywhere
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.scheduler = Scheduler(engine_loader(spec, fly, settings), self._emit, settings)
         self.client = InProcessClient(self.scheduler)
@@ -75,8 +116,9 @@ class FLyReplica:
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         """The HTTP front's app over this replica's scheduler, naming the replica in each response."""
-        api_key = self.settings.api_key.get_secret_value() if self.settings.api_key else None
-        app = create_app(self.client, api_key=api_key, max_body_bytes=self.settings.max_frame_bytes)
+        hosts = trusted_hosts(self.http_host, self.settings.allowed_hosts) if self.http_host else None
+        app = create_app(self.client, api_key=self.api_key, max_body_bytes=self.settings.max_frame_bytes,
+                         allowed_hosts=hosts)
         app.add_middleware(ReplicaHeader, replica=self.replica)
         return app
 
@@ -123,9 +165,11 @@ def build(args: dict[str, Any]) -> serve.Application:
     unknown = sorted(set(args) - known)
     if unknown:
         raise SettingsError(f"unknown fly-serve settings: {', '.join(unknown)}")
+    settings = load_settings(DaemonSettings, config, args)
+    require_secure_exposure(serve_http_host(), settings.api_key_value())
     return application(
         load_settings(ModelSpec, config, args), load_settings(FLyConfig, config, args),
-        load_settings(DaemonSettings, config, args), replicas=int(shape.get("replicas", 1)),
+        settings, replicas=int(shape.get("replicas", 1)),
         min_replicas=_optional_int(shape.get("min_replicas")), max_replicas=_optional_int(shape.get("max_replicas")),
         num_gpus_per_replica=float(shape.get("num_gpus_per_replica", 0.0)))
 

@@ -7,7 +7,10 @@
 Starts a local Ray instance, or joins the cluster at RAY_ADDRESS. Each replica loads its own models
 (the same options as `fly-daemon start`) and serves POST /v1/chat/completions, /v1/completions,
 GET /v1/models and /health; every response names its replica in the `x-fly-replica` header.
-Stops (and removes the application) on Ctrl-C or SIGTERM.
+Stops (and removes the application) on Ctrl-C or SIGTERM. Beyond loopback it needs an API key (an
+empty one is none) and Ray's token authentication (RAY_AUTH_MODE=token, set when unset; a cluster
+joined at RAY_ADDRESS must run with it); on loopback the routes answer only loopback Host names
+and --allowed-host.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 from fly_llm.config import FLyConfig, ModelSpec
 
 from fly_daemon.cli import add_model_arguments
-from fly_daemon.runtime import host_port, is_loopback_host
+from fly_daemon.runtime import host_port
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
 APP_NAME = "fly"
@@ -40,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-replicas", type=int, help="autoscaling: most replicas")
     parser.add_argument("--num-gpus-per-replica", type=float, default=0.0, help="GPUs Ray reserves per replica")
     parser.add_argument("--api-key", help="Bearer key the routes require (needed off loopback; prefer FLY_API_KEY)")
+    parser.add_argument("--allowed-host", dest="allowed_hosts", action="append", metavar="HOST",
+                        help="also answer requests whose Host is HOST (repeatable; '*': any)")
     parser.add_argument("--wait", type=float, default=900.0, help="seconds to wait for the first ready replica")
     parser.add_argument("--config", type=Path, help="TOML config file, as for fly-daemon")
     serving = parser.add_argument_group("serving, per replica (as for fly-daemon start)")
@@ -60,23 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsError, ValueError) as exc:
         print(f"fly-serve: {exc}", file=sys.stderr)
         return 2
-    if not is_loopback_host(host) and settings.api_key is None:
-        print(f"fly-serve: refusing to listen on {host} (not loopback) without an API key (--api-key or "
-              "FLY_API_KEY)", file=sys.stderr)
-        return 2
 
     import ray
     from ray import serve
+    from ray.exceptions import AuthenticationError
 
-    from fly_daemon.replicas import application
+    from fly_daemon.replicas import application, require_secure_exposure
 
     try:
+        require_secure_exposure(host, settings.api_key_value())
         app = application(spec, fly, settings, replicas=args.replicas, min_replicas=args.min_replicas,
                           max_replicas=args.max_replicas, num_gpus_per_replica=args.num_gpus_per_replica)
-    except SettingsError as exc:
+        ray.init()  # joins RAY_ADDRESS when set, else starts a local instance
+    except (ValueError, AuthenticationError) as exc:  # SettingsError is a ValueError
         print(f"fly-serve: {exc}", file=sys.stderr)
         return 2
-    ray.init()  # joins RAY_ADDRESS when set, else starts a local instance
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -62,6 +62,10 @@ class DaemonSettings(Limits):
         default_factory=list, description="Host names the HTTP front answers besides the loopback names and its "
         "bound host ('*' = any); FLY_ALLOWED_HOSTS takes them comma-separated.")
 
+    def api_key_value(self) -> str | None:
+        """The API key's text; None when there is none."""
+        return self.api_key.get_secret_value() if self.api_key else None
+
     @field_validator("http")
     @classmethod
     def _host_port(cls, address: str | None) -> str | None:

@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 from fly_llm.config import FLyConfig, ModelSpec  # noqa: E402
 from support.daemon_process import free_port  # noqa: E402
 
-from fly_daemon.replicas import DEPLOYMENT, REPLICA_HEADER, application, build  # noqa: E402
+from fly_daemon.replicas import DEPLOYMENT, REPLICA_HEADER, application, build, serve_http_host  # noqa: E402
 from fly_daemon.settings import DaemonSettings, SettingsError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -100,6 +100,15 @@ def test_bad_input_is_answered_by_the_replica(served):
 def _running_replicas() -> int:
     status = serve.status().applications["fly"].deployments[DEPLOYMENT]
     return status.replica_states.get("RUNNING", 0)
+
+
+def test_replicas_answer_only_loopback_host_names_on_a_loopback_proxy(served):
+    """DNS rebinding through Ray's proxy: the replicas check Host as the daemon's front does (issue 33)."""
+    assert serve_http_host() == "127.0.0.1"
+    refused = httpx.get(f"{served}/v1/models", headers={"Host": "evil.example"}, timeout=30)
+    assert (refused.status_code, refused.json()["error"]["code"]) == (421, "BAD_REQUEST")
+    assert refused.headers[REPLICA_HEADER]
+    assert httpx.get(f"{served}/v1/models", headers={"Host": "localhost"}, timeout=30).status_code == 200
 
 
 def test_a_killed_replica_is_replaced_and_the_app_keeps_answering(served):

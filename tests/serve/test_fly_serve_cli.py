@@ -60,3 +60,62 @@ def test_fly_serve_serves_until_interrupted(tiny_pair_dirs, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             raise
     assert code == 0, (tmp_path / "fly-serve.log").read_text()[-3000:]
+
+
+@pytest.fixture
+def no_ray_auth_mode(monkeypatch):
+    """RAY_AUTH_MODE unset for the test, and restored after it (fly-serve may set it)."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "placeholder")
+    monkeypatch.delenv("RAY_AUTH_MODE")
+
+
+@pytest.mark.parametrize("env, argv, message", [
+    ({"FLY_API_KEY": ""}, [], "without an API key"),
+    ({"FLY_API_KEY": " \n"}, [], "without an API key"),
+    ({}, ["--api-key", ""], "without an API key"),
+    ({"FLY_API_KEY": "k", "RAY_AUTH_MODE": "disabled"}, [], "token authentication off (RAY_AUTH_MODE=disabled)"),
+])
+def test_no_unauthenticated_serving_beyond_loopback(env, argv, message, capsys, monkeypatch, no_ray_auth_mode):
+    """Issue 33 finding 8: FLY_API_KEY="" passed the check and served 0.0.0.0 without a key."""
+    import ray
+
+    monkeypatch.delenv("FLY_API_KEY", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
+    assert serve_cli.main(["--http", "0.0.0.0:8000", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_beyond_loopback_ray_starts_with_token_authentication(capsys, monkeypatch, no_ray_auth_mode):
+    import ray
+
+    def init(*_, **__):
+        raise ValueError(f"ray.init under RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE')}")
+
+    monkeypatch.setenv("FLY_API_KEY", "k")
+    monkeypatch.setattr(ray, "init", init)
+    assert serve_cli.main(["--http", "0.0.0.0:8000"]) == 2
+    assert "ray.init under RAY_AUTH_MODE=token" in capsys.readouterr().err
+
+
+def test_the_builder_refuses_what_fly_serve_refuses(monkeypatch, no_ray_auth_mode):
+    """`serve run fly_daemon.replicas:build` checked nothing; the replicas check the same (with Serve's real host)."""
+    import ray
+
+    from fly_daemon import replicas
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(replicas, "serve_http_host", lambda: "0.0.0.0")
+    monkeypatch.setenv("FLY_API_KEY", "")
+    with pytest.raises(ValueError, match="without an API key"):
+        replicas.build({"target": "some/dir"})
+    with pytest.raises(ValueError, match="without an API key"):
+        replicas.build({"target": "some/dir", "api_key": "  "})
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(ValueError, match="token authentication off"):
+        replicas.build({"target": "some/dir", "api_key": "k"})
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    assert replicas.build({"target": "some/dir", "api_key": "k"}) and os.environ["RAY_AUTH_MODE"] == "token"
+    monkeypatch.setattr(replicas, "serve_http_host", lambda: "127.0.0.1")
+    assert replicas.build({"target": "some/dir"})

@@ -60,8 +60,8 @@ def require_secure_exposure(host: str | None, api_key: str | None) -> None:
     mode = _ray_auth_mode()
     if mode != "token":
         raise ValueError(f"refusing to serve HTTP on {host} (not loopback) with Ray's token authentication off "
-                            f"({RAY_AUTH_MODE}={mode}): start the cluster with {RAY_AUTH_MODE}=token "
-                            "(`ray get-auth-token --generate` makes a token)")
+                         f"({RAY_AUTH_MODE}={mode}): start the cluster with {RAY_AUTH_MODE}=token "
+                         "(`ray get-auth-token --generate` makes a token)")
 
 
 def _ray_auth_mode() -> str:

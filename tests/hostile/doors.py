@@ -1,0 +1,287 @@
+"""Send hostile `Case`s to a daemon subprocess through its two doors and judge what comes back.
+
+`FuzzTarget` owns a tiny daemon (ZeroMQ on ipc, the HTTP front on loopback), restarts it when a
+case killed it, and checks after a batch that exact mode still equals the target's own greedy
+output. `ZmqDoor` sends raw frames on a fresh DEALER socket (the client library would refuse much
+of this before it left), `HttpDoor` posts OpenAI-shaped bodies. Each `send` returns an `Outcome`
+("served" or "refused" with its code) or raises `Finding`: a death, a hang, a code outside
+`STOP_CODES` (INTERNAL included), an HTTP 5xx or a body not in OpenAI's error shape, or an empty
+language that was served.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+import zmq
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fly_llm.client import FLyClient, build_options
+from fly_llm.errors import FLyError
+from hostile.strategies import STOP_CODES, Case
+from support.daemon_process import DaemonProcess, free_port, start_daemon
+from support.tiny_models import greedy_tokens
+
+REQUEST_TIMEOUT_S = 30.0
+"""A case with no answer after this long is a hang."""
+EXACT_PROMPT = "The quick brown fox"
+EXACT_TOKENS = 16
+HTTP_FLY_KEYS = ("k", "window", "entropy_threshold", "loose", "nonsense")
+"""The FLy options the HTTP body carries (extra body fields), plus one unknown key."""
+TERMINAL = frozenset({"result", "error", "health", "tokenize", "info", "status"})
+
+
+class Finding(AssertionError):
+    """What a hostile case did to the daemon (it died, hung, or answered outside the rules)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How the daemon answered one case: served, or refused with a stable code."""
+
+    verdict: str  # served | refused
+    code: str | None = None
+
+
+def greedy_reference(target_dir):
+    """greedy(prompt, n) -> the target's own greedy continuation (float32, cut after EOS), cached."""
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+
+    @lru_cache(maxsize=None)
+    def greedy(prompt: str, max_new: int) -> list[int]:
+        return greedy_tokens(target, tokenizer.encode(prompt), max_new, [tokenizer.eos_token_id])
+
+    return greedy
+
+
+class FuzzTarget:
+    """A tiny daemon subprocess under fuzzing, with both doors open; restarted when a case kills it."""
+
+    def __init__(self, target_dir: Path, draft_dir: Path, workdir: Path, greedy: Callable[[str, int], list[int]]):
+        self.dirs = (target_dir, draft_dir)
+        self.workdir = workdir
+        self.greedy = greedy
+        self.daemon: DaemonProcess | None = None
+        self.http_url = ""
+        self.model = ""
+        self.starts = 0
+        self.suspect = False
+        """A case failed on it: restart before the next one (it may be hung rather than dead)."""
+
+    def start(self) -> None:
+        """Start (or restart) the daemon and wait until both doors answer."""
+        if self.daemon is not None:
+            self.daemon.kill()
+        port = free_port()
+        self.starts += 1
+        self.daemon = start_daemon(*self.dirs, self.workdir / f"run{self.starts}", "h", "--http",
+                                   f"127.0.0.1:{port}", "--heartbeat-timeout", "0")
+        self.http_url = f"http://127.0.0.1:{port}"
+        self.model = httpx.get(f"{self.http_url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def ensure_running(self) -> None:
+        """Restart the daemon if it is not running or a previous case left it suspect."""
+        if self.daemon is None or self.suspect or self.daemon.proc.poll() is not None:
+            self.suspect = False
+            self.start()
+
+    def stop(self) -> int | None:
+        """Stop the daemon; its exit status."""
+        return None if self.daemon is None else self.daemon.stop()
+
+    @property
+    def endpoint(self) -> str:
+        return self.daemon.endpoint
+
+    def alive(self) -> None:
+        """Raise Finding unless the process runs and answers a health request as ready."""
+        if self.daemon.proc.poll() is not None:
+            raise Finding(f"the daemon died (exit status {self.daemon.proc.returncode}); its log ends:\n"
+                          f"{self.log_tail()}")
+        try:
+            with FLyClient(self.endpoint, timeout=5.0, max_retries=0) as client:
+                health = client.health()
+        except FLyError as exc:
+            raise Finding(f"the daemon stopped answering health requests ({exc}); its log ends:\n"
+                          f"{self.log_tail()}") from None
+        if health.state != "ready":
+            raise Finding(f"the daemon is {health.state} ({health.detail}); its log ends:\n{self.log_tail()}")
+
+    def check_exact(self) -> None:
+        """Raise Finding unless exact mode over both doors equals the target's own greedy output."""
+        sampling, fly = build_options(max_tokens=EXACT_TOKENS, temperature=0.0, loose=False)
+        try:
+            with FLyClient(self.endpoint, timeout=REQUEST_TIMEOUT_S, max_retries=0) as client:
+                result = client.generate(EXACT_PROMPT, sampling, fly)
+        except FLyError as exc:
+            raise Finding(f"exact mode over ZeroMQ failed: {exc}; the daemon's log ends:\n{self.log_tail()}") from None
+        expected = self.greedy(EXACT_PROMPT, EXACT_TOKENS)
+        if result.token_ids != expected:
+            raise Finding(f"exact mode over ZeroMQ gave {result.token_ids}, the target's greedy {expected}")
+        body = {"model": self.model, "prompt": EXACT_PROMPT, "max_tokens": EXACT_TOKENS, "temperature": 0,
+                "loose": False}
+        answer = httpx.post(f"{self.http_url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        text = answer.json()["choices"][0]["text"] if answer.status_code == 200 else answer.text
+        if text != result.text:
+            raise Finding(f"exact mode over HTTP gave {text!r}, over ZeroMQ {result.text!r}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.daemon.output()[-chars:]
+
+    def died(self) -> bool:
+        return self.daemon.proc.poll() is not None
+
+
+def run_case(target: FuzzTarget, door: ZmqDoor | HttpDoor, case: Case, dump: Path | None = None) -> Outcome:
+    """Send `case` through `door`, then check the daemon is alive; on a Finding, name the case (its whole
+    body written to `dump`) and leave the target to be restarted."""
+    target.ensure_running()
+    try:
+        outcome = door.send(case)
+        target.alive()
+    except Finding as exc:
+        target.suspect = True
+        where = ""
+        if dump is not None:
+            dump.write_text(repr(case.frame) if case.frame is not None else json.dumps(case.request))
+            where = f" (whole body: {dump})"
+        raise Finding(f"{door.name} door, {case!r}{where}:\n{exc}") from None
+    return outcome
+
+
+def judge(case: Case, outcome: Outcome) -> Outcome:
+    """Raise Finding if a served case had to be refused or a refusal's code is not a stable one."""
+    if outcome.verdict == "refused" and outcome.code not in STOP_CODES:
+        raise Finding(f"refused with {outcome.code}, not one of {STOP_CODES}")
+    if outcome.verdict == "served" and case.must_refuse:
+        raise Finding(f"served a request whose language is empty: {outcome}")
+    return outcome
+
+
+class ZmqDoor:
+    """Cases as raw frames on a fresh DEALER socket per case."""
+
+    name = "zmq"
+
+    def __init__(self, target: FuzzTarget) -> None:
+        self.target = target
+        self.context = zmq.Context.instance()
+
+    def send(self, case: Case) -> Outcome:
+        """Send one case, wait for its final reply; raise Finding on death, hang or a bad answer."""
+        rid = f"h-{uuid.uuid4().hex[:12]}"
+        frame = case.frame if case.frame is not None else json.dumps(
+            {"v": 1, "id": rid, "kind": "generate", **case.request}).encode()
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.target.endpoint)
+        try:
+            sock.send_multipart([frame, frame] if case.multipart else [frame])
+            return judge(case, self._final(sock, case))
+        finally:
+            sock.close(0)
+
+    def _final(self, sock: zmq.Socket, case: Case) -> Outcome:
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.target.died():
+                raise Finding("the daemon died on this case")
+            if not sock.poll(200):
+                continue
+            raw = sock.recv()
+            try:
+                reply = json.loads(raw)
+            except ValueError:
+                raise Finding(f"an unreadable reply: {raw[:300]!r}") from None
+            kind = reply.get("kind")
+            if kind == "error":
+                return Outcome("refused", reply.get("code"))
+            if kind in TERMINAL:
+                return Outcome("served")
+        raise Finding(f"no final reply within {REQUEST_TIMEOUT_S} s (a hang)")
+
+
+class HttpDoor:
+    """Cases as POSTs to /v1/chat/completions (messages) or /v1/completions (a prompt), raw frames as bodies."""
+
+    name = "http"
+
+    def __init__(self, target: FuzzTarget) -> None:
+        self.target = target
+
+    def send(self, case: Case) -> Outcome:
+        """Post one case and read its answer (a stream to its end); raise Finding on a bad one."""
+        path, content = self._body(case)
+        url = f"{self.target.http_url}{path}"
+        headers = {"content-type": "application/json"}
+        try:
+            with httpx.stream("POST", url, content=content, headers=headers, timeout=REQUEST_TIMEOUT_S) as response:
+                if response.status_code == 200 and response.headers.get("content-type", "").startswith(
+                        "text/event-stream"):
+                    return judge(case, _stream_outcome(response))
+                response.read()
+        except httpx.TimeoutException:
+            raise Finding(f"no answer within {REQUEST_TIMEOUT_S} s (a hang)") from None
+        except httpx.TransportError as exc:
+            raise Finding(f"the connection failed ({exc!r}): the daemon died?") from None
+        return judge(case, _plain_outcome(response))
+
+    def _body(self, case: Case) -> tuple[str, bytes]:
+        if case.frame is not None:
+            return "/v1/chat/completions", case.frame
+        request = dict(case.request)
+        body: dict[str, Any] = {"model": self.target.model, **request.pop("sampling", {})}
+        body |= {key: value for key, value in request.pop("fly", {}).items() if key in HTTP_FLY_KEYS}
+        request.pop("timeout_s", None)
+        body |= request
+        return ("/v1/chat/completions" if "messages" in body else "/v1/completions"), json.dumps(body).encode()
+
+
+def _error_code(body: Any) -> str | None:
+    """The `code` of OpenAI's error shape {"error": {"message", "type", "param", "code"}}, else None."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error):
+        return error["code"]
+    return None
+
+
+def _plain_outcome(response: httpx.Response) -> Outcome:
+    if response.status_code >= 500 and response.status_code not in (503, 504):
+        raise Finding(f"HTTP {response.status_code}: {response.text[:500]}")
+    try:
+        body = response.json()
+    except ValueError:
+        raise Finding(f"HTTP {response.status_code} with a body that is not JSON: {response.text[:300]!r}") from None
+    if response.status_code == 200:
+        if not isinstance(body, dict) or not body.get("choices"):
+            raise Finding(f"HTTP 200 without choices: {response.text[:300]}")
+        return Outcome("served")
+    code = _error_code(body)
+    if code is None:
+        raise Finding(f"HTTP {response.status_code} not in OpenAI's error shape: {response.text[:300]}")
+    return Outcome("refused", code)
+
+
+def _stream_outcome(response: httpx.Response) -> Outcome:
+    last = None
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            return Outcome("served")
+        last = json.loads(data)
+        code = _error_code(last)
+        if code is not None:
+            return Outcome("refused", code)
+    raise Finding(f"the stream ended without [DONE] or an error event; last event: {str(last)[:300]}")

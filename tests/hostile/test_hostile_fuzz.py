@@ -1,0 +1,47 @@
+"""Hostile content through both doors of a tiny daemon subprocess (issue 33): nothing may take it down.
+
+Hypothesis draws structure-aware hostile cases (tests/hostile/strategies.py), one run per family and
+door: random JSON schemas, regexes, tool lists, message lists, options at their edges, malformed
+frames, and the shapes known to have killed the daemon. Each case must be refused with a stable code
+or served; after each case the daemon is alive and ready, and after each run (a batch of at most 40
+cases) exact mode over both doors equals the target's own greedy output. A death or hang fails the test naming the case (its
+whole body is written to a file next to the daemon's log); the next test gets a fresh daemon.
+Derandomized, no shrinking (each shrink step could need a daemon restart), no example database.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+
+from hostile.doors import FuzzTarget, HttpDoor, ZmqDoor, run_case
+from hostile.strategies import CI_EXAMPLES, FAMILIES, Case
+
+DOORS = {"zmq": ZmqDoor, "http": HttpDoor}
+
+
+def fuzz(target: FuzzTarget, door: ZmqDoor | HttpDoor, family: str, examples: int) -> int:
+    """Run `examples` cases of `family` through `door`, then check exact mode; return how many ran.
+
+    Raises Finding on the first finding. The exact-mode check stays outside the hypothesis run: a check
+    every n cases would not be repeated when hypothesis replays a failing case, which it calls flaky.
+    """
+    ran = []
+
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              phases=[Phase.explicit, Phase.generate], print_blob=False, suppress_health_check=list(HealthCheck))
+    @given(case=FAMILIES[family])
+    def one(case: Case) -> None:
+        run_case(target, door, case, target.workdir / f"failing-{door.name}-{family}.json")
+        ran.append(case)
+
+    one()
+    target.check_exact()
+    return len(ran)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("door", list(DOORS))
+def test_hostile_content_is_refused_or_served(fuzz_target, door, family):
+    ran = fuzz(fuzz_target, DOORS[door](fuzz_target), family, CI_EXAMPLES[family])
+    assert ran >= min(CI_EXAMPLES[family], 2)

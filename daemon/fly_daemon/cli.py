@@ -28,7 +28,7 @@ from fly_llm.config import QUANTIZATIONS, FLyConfig, ModelSpec
 from fly_llm.errors import BadRequest, FLyError, FLyUnavailable
 from fly_llm.protocol import GenerateResult
 
-from fly_daemon.runtime import AlreadyRunning, check_endpoint, daemon_files, running_pid
+from fly_daemon.runtime import AlreadyRunning, check_endpoint, daemon_files, open_private, running_pid
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
 if TYPE_CHECKING:
@@ -254,7 +254,12 @@ def _detach(args: argparse.Namespace, endpoint: str) -> int:
     """Start `start --foreground` in a new session with its output in the log file; wait for ready."""
     _, logfile = daemon_files(endpoint)
     argv = [a for a in args.argv if a != "--foreground"]
-    with open(logfile, "ab") as log:
+    try:
+        log_fd = open_private(logfile, os.O_WRONLY | os.O_APPEND)
+    except OSError as exc:  # e.g. a symbolic link planted where the log goes
+        print(f"fly-daemon: {exc}", file=sys.stderr)
+        return 1
+    with os.fdopen(log_fd, "ab") as log:
         child = subprocess.Popen([sys.executable, "-m", "fly_daemon.cli", *argv, "--foreground",
                                   "--endpoint", endpoint], stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT, start_new_session=True)

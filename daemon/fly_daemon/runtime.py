@@ -6,6 +6,7 @@ releases the lock with the process, so a stale pidfile or ipc socket is recognis
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
 import os
@@ -60,6 +61,20 @@ def host_port(address: str) -> tuple[str, int]:
     return match.group(1).strip("[]"), int(match.group(2))
 
 
+def open_private(path: Path, flags: int) -> int:
+    """Open a daemon's own file (created 0600) for writing; OSError if `path` is a symbolic link.
+
+    The pidfile and log may live next to an ipc socket in a shared directory, where a link planted
+    in their place would make the daemon write (or truncate) whatever file it points to.
+    """
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(f"refusing to open {path}: it is a symbolic link") from None
+        raise
+
+
 def daemon_files(endpoint: str) -> tuple[Path, Path]:
     """(pidfile, logfile) of the daemon serving `endpoint`."""
     sock = ipc_path(endpoint)
@@ -85,7 +100,7 @@ class PidLock:
         """
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = open_private(self.path, os.O_RDWR)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -3,14 +3,16 @@
 The loop never waits on the model: it parses frames, answers health/info/status itself, hands
 generate/cancel/heartbeat/tokenize to the scheduler, and forwards what the model thread emits
 (over an inproc PUSH/PULL pair) to the clients. A malformed frame gets an ErrorReply and changes
-nothing else. A client whose socket is gone (ROUTER_MANDATORY send fails) loses its requests.
+nothing else; any other failure while handling one frame answers INTERNAL (the traceback goes to
+the log) and the loop goes on. A client whose socket is gone (ROUTER_MANDATORY send fails) loses
+its requests. Over CURVE each client key is its own tenant (prefix-cache scope); everything else is
+the one local tenant.
 Requests from inside the process (`inproc`, used by the HTTP front) share the scheduler; their
 replies are routed back to them instead of the socket.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
@@ -28,7 +30,8 @@ from zmq.auth.thread import ThreadAuthenticator
 
 import fly_llm
 from fly_llm.config import SamplingParams
-from fly_llm.errors import BadRequest, Cancelled, FLyError, NotReady
+from fly_llm.errors import BadRequest, Cancelled, FLyError, Internal, NotReady
+from fly_llm.json_text import loads
 from fly_llm.protocol import (
     MAX_FRAME_BYTES, UNKNOWN_ID, CancelRequest, ErrorReply, GenerateRequest, HealthReply, HealthRequest,
     HeartbeatRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenizeRequest, decode_request, encode,
@@ -46,6 +49,14 @@ log = logging.getLogger("fly_daemon")
 
 _POLL_MS = 100
 _MAX_READS_PER_POLL = 1000
+_RCVHWM = 16
+"""Frames one peer may have queued in libzmq before it stops reading from that peer (its sends then block):
+with MAXMSGSIZE = max_frame_bytes, at most 16 × 4 MiB per peer by default."""
+_SNDHWM = 1000
+"""Replies queued for one peer that is not reading; beyond, it counts as gone and its requests are cancelled.
+Replies are only made for a peer's own requests (at most max_requests_per_client), each a few tokens
+per step, so a lower mark would only cancel the streams of a client that paused a moment."""
+_LOCAL_TENANT = "local"
 
 
 @dataclass(frozen=True)
@@ -137,7 +148,9 @@ class Server:
     def _bind(self) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)  # beyond this zmq drops the peer
+        router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)  # a larger frame: zmq drops the peer
+        router.setsockopt(zmq.RCVHWM, _RCVHWM)
+        router.setsockopt(zmq.SNDHWM, _SNDHWM)
         router.setsockopt(zmq.LINGER, 1000)
         auth = None
         if self._curve is not None:
@@ -152,13 +165,15 @@ class Server:
         if sock_path is not None:
             sock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             _remove_stale_socket(sock_path)
+        mask = os.umask(0o177) if sock_path is not None else None  # the socket file is born 0600
         try:
             router.bind(self.endpoint)
         except zmq.ZMQError as exc:
             raise OSError(f"cannot bind {self.endpoint}: {exc}") from None
-        if sock_path is not None:
-            self._socket_file = sock_path
-            sock_path.chmod(0o600)
+        finally:
+            if mask is not None:
+                os.umask(mask)
+        self._socket_file = sock_path
         return router, auth
 
     def _loop(self, router: zmq.Socket, pull: zmq.Socket, model_thread: threading.Thread) -> None:
@@ -173,7 +188,7 @@ class Server:
             if router in events:
                 for _ in range(_MAX_READS_PER_POLL):
                     try:
-                        frames = router.recv_multipart(zmq.NOBLOCK)
+                        frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     self._handle(router, frames)
@@ -219,32 +234,42 @@ class Server:
 
     # ---- requests from clients ----
 
-    def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
-        """Answer one incoming message; malformed input gets BAD_REQUEST and nothing else happens."""
-        if len(frames) == 2 or (len(frames) == 3 and frames[1] == b""):  # DEALER, or REQ with its delimiter
-            envelope, payload = tuple(frames[:-1]), frames[-1]
+    def _handle(self, router: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        """Answer one incoming message; malformed input gets BAD_REQUEST, any other failure INTERNAL, and
+        nothing else happens (the loop goes on)."""
+        parts = [frame.bytes for frame in frames]
+        if len(parts) == 2 or (len(parts) == 3 and parts[1] == b""):  # DEALER, or REQ with its delimiter
+            envelope, payload = tuple(parts[:-1]), parts[-1]
         else:
-            self._error(router, (frames[0],), UNKNOWN_ID, BadRequest("expected exactly one frame per message"))
+            self._error(router, (parts[0],), UNKNOWN_ID, BadRequest("expected exactly one frame per message"))
             return
+        try:
+            self._answer(router, envelope, payload, _tenant(frames[-1]))
+        except Exception:  # noqa: BLE001 - one frame's failure must not stop the loop
+            log.exception("unexpected error handling a frame from %r", envelope)
+            self._error(router, envelope, self._readable_id(payload),
+                        Internal("unexpected error handling this request (see the daemon's log)"))
+
+    def _answer(self, router: zmq.Socket, envelope: Envelope, payload: bytes, tenant: str) -> None:
         try:
             message = decode_request(payload, self.max_frame_bytes)
         except BadRequest as exc:
             self._error(router, envelope, self._readable_id(payload), exc)
             return
         try:
-            self._dispatch(router, envelope, message)
+            self._dispatch(router, envelope, message, tenant)
         except FLyError as exc:
             self._error(router, envelope, message.id, exc)
 
-    def _dispatch(self, router: zmq.Socket, envelope: Envelope, message: BaseModel) -> None:
+    def _dispatch(self, router: zmq.Socket, envelope: Envelope, message: BaseModel, tenant: str) -> None:
         scheduler = self.scheduler
         if isinstance(message, GenerateRequest):
-            scheduler.submit(envelope, message)
+            scheduler.submit(envelope, message, tenant=tenant)
         elif isinstance(message, CancelRequest):
             if not scheduler.cancel(envelope, message.id):
                 raise BadRequest(f"no request {message.id!r} in flight to cancel")
         elif isinstance(message, HeartbeatRequest):
-            scheduler.touch(message.ids)
+            scheduler.touch(envelope, message.ids)
             self._reply(router, envelope, HealthReply(id=message.id, state=scheduler.state,
                                                       detail=scheduler.detail))
         elif isinstance(message, HealthRequest):
@@ -262,8 +287,8 @@ class Server:
         if len(payload) > self.max_frame_bytes:
             return UNKNOWN_ID
         try:
-            rid = json.loads(payload).get("id")
-        except Exception:  # noqa: BLE001 - any unreadable frame
+            rid = loads(payload).get("id")
+        except (ValueError, AttributeError):  # not JSON, or not an object
             return UNKNOWN_ID
         return rid if isinstance(rid, str) and 0 < len(rid) <= 128 else UNKNOWN_ID
 
@@ -287,6 +312,16 @@ class Server:
             id=rid, state=self.scheduler.state, pid=os.getpid(), uptime_s=time.time() - self.started,
             target=engine.target_name if engine else None, draft=engine.draft_name if engine else None,
             **self.scheduler.snapshot())
+
+
+def _tenant(frame: zmq.Frame) -> str:
+    """Whose credential a frame came with: "curve:" + the client's z85 public key (the ZAP User-Id
+    pyzmq's authenticator sets), else the one local tenant (ipc, loopback tcp without CURVE)."""
+    try:
+        user_id = frame.get("User-Id")
+    except zmq.ZMQError:  # no ZAP handler on this socket
+        return _LOCAL_TENANT
+    return f"curve:{user_id}" if user_id else _LOCAL_TENANT
 
 
 def _remove_stale_socket(path: Path) -> None:

@@ -1,4 +1,7 @@
-"""Malformed input over a raw socket: each frame answered with its code, other clients keep being served."""
+"""Malformed input over a raw socket: each frame answered with its code, other clients keep being served.
+
+A frame over the cap is not answered: zmq ends that connection unread (test_daemon_server.py shows it).
+"""
 
 from __future__ import annotations
 
@@ -11,13 +14,24 @@ import pytest
 import zmq
 
 from fly_llm.client import FLyClient, build_options
-from fly_llm.protocol import MAX_FRAME_BYTES, UNKNOWN_ID, ErrorReply, decode_reply
+from fly_llm.protocol import UNKNOWN_ID, ErrorReply, decode_reply
 
 GOOD = {"v": 1, "id": "g1", "kind": "generate", "prompt": "def add(a, b):", "sampling": {"max_tokens": 4}}
 
 
 def _frame(**changes) -> bytes:
     return json.dumps({**GOOD, **changes}).encode()
+
+
+def _deep_arguments_frame(rid: str, arguments) -> bytes:
+    """A chat whose assistant turn made a call with `arguments` (issue 33: 1,200 levels of `[` stopped the loop)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    return json.dumps({"v": 1, "id": rid, "kind": "generate", "messages": messages}).encode()
+
+
+_DEEP = "[" * 1200 + "]" * 1200
 
 
 CASES = [
@@ -37,7 +51,8 @@ CASES = [
     ("prompt too long", _frame(id="l1", prompt="a b " * 1000), "l1", "TOO_LONG"),
     ("bad override", _frame(id="o1", fly={"k": 0}), "o1", "BAD_REQUEST"),
     ("unknown id to cancel", json.dumps({"v": 1, "id": "nope", "kind": "cancel"}).encode(), "nope", "BAD_REQUEST"),
-    ("oversized frame", _frame(id="big", prompt="x" * (MAX_FRAME_BYTES + 10)), UNKNOWN_ID, "BAD_REQUEST"),
+    ("deep tool arguments", _deep_arguments_frame("d1", '{"x": ' + _DEEP + "}"), "d1", "BAD_REQUEST"),
+    ("deep frame", _deep_arguments_frame("d2", {"x": json.loads("[" * 900 + "]" * 900)}), UNKNOWN_ID, "BAD_REQUEST"),
 ]
 
 
@@ -61,6 +76,17 @@ def test_bad_frame_gets_its_error_code(raw, name, frame, rid, code):
     reply = _reply(raw)
     assert isinstance(reply, ErrorReply), reply
     assert (reply.id, reply.code) == (rid, code), reply.message
+
+
+def test_deep_nesting_leaves_the_daemon_serving(tiny_daemon, raw):
+    """Issue 33 finding 2: the deep-arguments frame raised out of the frame handler and stopped the daemon."""
+    for rid in ("deep1", "deep2"):
+        raw.send(_deep_arguments_frame(rid, '{"x": ' + _DEEP + "}"))
+        reply = _reply(raw)
+        assert (reply.id, reply.code) == (rid, "BAD_REQUEST") and "arguments are not JSON" in reply.message
+    with FLyClient(tiny_daemon, timeout=30) as client:
+        assert client.health().state == "ready"
+        assert client.generate("def add(a, b):", *build_options(max_tokens=4)).usage.completion_tokens > 0
 
 
 def test_multipart_message_is_refused(raw):

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import zmq
@@ -210,6 +211,36 @@ def test_curve_on_loopback_tcp(tmp_path, monkeypatch):
                 stranger.generate("a", *build_options(max_tokens=2))
 
 
+def _recording_tenants(server: Server) -> list[str]:
+    """The tenant of every request the server submits from now on."""
+    tenants, submit = [], server.scheduler.submit
+
+    def record(envelope, request, *, tenant, **kwargs):
+        tenants.append(tenant)
+        return submit(envelope, request, tenant=tenant, **kwargs)
+
+    server.scheduler.submit = record
+    return tenants
+
+
+def test_each_curve_key_is_its_own_tenant_and_ipc_is_local(tmp_path, monkeypatch, endpoint):
+    with serving(endpoint, CountingEngine()) as server, FLyClient(endpoint, timeout=10) as client:
+        tenants = _recording_tenants(server)
+        client.generate("a", *build_options(max_tokens=1))
+    assert tenants == ["local"]
+    monkeypatch.setenv("FLY_RUNTIME_DIR", str(tmp_path))
+    tcp, curve, certs = _curve_endpoint(tmp_path, ("alice", "bob"))
+    monkeypatch.setenv("FLY_CURVE_SERVER_KEY", str(tmp_path / "server.key"))
+    with serving(tcp, CountingEngine(), curve=curve) as server:
+        tenants = _recording_tenants(server)
+        for name in ("alice", "bob", "alice"):
+            monkeypatch.setenv("FLY_CURVE_CLIENT_CERT", str(certs[name]))
+            with FLyClient(tcp, timeout=10) as client:
+                assert client.generate("a", *build_options(max_tokens=1)).text == "1 "
+    public = [zmq.auth.load_certificate(certs[name])[0].decode() for name in ("alice", "bob")]
+    assert tenants == [f"curve:{public[0]}", f"curve:{public[1]}", f"curve:{public[0]}"]
+
+
 def test_non_loopback_bind_needs_curve(tmp_path):
     with pytest.raises(ValueError, match="CURVE"):
         Server("tcp://0.0.0.0:5555", CountingEngine)
@@ -346,3 +377,115 @@ def test_runtime_dir_is_private_and_socket_is_0600(tmp_path, monkeypatch):
     with serving(nested, CountingEngine()), FLyClient(nested, timeout=10) as client:
         assert client.health().state == "ready"
         assert (tmp_path / "new" / "dir").stat().st_mode & 0o777 == 0o700
+
+
+def test_an_unexpected_error_handling_a_frame_answers_internal_and_the_loop_goes_on(endpoint, monkeypatch, caplog):
+    """Issue 33 finding 2: an exception other than FLyError escaped the frame handler and stopped serve()."""
+    with serving(endpoint, CountingEngine()) as server, FLyClient(endpoint, timeout=10) as client:
+        def broken(*args, **kwargs):
+            raise RecursionError("secret detail of the failure")
+
+        monkeypatch.setattr(server.scheduler, "submit", broken)
+        raw = _raw(endpoint)
+        for rid in ("boom1", "boom2"):
+            raw.send(_generate_frame(rid, 2))
+            reply = _reply(raw)
+            assert isinstance(reply, ErrorReply) and (reply.id, reply.code) == (rid, "INTERNAL")
+            assert "secret" not in reply.message
+        assert "secret detail of the failure" in caplog.text  # the traceback is logged instead
+        monkeypatch.undo()
+        assert client.generate("a", *build_options(max_tokens=2)).text == "1 2 "
+        raw.close()
+
+
+def test_a_frame_over_the_cap_drops_only_its_peer(endpoint):
+    """Issue 33 finding 10: zmq took frames up to 4x the cap; now a larger frame ends that connection unread."""
+    with serving(endpoint, CountingEngine(), max_frame_bytes=2048), FLyClient(endpoint, timeout=10) as client:
+        raw = _raw(endpoint)
+        at_cap = _generate_frame("near", 2).replace(b'"a b c"', b'"a b c' + b" " * 2048 + b'"')
+        at_cap = at_cap.replace(b" " * (len(at_cap) - 2048), b"", 1)
+        assert len(at_cap) == 2048
+        raw.send(at_cap)
+        assert _reply(raw).id == "near"  # read and answered (whatever the answer)
+        raw.send(at_cap + b" ")
+        assert not raw.poll(1500), "a frame over the cap was read"
+        assert client.generate("a", *build_options(max_tokens=2)).text == "1 2 "
+        raw.send(_generate_frame("again", 2))  # the same socket reconnects and is served
+        assert _reply(raw).token_ids == [1, 2]
+        raw.close()
+
+
+def _curve_endpoint(tmp_path, names: tuple[str, ...]) -> tuple[str, CurveKeys, dict[str, Path]]:
+    """A loopback tcp endpoint, the server's CURVE keys, and a client certificate (secret) per name."""
+    zmq.auth.create_certificates(tmp_path, "server")
+    clients = tmp_path / "clients"
+    clients.mkdir()
+    certs = {name: Path(zmq.auth.create_certificates(clients, name)[1]) for name in names}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"tcp://127.0.0.1:{port}", CurveKeys(tmp_path / "server.key_secret", clients), certs
+
+
+def _curve_raw(endpoint: str, server_key: Path, cert: Path) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey = zmq.auth.load_certificate(server_key)[0]
+    sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(cert)
+    sock.connect(endpoint)
+    return sock
+
+
+def test_heartbeats_keep_alive_only_requests_of_the_senders_credential(tmp_path, monkeypatch):
+    """Issue 33 finding 10: a heartbeat naming another client's request id kept that request alive."""
+    monkeypatch.setenv("FLY_RUNTIME_DIR", str(tmp_path))
+    endpoint, curve, certs = _curve_endpoint(tmp_path, ("owner", "stranger"))
+    with serving(endpoint, CountingEngine(step_s=0.01), Limits(heartbeat_timeout=1.0), curve=curve):
+        owner, stranger = (_curve_raw(endpoint, tmp_path / "server.key", certs[name]) for name in ("owner", "stranger"))
+        owner.send(_generate_frame("r", 1000))  # 10 s of steps
+        started = time.monotonic()
+        while not owner.poll(200):
+            stranger.send(json.dumps({"v": 1, "id": "hb", "kind": "heartbeat", "ids": ["r"]}).encode())
+            assert _reply(stranger).kind == "health"
+            assert time.monotonic() - started < 8, "another client's heartbeats kept the request alive"
+        reply = _reply(owner)
+        assert isinstance(reply, ErrorReply) and reply.code == "CANCELLED" and "heartbeat" in reply.message
+        owner.close()
+        stranger.close()
+
+
+def test_the_socket_file_is_0600_from_the_moment_it_is_bound(tmp_path, monkeypatch):
+    path = tmp_path / "s.sock"
+    modes = []
+    bind = zmq.Socket.bind
+
+    def bind_and_look(sock, address):
+        result = bind(sock, address)
+        if address.startswith("ipc://"):
+            modes.append(path.stat().st_mode & 0o777)
+        return result
+
+    monkeypatch.setattr(zmq.Socket, "bind", bind_and_look)
+    before = os.umask(0o022)
+    try:
+        with serving(f"ipc://{path}", CountingEngine()):
+            pass
+        assert os.umask(0o022) == 0o022  # the process umask is restored after the bind
+    finally:
+        os.umask(before)
+    assert modes == [0o600]
+
+
+def test_pidfile_and_log_are_never_opened_through_a_symbolic_link(tmp_path):
+    """Issue 33 finding 10: a link planted where the pidfile goes made the daemon truncate its target."""
+    precious = tmp_path / "precious"
+    precious.write_text("keep me")
+    endpoint = f"ipc://{tmp_path}/s.sock"
+    pidfile, logfile = daemon_files(endpoint)
+    pidfile.symlink_to(precious)
+    with pytest.raises(OSError, match="symbolic link"):
+        PidLock(endpoint).acquire()
+    logfile.symlink_to(precious)
+    with pytest.raises(OSError, match="symbolic link"):
+        runtime.open_private(logfile, os.O_WRONLY | os.O_APPEND)
+    assert precious.read_text() == "keep me"

@@ -2,7 +2,8 @@
 
 `Detokenizer` turns token ids into text a few tokens at a time (the offsets scheme of vLLM/TGI:
 decode a short window twice and keep the difference), never re-decoding the whole output, and
-holds back text while the last bytes form an incomplete UTF-8 character. `StopChecker` cuts the
+holds back the last tokens while they may form an incomplete UTF-8 character (decoded as U+FFFD):
+at most 3 tokens, so output that really is U+FFFD still streams and every window stays short. `StopChecker` cuts the
 text at the first stop string and releases only text that cannot be the start of one.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT = 6  # prompt tokens decoded with the first output tokens (leading-space rules)
+_MAX_INCOMPLETE_TOKENS = 3
+"""Most tokens the bytes of an incomplete UTF-8 character can span (it lacks at least one of at most 4)."""
 
 
 class Detokenizer:
@@ -33,13 +36,30 @@ class Detokenizer:
     def _delta(self, final: bool) -> str:
         if self.read == len(self.ids):
             return ""
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        text = decode(self.ids[self.prefix:], skip_special_tokens=True)
-        if len(text) <= len(before) or (text.endswith(_REPLACEMENT) and not final):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before):]
+        end = len(self.ids)
+        before, text = self._decode(self.read), self._decode(end)
+        if final or _complete(text, before):
+            return self._advance(end, text[len(before):])
+        for cut in range(end - 1, max(self.read, end - _MAX_INCOMPLETE_TOKENS - 1), -1):
+            shorter = self._decode(cut)  # a character still incomplete: release what precedes it
+            if _complete(shorter, before):
+                return self._advance(cut, shorter[len(before):])
+        if end - self.read > _MAX_INCOMPLETE_TOKENS:  # too long to be one character's bytes: U+FFFD is the text
+            return self._advance(end, text[len(before):])
+        return ""
+
+    def _decode(self, end: int) -> str:
+        """The text of the window from `prefix` to `end` (a few tokens)."""
+        return self.tokenizer.decode(self.ids[self.prefix:end], skip_special_tokens=True)
+
+    def _advance(self, end: int, delta: str) -> str:
+        self.prefix, self.read = self.read, end
+        return delta
+
+
+def _complete(text: str, before: str) -> bool:
+    """Whether `text` adds to `before` and does not end in what may be an incomplete character."""
+    return len(text) > len(before) and not text.endswith(_REPLACEMENT)
 
 
 class StopChecker:

@@ -44,3 +44,45 @@ def test_stop_checker_without_stops_releases_everything():
     assert not checker.active
     assert not checker.feed("abc")
     assert checker.release(False) == "abc"
+
+
+class _ReplacementTokenizer:
+    """Every token decodes to U+FFFD (as a byte-level tokenizer decodes stray bytes); records each window."""
+
+    def __init__(self) -> None:
+        self.windows: list[int] = []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.windows.append(len(ids))
+        return "\ufffd" * len(ids)
+
+
+def test_text_of_replacement_characters_advances_in_bounded_windows():
+    """Issue 33 finding 11: U+FFFD output was held back to the end, each add re-decoding all of it."""
+    tokenizer = _ReplacementTokenizer()
+    detok = Detokenizer(tokenizer, [])
+    deltas = [detok.add([7]) for _ in range(2000)]
+    assert sum(1 for d in deltas if d) >= 2000 // 5  # released every few tokens, not only at the end
+    assert "".join(deltas) + detok.flush() == "\ufffd" * 2000
+    assert max(tokenizer.windows) <= 12  # each add decodes a window of a few tokens, not all the output
+
+
+def test_a_long_run_of_replacement_characters_in_one_add_is_released():
+    tokenizer = _ReplacementTokenizer()
+    detok = Detokenizer(tokenizer, [])
+    assert detok.add([7] * 50) == "\ufffd" * 50
+    assert detok.add([7] * 3) == ""  # a short run may still be a character's first bytes
+    assert detok.add([7] * 3) == "\ufffd" * 6
+
+
+def test_a_character_split_across_a_speculative_round_is_not_cut():
+    tokenizer = make_tokenizer()
+    text = "ab 🙂 cd 🙂"
+    ids = tokenizer.encode(text)
+    emoji = tokenizer.encode("🙂")
+    assert len(emoji) > 1
+    detok = Detokenizer(tokenizer, [])
+    cut = len(ids) - len(emoji) + 1  # the round ends inside the last emoji
+    deltas = [detok.add(ids[:cut]), detok.add(ids[cut:]), detok.flush()]
+    assert all("\ufffd" not in d for d in deltas) and "".join(deltas) == text
+    assert deltas[0].startswith("ab 🙂 cd")  # what precedes the incomplete character is not held back

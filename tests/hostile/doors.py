@@ -12,6 +12,7 @@ language that was served.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -41,7 +42,12 @@ TERMINAL = frozenset({"result", "error", "health", "tokenize", "info", "status"}
 
 
 class Finding(AssertionError):
-    """What a hostile case did to the daemon (it died, hung, or answered outside the rules)."""
+    """What a hostile case did to the daemon; `kind`: crash, hang, bad_answer (outside the rules) or exact
+    (exact mode no longer equals greedy)."""
+
+    def __init__(self, message: str, kind: str = "bad_answer") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -107,15 +113,16 @@ class FuzzTarget:
         """Raise Finding unless the process runs and answers a health request as ready."""
         if self.daemon.proc.poll() is not None:
             raise Finding(f"the daemon died (exit status {self.daemon.proc.returncode}); its log ends:\n"
-                          f"{self.log_tail()}")
+                          f"{self.log_tail()}", "crash")
         try:
             with FLyClient(self.endpoint, timeout=5.0, max_retries=0) as client:
                 health = client.health()
         except FLyError as exc:
             raise Finding(f"the daemon stopped answering health requests ({exc}); its log ends:\n"
-                          f"{self.log_tail()}") from None
+                          f"{self.log_tail()}", "hang") from None
         if health.state != "ready":
-            raise Finding(f"the daemon is {health.state} ({health.detail}); its log ends:\n{self.log_tail()}")
+            raise Finding(f"the daemon is {health.state} ({health.detail}); its log ends:\n{self.log_tail()}",
+                          "crash")
 
     def check_exact(self) -> None:
         """Raise Finding unless exact mode over both doors equals the target's own greedy output."""
@@ -124,22 +131,28 @@ class FuzzTarget:
             with FLyClient(self.endpoint, timeout=REQUEST_TIMEOUT_S, max_retries=0) as client:
                 result = client.generate(EXACT_PROMPT, sampling, fly)
         except FLyError as exc:
-            raise Finding(f"exact mode over ZeroMQ failed: {exc}; the daemon's log ends:\n{self.log_tail()}") from None
+            raise Finding(f"exact mode over ZeroMQ failed: {exc}; the daemon's log ends:\n{self.log_tail()}",
+                          "exact") from None
         expected = self.greedy(EXACT_PROMPT, EXACT_TOKENS)
         if result.token_ids != expected:
-            raise Finding(f"exact mode over ZeroMQ gave {result.token_ids}, the target's greedy {expected}")
+            raise Finding(f"exact mode over ZeroMQ gave {result.token_ids}, the target's greedy {expected}", "exact")
         body = {"model": self.model, "prompt": EXACT_PROMPT, "max_tokens": EXACT_TOKENS, "temperature": 0,
                 "loose": False}
         answer = httpx.post(f"{self.http_url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
         text = answer.json()["choices"][0]["text"] if answer.status_code == 200 else answer.text
         if text != result.text:
-            raise Finding(f"exact mode over HTTP gave {text!r}, over ZeroMQ {result.text!r}")
+            raise Finding(f"exact mode over HTTP gave {text!r}, over ZeroMQ {result.text!r}", "exact")
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.daemon.output()[-chars:]
 
-    def died(self) -> bool:
-        return self.daemon.proc.poll() is not None
+    def died(self, wait: float = 0.0) -> bool:
+        """Whether the daemon process has exited (waiting up to `wait` s for it to)."""
+        try:
+            self.daemon.proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
 
 def run_case(target: FuzzTarget, door: ZmqDoor | HttpDoor, case: Case, dump: Path | None = None) -> Outcome:
@@ -155,7 +168,7 @@ def run_case(target: FuzzTarget, door: ZmqDoor | HttpDoor, case: Case, dump: Pat
         if dump is not None:
             dump.write_text(repr(case.frame) if case.frame is not None else json.dumps(case.request))
             where = f" (whole body: {dump})"
-        raise Finding(f"{door.name} door, {case!r}{where}:\n{exc}") from None
+        raise Finding(f"{door.name} door, {case!r}{where}:\n{exc}", exc.kind) from None
     return outcome
 
 
@@ -195,7 +208,7 @@ class ZmqDoor:
         deadline = time.monotonic() + REQUEST_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.target.died():
-                raise Finding("the daemon died on this case")
+                raise Finding("the daemon died on this case", "crash")
             if not sock.poll(200):
                 continue
             raw = sock.recv()
@@ -208,7 +221,7 @@ class ZmqDoor:
                 return Outcome("refused", reply.get("code"))
             if kind in TERMINAL:
                 return Outcome("served")
-        raise Finding(f"no final reply within {REQUEST_TIMEOUT_S} s (a hang)")
+        raise Finding(f"no final reply within {REQUEST_TIMEOUT_S} s (a hang)", "hang")
 
 
 class HttpDoor:
@@ -231,9 +244,9 @@ class HttpDoor:
                     return judge(case, _stream_outcome(response))
                 response.read()
         except httpx.TimeoutException:
-            raise Finding(f"no answer within {REQUEST_TIMEOUT_S} s (a hang)") from None
+            raise Finding(f"no answer within {REQUEST_TIMEOUT_S} s (a hang)", "hang") from None
         except httpx.TransportError as exc:
-            raise Finding(f"the connection failed ({exc!r}): the daemon died?") from None
+            raise Finding(f"the connection failed ({exc!r})", "crash" if self.target.died(2.0) else "bad_answer") from None
         return judge(case, _plain_outcome(response))
 
     def _body(self, case: Case) -> tuple[str, bytes]:

@@ -246,7 +246,8 @@ class HttpDoor:
         except httpx.TimeoutException:
             raise Finding(f"no answer within {REQUEST_TIMEOUT_S} s (a hang)", "hang") from None
         except httpx.TransportError as exc:
-            raise Finding(f"the connection failed ({exc!r})", "crash" if self.target.died(2.0) else "bad_answer") from None
+            kind = "crash" if self.target.died(2.0) else "bad_answer"
+            raise Finding(f"the connection failed ({exc!r})", kind) from None
         return judge(case, _plain_outcome(response))
 
     def _body(self, case: Case) -> tuple[str, bytes]:

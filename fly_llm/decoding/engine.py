@@ -53,7 +53,8 @@ class RequestOutput:
     finish_reason: FinishReason | None
     stats: RequestStats
     prompt_tokens: int
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache, in whole blocks
+    error: str | None = None  # set (with finished) when the request's grammar failed mid-output
 
 
 @dataclass
@@ -87,13 +88,15 @@ class _Request:
     policy: PolicyState = field(default_factory=PolicyState)
     finish_reason: FinishReason | None = None
     fill: PromptFill | None = None  # its prompt's caches while it waits to join
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # whole prefix-cache blocks only: a partial block would tell a prompt token by token
+    scope: str = ""  # the prefix-cache scope (tenant) it reads and writes
+    error: str | None = None  # why its grammar ended it
 
 
 class FLyEngine:
     """Speculative decoding over a target, an optional draft model and their shared tokenizer.
 
-    All calls must come from one thread. `config` holds the defaults; each request may bring its
+    All calls must come from one thread, except `compile_structure` (any thread, any time). `config` holds the defaults; each request may bring its
     own FLyConfig (k, window, θ, loose, stages) as long as the entropy measure is the engine's.
     `prefix_cache_bytes` bounds the prefix cache (0: off; blocks of `prefix_block` tokens, §3.5);
     `prefill_chunk` bounds the prompt tokens prefilled per step (0: no bound, §3.6).
@@ -147,12 +150,21 @@ class FLyEngine:
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return list(self.tokenizer.encode(prompt))
 
+    def compile_structure(self, structure: Structure | None):
+        """The grammar matcher for a structure (tools / tool_choice / response_format), None when its
+        output is free; BadRequest for a bad grammar. Safe from any thread while `step()` runs (a
+        grammar not seen before compiles in the sandbox first, then here; a repeated one is a copy)."""
+        return self.grammars.for_structure(structure)
+
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                    fly: FLyConfig | None = None, structure: Structure | None = None) -> None:
+                    fly: FLyConfig | None = None, structure: Structure | None = None, *, matcher=None,
+                    cache_scope: str = "") -> None:
         """Queue a request; it is prefilled and joins the batch in the next step().
 
         `structure` (tools / tool_choice / response_format) constrains its output through a grammar
-        compiled here, so a bad one raises BadRequest before the request is queued.
+        compiled here, so a bad one raises BadRequest before the request is queued; a `matcher` from
+        `compile_structure` is used as it is instead. `cache_scope`: the prefix-cache scope (tenant)
+        whose cached prefixes it may use and where its own are kept.
         """
         if not prompt_ids:
             raise BadRequest("the prompt is empty")
@@ -165,7 +177,8 @@ class FLyEngine:
         if (fly.entropy_measure, fly.entropy_top_k) != (self.config.entropy_measure, self.config.entropy_top_k):
             raise BadRequest("the entropy measure is set per engine, not per request")
         compiled_before = self.grammars.compile_s
-        matcher = self.grammars.for_structure(structure)
+        if matcher is None:
+            matcher = self.grammars.for_structure(structure)
         generator = None
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
@@ -174,7 +187,7 @@ class FLyEngine:
             id=request_id, prompt=list(prompt_ids), sampling=sampling, fly=fly,
             max_new=min(sampling.max_tokens, room), detok=Detokenizer(self.tokenizer, prompt_ids),
             stops=StopChecker(sampling.stop), generator=generator, matcher=matcher, tokens=list(prompt_ids),
-            stats=RequestStats(grammar_s=self.grammars.compile_s - compiled_before)))
+            stats=RequestStats(grammar_s=self.grammars.compile_s - compiled_before), scope=cache_scope))
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request (waiting or running); False if it is unknown."""
@@ -287,6 +300,9 @@ class FLyEngine:
             if req.finish_reason is not None:
                 finished.append(b)
         self._cascade.observe([r.tokens for r in rows])
+        for b, problem in self._cascade.grammar.failures():  # only these rows end: the others go on
+            outputs[b] = self._end_for_grammar(rows[b], outputs[b], problem)
+            finished = sorted(set(finished) | {b})
         if finished:
             self._remove_rows(finished)
         return outputs
@@ -333,8 +349,9 @@ class FLyEngine:
     def _start_fill(self, req: _Request) -> PromptFill:
         """The request's prompt caches, seeded with the longest prefix of its prompt the prefix cache has."""
         draft_device = self._cascade.model.device if self._cascade.model is not None else None
-        target, draft = self._prefix.seed(req.prompt, self.device, draft_device)
-        req.cached_tokens = target.lengths[0]
+        target, draft = self._prefix.seed(req.prompt, self.device, draft_device, scope=req.scope)
+        block = self._prefix.store.block_size
+        req.cached_tokens = target.lengths[0] // block * block  # reported in whole blocks; reused in full
         self._prompt.prompt_tokens += len(req.prompt)
         self._prompt.cached_tokens += req.cached_tokens
         return PromptFill(req.prompt[:-1], target, draft, fill_draft=req.fly.draft_model and self._draft_waits(req, draft))
@@ -349,7 +366,7 @@ class FLyEngine:
     def _join(self, req: _Request) -> None:
         """Splice the first waiting request's complete prompt caches into the batch; keep its prompt's KV."""
         fill = req.fill
-        self._prefix.save(fill.tokens, fill.target, 0, fill.draft)
+        self._prefix.save(fill.tokens, fill.target, 0, fill.draft, scope=req.scope)
         self._kv.add_row(fill.target)
         self._cascade.add_row(req.prompt, fill.draft, matcher=req.matcher)
         self._rows.append(req)
@@ -393,13 +410,20 @@ class FLyEngine:
                              finished=finished, finish_reason=req.finish_reason, stats=req.stats,
                              prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens)
 
+    @staticmethod
+    def _end_for_grammar(req: _Request, output: RequestOutput, problem: str) -> RequestOutput:
+        """End a row whose grammar failed: its output says so in `error` (never a silent 'stop')."""
+        req.error = problem
+        req.finish_reason = req.finish_reason or "stop"
+        return replace(output, finished=True, finish_reason=req.finish_reason, error=problem)
+
     def _remove_rows(self, indices: list[int]) -> None:
         """Drop rows from the batch, keeping their prompt + output KV in the prefix cache."""
         drop = set(indices)
         draft_kv = self._cascade.model.kv if self._cascade.model is not None else None
         for i in indices:
             self.stats.merge(self._rows[i].stats)
-            self._prefix.save(self._rows[i].tokens, self._kv, i, draft_kv)
+            self._prefix.save(self._rows[i].tokens, self._kv, i, draft_kv, scope=self._rows[i].scope)
         keep = [i for i in range(len(self._rows)) if i not in drop]
         self._kv.remove_rows(keep)
         self._cascade.remove_rows(keep)
@@ -417,7 +441,8 @@ class FLyEngine:
         """Generate for one or many prompts (batched together); one Generation per prompt, in order.
 
         Drives step() itself until these prompts finish: for in-process use, not next to a
-        scheduler (outputs of other requests in the engine are not returned here).
+        scheduler (outputs of other requests in the engine are not returned here). A prompt whose
+        grammar fails mid-output raises BadRequest (the others are dropped).
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         sampling = sampling or SamplingParams()
@@ -431,6 +456,10 @@ class FLyEngine:
             for out in self.step():
                 if out.request_id not in texts:
                     continue
+                if out.error is not None:
+                    for rid in ids:
+                        self.abort_request(rid)
+                    raise BadRequest(out.error)
                 texts[out.request_id].append(out.new_text)
                 tokens[out.request_id].extend(out.new_token_ids)
                 if out.finished:
@@ -450,6 +479,8 @@ class FLyEngine:
             while not done:
                 for out in self.step():
                     if out.request_id == rid:
+                        if out.error is not None:
+                            raise BadRequest(out.error)
                         if out.new_text:
                             yield out.new_text
                         done = out.finished

@@ -4,25 +4,34 @@
   request's tools / tool_choice / response_format, or None when nothing constrains it.
 - `GrammarCompiler`: builds llguidance's view of the tokenizer once, compiles grammars into
   matchers (a bounded cache of compiled prototypes, copied per request) and reports bad ones as
-  BadRequest naming the problem (and the tool, when one tool's parameters are the cause).
+  BadRequest naming the problem (and the tool, when one tool's parameters are the cause). Every
+  grammar is untrusted: schemas are walked against caps first (`schema_limits`), a grammar not
+  seen before compiles first in a sacrificial worker process (`grammar_sandbox`), then here on a
+  big-stack thread with llguidance's limits. Thread-safe: any thread may compile while the model
+  thread decodes.
 - `GrammarStage`: the cascade's grammar stage. Each row has its own matcher (or none), kept at
   the row's committed tokens between rounds. It proposes the tokens the grammar forces (free
   drafts), cuts a draft at its first forbidden token, and gives the allowed-token masks for the
   target's logits at every verified position; `observe` feeds it each round's emitted tokens.
+  A row whose matcher fails (the grammar allows no continuation, a parser limit) is reported by
+  `failures`, for the engine to end that request with an error.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections import OrderedDict
 
 import llguidance
-import llguidance.hf
 import llguidance.torch
 import torch
 
+from fly_llm.decoding.grammar_sandbox import (MEMORY_BYTES, TIMEOUT_S, GrammarSandbox, big_stack_call,
+                                              build_tokenizer, compile_grammar, shared_sandbox, tokenizer_setup)
+from fly_llm.decoding.schema_limits import SchemaCaps, check_schema, hoist_defs
 from fly_llm.errors import BadRequest
 from fly_llm.tools import TOOL_CLOSE, TOOL_OPEN, NamedToolChoice, Structure
 
@@ -33,8 +42,10 @@ COMPILED_CACHE_SIZE = 64
 """Compiled grammars kept for reuse (LRU)."""
 
 
-def grammar_for(structure: Structure | None, special_tags: frozenset[str] = frozenset()) -> str | None:
-    """The grammar for a request's structure; None when its output is free.
+def grammar_for(structure: Structure | None, special_tags: frozenset[str] = frozenset(),
+                caps: SchemaCaps = SchemaCaps()) -> str | None:
+    """The grammar for a request's structure; None when its output is free. BadRequest when a schema
+    in it exceeds `caps`.
 
     `special_tags`: the tool-call tags that are single special tokens of the tokenizer (Qwen2.5's
     `<tool_call>`); the grammar names those as tokens, the others as text.
@@ -42,11 +53,12 @@ def grammar_for(structure: Structure | None, special_tags: frozenset[str] = froz
     if structure is None or structure.is_free:
         return None
     if structure.tools:
-        return _tools_grammar(structure, special_tags)
+        return _tools_grammar(structure, special_tags, caps)
     fmt = structure.response_format
     if fmt.type == "regex":
         return llguidance.LLMatcher.grammar_from_regex(fmt.pattern)
     schema = fmt.json_schema_ if fmt.type == "json_schema" else {"type": "object"}
+    check_schema(schema, caps)
     return f"start: {_json(schema)}\n"
 
 
@@ -58,7 +70,7 @@ def _json(schema: dict) -> str:
     return "%json " + json.dumps(styled)
 
 
-def _tools_grammar(structure: Structure, special_tags: frozenset[str]) -> str:
+def _tools_grammar(structure: Structure, special_tags: frozenset[str], caps: SchemaCaps) -> str:
     """Hermes-format calls of the offered tools: forced ('required', a name), optional ('auto') or none;
     at most one call when `parallel_tool_calls` is False."""
     choice = structure.tool_choice or "auto"
@@ -68,9 +80,9 @@ def _tools_grammar(structure: Structure, special_tags: frozenset[str]) -> str:
     tools = [t.function for t in structure.tools]
     if isinstance(choice, NamedToolChoice):
         tools = [f for f in tools if f.name == choice.function.name]
-    variants = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
-                 "required": ["name", "arguments"], "additionalProperties": False} for f in tools]
-    body = f"body: {_json({'anyOf': variants} if len(variants) > 1 else variants[0])}\n"
+    schema = _calls_schema(tools)
+    check_schema(schema, caps)
+    body = f"body: {_json(schema)}\n"
     open_tag, close_tag = (f"<{t[1:-1]}>" if t in special_tags else json.dumps(t) for t in (TOOL_OPEN, TOOL_CLOSE))
     call = f'call: {open_tag} "\\n" body "\\n" {close_tag}\n'
     several = structure.parallel_tool_calls is not False
@@ -89,47 +101,89 @@ def _tools_grammar(structure: Structure, special_tags: frozenset[str]) -> str:
     return f'start: {calls} "\\n"?\n' + call + body  # the model may end its last call with a newline
 
 
+def _calls_schema(tools: list) -> dict:
+    """One call object of the tools: `{"name": …, "arguments": …}` with each tool's parameters as its
+    arguments; their `$defs` / `definitions` hoisted to the root (as `<tool name>:<name>`; a name holds no colon) and their
+    local `$ref`s rewritten, so pydantic's nested models keep working one level down."""
+    hoisted: dict = {}
+    variants = []
+    for f in tools:
+        arguments, definitions = hoist_defs(f.parameters, f.name)
+        hoisted.update(definitions)
+        variants.append({"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments},
+                         "required": ["name", "arguments"], "additionalProperties": False})
+    schema = {"anyOf": variants} if len(variants) > 1 else variants[0]
+    return {**schema, "$defs": hoisted} if hoisted else schema
+
+
 def _regex_literal(text: str) -> str:
     return re.escape(text).replace("/", "\\/")
 
 
 class GrammarCompiler:
-    """Compiles grammars into llguidance matchers over one tokenizer (built on first use: ~2 s for Qwen)."""
+    """Compiles grammars into llguidance matchers over one tokenizer (built on first use: ~2 s for Qwen).
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]) -> None:
+    Thread-safe. `sandbox` (on by default) compiles each grammar not seen before in a worker process
+    first, within `timeout_s` and `memory_bytes` (docs/design.md §1.5); `caps` bound the schemas.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], *, sandbox: bool = True,
+                 timeout_s: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES, caps: SchemaCaps = SchemaCaps()) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
+        self.caps = caps
+        self._sandbox_limits = (timeout_s, memory_bytes) if sandbox else None
         self._special_tags: frozenset[str] | None = None
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._sandbox: GrammarSandbox | None = None
+        self._setup: dict | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.RLock()  # the caches and the tokenizer view
         self.compile_s = 0.0
         """Seconds spent building the tokenizer view and compiling grammars so far."""
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the tokenizer."""
-        if self._tokenizer is None:
-            start = time.perf_counter()
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_ids or None)
-            self.compile_s += time.perf_counter() - start
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                start = time.perf_counter()
+                self._tokenizer = build_tokenizer(self.setup)
+                self.compile_s += time.perf_counter() - start
+            return self._tokenizer
+
+    @property
+    def setup(self) -> dict:
+        """The tokenizer as the sandbox's worker gets it (both build their view from it)."""
+        with self._lock:
+            if self._setup is None:
+                self._setup = tokenizer_setup(self._hf_tokenizer, self.vocab_size, self.eos_ids)
+            return self._setup
 
     @property
     def special_tags(self) -> frozenset[str]:
         """The tool-call tags that are one special token each for llguidance (Qwen2.5's `<tool_call>`)."""
-        if self._special_tags is None:
-            ids = {tag: self._hf_tokenizer.encode(tag, add_special_tokens=False) for tag in (TOOL_OPEN, TOOL_CLOSE)}
-            self._special_tags = frozenset(tag for tag, tokens in ids.items()
-                                           if len(tokens) == 1 and self.tokenizer.is_special_token(tokens[0]))
-        return self._special_tags
+        with self._lock:
+            if self._special_tags is None:
+                ids = {tag: self._hf_tokenizer.encode(tag, add_special_tokens=False) for tag in (TOOL_OPEN, TOOL_CLOSE)}
+                self._special_tags = frozenset(tag for tag, tokens in ids.items()
+                                               if len(tokens) == 1 and self.tokenizer.is_special_token(tokens[0]))
+            return self._special_tags
+
+    @property
+    def sandbox(self) -> GrammarSandbox | None:
+        """The worker process grammars compile in first (shared by compilers over one tokenizer); None: off."""
+        with self._lock:
+            if self._sandbox is None and self._sandbox_limits is not None:
+                self._sandbox = shared_sandbox(self.setup, *self._sandbox_limits)
+            return self._sandbox
 
     def grammar(self, structure: Structure | None) -> str | None:
         """The grammar of a request's structure for this tokenizer (None: free output)."""
         if structure is None or structure.is_free:  # checked here too: special_tags builds the tokenizer view
             return None
-        return grammar_for(structure, self.special_tags)
+        return grammar_for(structure, self.special_tags, self.caps)
 
     def for_structure(self, structure: Structure | None) -> llguidance.LLMatcher | None:
         """A matcher for a request's structure (None when its output is free).
@@ -144,27 +198,37 @@ class GrammarCompiler:
             return self.matcher(grammar)
         except BadRequest:
             for tool in structure.tools or ():
-                error = llguidance.LLMatcher.validate_grammar(f"start: {_json(tool.function.parameters)}\n")
-                if error:
-                    reason = error.splitlines()[0].split(": ", 1)[-1]
+                try:
+                    self._prototype(f"start: {_json(tool.function.parameters)}\n")
+                except BadRequest as exc:
+                    reason = exc.message.splitlines()[0].split(": ", 1)[-1]
                     raise BadRequest(f"tool {tool.function.name!r}: its parameters schema cannot be used: "
                                      f"{reason}") from None
             raise
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of `grammar`; BadRequest if it does not compile."""
-        prototype = self._compiled.get(grammar)
-        if prototype is None:
-            start = time.perf_counter()
-            prototype = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        """A fresh matcher at the start of `grammar`; BadRequest if it does not compile, its language is
+        empty, or (in the sandbox) it crashes the compiler, takes too long or too much memory."""
+        return self._prototype(grammar).deep_copy()
+
+    def _prototype(self, grammar: str) -> llguidance.LLMatcher:
+        """The compiled grammar from the cache, or compiled now (sandbox first) and cached."""
+        with self._lock:
+            prototype = self._compiled.get(grammar)
+            if prototype is not None:
+                self._compiled.move_to_end(grammar)
+                return prototype
+        if self._sandbox_limits is not None:
+            self.sandbox.check(grammar)
+        tokenizer = self.tokenizer
+        start = time.perf_counter()
+        prototype = big_stack_call(lambda: compile_grammar(tokenizer, grammar))
+        with self._lock:
             self.compile_s += time.perf_counter() - start
-            if prototype.is_error():
-                raise BadRequest(f"the grammar does not compile: {prototype.get_error()}")
             self._compiled[grammar] = prototype
             if len(self._compiled) > COMPILED_CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(grammar)
-        return prototype.deep_copy()
+        return prototype
 
 
 class GrammarStage:
@@ -215,8 +279,8 @@ class GrammarStage:
             consumed = 0
             for j in range(len(draft) + 1):
                 llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i * width + j)
-                if j < len(draft) and not matcher.is_stopped():  # stopped: only EOS can follow, and it ends the row
-                    _consume(matcher, draft[j], b)
+                # stopped: only EOS can follow (or the matcher failed: `failures` reports it after the round)
+                if j < len(draft) and not matcher.is_stopped() and matcher.consume_token(draft[j]):
                     consumed += 1
             matcher.rollback(consumed)
         bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
@@ -229,9 +293,14 @@ class GrammarStage:
             new = context[self.consumed[b]:]
             self.consumed[b] = len(context)
             for token in new if matcher is not None else ():
-                if matcher.is_stopped():
+                if matcher.is_stopped() or not matcher.consume_token(token):  # refused: the matcher failed
                     break
-                _consume(matcher, token, b)
+
+    def failures(self) -> list[tuple[int, str]]:
+        """`(row, the grammar problem)` for each row whose matcher failed: the output so far has no
+        continuation in the grammar's language, or the grammar hit a parser limit. The engine ends
+        those requests with that error (the other rows go on)."""
+        return [(b, _problem(m)) for b, m in enumerate(self.rows) if m is not None and m.is_error()]
 
     def check(self, contexts: list[list[int]]) -> None:
         """Assert one entry per row, every matcher at its row's committed context and none in error."""
@@ -240,9 +309,14 @@ class GrammarStage:
         assert not any(m is not None and m.is_error() for m in self.rows), "a grammar matcher is in error"
 
 
-def _consume(matcher: llguidance.LLMatcher, token: int, row: int) -> None:
-    if not matcher.consume_token(token):  # the engine only feeds tokens the grammar allowed: a bug if not
-        raise RuntimeError(f"grammar row {row}: token {token} refused: {matcher.get_error()}")
+def _problem(matcher: llguidance.LLMatcher) -> str:
+    """What a failed matcher's grammar did wrong, in words."""
+    detail = (matcher.get_error() or "no detail").splitlines()[0]
+    if detail in ("NoExtension", "NoExtensionBias"):
+        return f"the grammar allows no continuation of the output so far: its language is empty from there ({detail})"
+    if detail in ("ParserTooComplex", "LexerTooComplex"):
+        return f"the grammar is too complex for the parser's limits while decoding ({detail})"
+    return f"the grammar failed while decoding: {detail}"
 
 
 def apply_masks(logits: torch.Tensor, masks: tuple[list[int], torch.Tensor] | None) -> None:

@@ -1,0 +1,311 @@
+"""A sacrificial grammar compiler: untrusted grammars compile first in a worker process (docs/design.md §1.5).
+
+llguidance is native code: a grammar can crash it (a long `$ref` chain overflows its stack) or
+make it take too long or too much memory. `GrammarSandbox.check(grammar)` compiles a grammar in a
+worker process under a time limit and an address-space limit (RLIMIT_AS) on a thread with a small
+stack, and raises BadRequest naming what happened: a compile error, an empty language, a crash, a
+timeout, the memory limit. Only grammars that survived there are compiled in the daemon, on a
+thread with a stack many times larger (`compile_grammar`, `big_stack_call`).
+
+The worker is `python -m fly_llm.decoding.grammar_sandbox`, started on first use (never forked
+from the daemon, which has threads, torch and ZeroMQ); it builds llguidance's view of the
+tokenizer once, from the tokenizer's JSON, and is restarted after a crash or a timeout. Verdicts
+are cached by the grammar's hash (bounded), so a grammar is judged once. Messages are JSON frames
+(4-byte length, then UTF-8) on the worker's stdin and stdout; it imports llguidance and nothing else.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import hashlib
+import json
+import os
+import resource
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import llguidance
+
+from fly_llm.errors import BadRequest, Internal
+
+PARSER_LIMITS = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                     step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
+                     precompute_large_lexemes=True, verbose_errors=False)
+"""llguidance's limits, passed explicitly wherever a grammar is compiled (its 1.9 defaults, except
+that errors do not echo the parser's state). The step limits bound the time of one token mask."""
+
+TIMEOUT_S = 5.0
+"""How long the worker may take over one grammar."""
+MEMORY_BYTES = 1 << 30
+"""Address space the worker may add, beyond what it holds once the tokenizer view is built."""
+SANDBOX_STACK_BYTES = 4 << 20
+"""The worker compiles on a thread with this stack; the daemon compiles with `BIG_STACK_BYTES`,
+so a grammar whose compile recursion fits the worker fits the daemon many times over."""
+BIG_STACK_BYTES = 64 << 20
+VERDICTS = 4096
+"""Verdicts (grammar hash -> problem or none) kept, LRU."""
+START_TIMEOUT_S = 120.0
+"""How long the worker may take to start (building the tokenizer view of a large vocabulary)."""
+
+T = TypeVar("T")
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    """`PARSER_LIMITS` as llguidance's object."""
+    return llguidance.LLParserLimits(**PARSER_LIMITS)
+
+
+def compile_grammar(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """A matcher at the start of `grammar`, its first mask computed; BadRequest if the grammar does not
+    compile or its language is empty (no token may start the output, and the empty output is not in it)."""
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+    if matcher.is_error():
+        raise BadRequest(f"the grammar does not compile: {matcher.get_error()}")
+    matcher.compute_bitmask()  # where an empty language shows: the matcher enters an error state
+    if matcher.is_error():
+        raise BadRequest(f"the grammar's language is empty: no output satisfies it ({_first_line(matcher)})")
+    return matcher
+
+
+def _first_line(matcher: llguidance.LLMatcher) -> str:
+    return matcher.get_error().splitlines()[0] if matcher.get_error() else "no error"
+
+
+def big_stack_call(fn: Callable[[], T], stack_bytes: int = BIG_STACK_BYTES) -> T:
+    """`fn()` on a new thread with a `stack_bytes` stack (native recursion then has room whatever the
+    calling thread's stack); its exception is raised here."""
+    result: list[Any] = [None, None]
+
+    def run() -> None:
+        try:
+            result[0] = fn()
+        except BaseException as exc:  # re-raised in the caller
+            result[1] = exc
+
+    previous = threading.stack_size(stack_bytes)
+    try:
+        thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+        thread.start()
+    finally:
+        threading.stack_size(previous)
+    thread.join()
+    if result[1] is not None:
+        raise result[1]
+    return result[0]
+
+
+def tokenizer_setup(hf_tokenizer, vocab_size: int, eos_ids: list[int]) -> dict:
+    """What the worker needs to build llguidance's view of a fast Hugging Face tokenizer."""
+    backend = copy.copy(hf_tokenizer.backend_tokenizer)  # as llguidance.hf does: no padding, no truncation
+    backend.no_padding()
+    backend.no_truncation()
+    return {"tokenizer": backend.to_str(), "n_vocab": vocab_size, "eos": list(eos_ids)}
+
+
+def build_tokenizer(setup: dict) -> llguidance.LLTokenizer:
+    """llguidance's view of the tokenizer in `setup` (`tokenizer_setup`)."""
+    return llguidance.LLTokenizer(setup["tokenizer"], n_vocab=setup["n_vocab"], eos_token=setup["eos"] or None)
+
+
+class GrammarSandbox:
+    """A worker process that compiles grammars first, under a time and a memory limit.
+
+    Thread-safe: one grammar at a time goes to the worker; cached verdicts answer at once.
+    """
+
+    def __init__(self, setup: dict, timeout_s: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES) -> None:
+        self._setup = {**setup, "memory_bytes": memory_bytes}
+        self.timeout_s = timeout_s
+        self.memory_bytes = memory_bytes
+        self._process: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
+        self.starts = 0
+        """Worker processes started so far (one more after each crash or timeout)."""
+
+    def check(self, grammar: str) -> None:
+        """Return if `grammar` compiles in the worker to a non-empty language; else BadRequest naming
+        the problem (its compile error, an empty language, a crash, a timeout, the memory limit)."""
+        key = hashlib.sha256(grammar.encode()).digest()
+        with self._lock:
+            if key in self._verdicts:
+                self._verdicts.move_to_end(key)
+                problem = self._verdicts[key]
+            else:
+                problem = self._verdicts[key] = self._judge(grammar)
+                if len(self._verdicts) > VERDICTS:
+                    self._verdicts.popitem(last=False)
+        if problem is not None:
+            raise BadRequest(problem)
+
+    def close(self) -> None:
+        """Stop the worker (a later check starts a new one)."""
+        with self._lock:
+            self._stop()
+
+    def _judge(self, grammar: str) -> str | None:
+        """The worker's verdict on a grammar not seen before: its problem, or None."""
+        process = self._process if self._process is not None and self._process.poll() is None else self._start()
+        _send(process, {"grammar": grammar})
+        try:
+            reply = _receive(process, time.monotonic() + self.timeout_s)
+        except TimeoutError:
+            self._stop()
+            return f"the grammar compiler took longer than {self.timeout_s:g} s on this grammar"
+        except EOFError:
+            return self._crashed()
+        return reply.get("problem")
+
+    def _crashed(self) -> str:
+        """The verdict on a grammar the worker died compiling (the worker is reaped; the next check restarts it)."""
+        process, self._process = self._process, None
+        code = process.wait()
+        stderr = _drain(process.stderr)
+        process.stderr.close()
+        process.stdin.close()
+        process.stdout.close()
+        if b"memory allocation" in stderr or b"MemoryError" in stderr:
+            return f"the grammar compiler ran out of its memory limit ({self.memory_bytes >> 20} MiB) on this grammar"
+        what = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else f"exit {code}"
+        return f"the grammar compiler crashed on this grammar ({what})"
+
+    def _start(self) -> subprocess.Popen:
+        """A new worker, its tokenizer view built (Internal if it cannot start)."""
+        self._stop()
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+               "MALLOC_ARENA_MAX": "1"}  # one heap: RLIMIT_AS then counts what the compile allocates
+        process = subprocess.Popen([sys.executable, "-m", "fly_llm.decoding.grammar_sandbox"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, close_fds=True)
+        self._process = process
+        self.starts += 1
+        _send(process, self._setup)
+        try:
+            _receive(process, time.monotonic() + START_TIMEOUT_S)
+        except (TimeoutError, EOFError) as exc:
+            self._stop()
+            raise Internal(f"the grammar sandbox did not start ({type(exc).__name__})") from None
+        return process
+
+    def _stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+            process.wait()
+            for pipe in (process.stdin, process.stdout, process.stderr):
+                pipe.close()
+
+
+_SHARED: dict[tuple, GrammarSandbox] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_sandbox(setup: dict, timeout_s: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES) -> GrammarSandbox:
+    """The process-wide sandbox for this tokenizer and these limits (engines over one tokenizer share
+    a worker and its verdicts); workers stop when the process exits."""
+    key = (hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest(), timeout_s, memory_bytes)
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = GrammarSandbox(setup, timeout_s, memory_bytes)
+        return _SHARED[key]
+
+
+@atexit.register
+def _close_shared() -> None:
+    for sandbox in list(_SHARED.values()):
+        sandbox.close()
+
+
+# -- framing -------------------------------------------------------------------------------------
+
+def _send(process: subprocess.Popen, message: dict) -> None:
+    data = json.dumps(message).encode()
+    try:
+        process.stdin.write(struct.pack(">I", len(data)) + data)
+        process.stdin.flush()
+    except (BrokenPipeError, ValueError):
+        pass  # a dead worker: the receive that follows sees EOF
+
+
+def _receive(process: subprocess.Popen, deadline: float) -> dict:
+    """The worker's next message; TimeoutError after `deadline`, EOFError if it died."""
+    fd = process.stdout.fileno()
+    header = _read_exactly(fd, 4, deadline)
+    return json.loads(_read_exactly(fd, struct.unpack(">I", header)[0], deadline))
+
+
+def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
+    data = b""
+    while len(data) < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
+def _drain(pipe) -> bytes:
+    """What a dead worker left on a pipe (its last 64 KiB at most)."""
+    os.set_blocking(pipe.fileno(), False)
+    try:
+        return (pipe.read() or b"")[-65536:]
+    except OSError:
+        return b""
+
+
+# -- the worker ------------------------------------------------------------------------------------
+
+def _worker() -> None:
+    """The worker's loop: the setup frame, then one verdict per grammar frame until stdin closes."""
+    channel = os.fdopen(os.dup(1), "wb")  # the frames; anything else written to stdout goes to stderr
+    os.dup2(2, 1)
+    source = sys.stdin.buffer
+
+    def read() -> dict | None:
+        header = source.read(4)
+        return json.loads(source.read(struct.unpack(">I", header)[0])) if len(header) == 4 else None
+
+    def write(message: dict) -> None:
+        data = json.dumps(message).encode()
+        channel.write(struct.pack(">I", len(data)) + data)
+        channel.flush()
+
+    setup = read()
+    tokenizer = build_tokenizer(setup)
+    _limit_address_space(setup["memory_bytes"])
+    write({"ready": True})
+    while (message := read()) is not None:
+        try:
+            compile_grammar(tokenizer, message["grammar"])
+            write({"problem": None})
+        except BadRequest as exc:
+            write({"problem": exc.message})
+
+
+def _limit_address_space(extra: int) -> None:
+    """RLIMIT_AS: what the process maps now plus `extra` bytes."""
+    with open("/proc/self/status") as status:
+        size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    limit = size + extra if hard == resource.RLIM_INFINITY else min(size + extra, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+if __name__ == "__main__":
+    threading.stack_size(SANDBOX_STACK_BYTES)
+    worker = threading.Thread(target=_worker, name="grammar-sandbox")
+    worker.start()
+    worker.join()

@@ -185,6 +185,12 @@ def text() -> st.SearchStrategy[str]:
                      st.lists(st.sampled_from(PROMPTS + ODD_TEXT), max_size=5).map("".join))
 
 
+def plain_messages() -> st.SearchStrategy[list[dict[str, Any]]]:
+    """A valid chat (an optional system turn, then a user turn) with odd text, to reach grammar and decoding."""
+    return st.builds(lambda system, user: ([{"role": "system", "content": system}] if system else [])
+                     + [{"role": "user", "content": user}], st.one_of(st.none(), text()), text())
+
+
 def messages() -> st.SearchStrategy[list[dict[str, Any]]]:
     """Chat message lists: any roles, odd text, tool calls with odd arguments, results for unknown calls."""
     turn = st.one_of(
@@ -209,11 +215,12 @@ def tools() -> st.SearchStrategy[list[dict[str, Any]]]:
                               "type": "object", "properties": {"person": {"$ref": "#/$defs/Person"}},
                               "required": ["person"]})
     params = st.one_of(json_schemas(), pydantic_style)
-    tool = st.builds(lambda name, p: {"type": "function", "function": {"name": name, "parameters": p}},
-                     st.sampled_from(TOOL_NAMES), params)
+    name = st.one_of(st.sampled_from(["get_weather", "search", "lookup", "ok.v2", "save"]), st.sampled_from(TOOL_NAMES))
+    tool = st.builds(lambda n, p: {"type": "function", "function": {"name": n, "parameters": p}}, name, params)
     many = st.integers(100, 200).map(lambda n: [{"type": "function", "function": {"name": f"t{i}"}}
                                                 for i in range(n)])
-    return st.one_of(st.lists(tool, min_size=1, max_size=4), many)
+    unique = st.lists(tool, min_size=1, max_size=4, unique_by=lambda t: t["function"]["name"])
+    return st.one_of(unique, unique, st.lists(tool, min_size=2, max_size=3), many)
 
 
 def tool_choices(names: list[str]) -> st.SearchStrategy[Json]:
@@ -235,7 +242,8 @@ def sampling() -> st.SearchStrategy[dict[str, Any]]:
                           st.just(["x" * 5000])),
         "bogus": st.just(1),
     })
-    return st.builds(lambda n, extra: {"max_tokens": n, **extra}, st.integers(1, 12), edges)
+    plain = st.builds(lambda n: {"max_tokens": n}, st.integers(1, 12))
+    return st.one_of(plain, st.builds(lambda n, extra: {"max_tokens": n, **extra}, st.integers(1, 12), edges))
 
 
 def fly_options() -> st.SearchStrategy[dict[str, Any]]:
@@ -266,7 +274,7 @@ def _schema_case(draw: st.DrawFn) -> Case:
                          {"type": "json_schema", "schema": []}, {"type": "json_schema", "json_schema": "x"}]),
     ))
     source = draw(st.sampled_from(["prompt", "messages"]))
-    body = {"prompt": draw(st.sampled_from(PROMPTS))} if source == "prompt" else {"messages": draw(messages())}
+    body = {"prompt": draw(st.sampled_from(PROMPTS))} if source == "prompt" else {"messages": draw(plain_messages())}
     return Case("schema", _request(**body, sampling=draw(sampling()), response_format=response_format,
                                    stream=draw(st.booleans())))
 
@@ -275,7 +283,8 @@ def _schema_case(draw: st.DrawFn) -> Case:
 def _tools_case(draw: st.DrawFn) -> Case:
     offered = draw(tools())
     names = [t["function"]["name"] for t in offered]
-    return Case("tools", _request(messages=draw(messages()), tools=offered, tool_choice=draw(tool_choices(names)),
+    chat = draw(st.one_of(plain_messages(), plain_messages(), messages()))
+    return Case("tools", _request(messages=chat, tools=offered, tool_choice=draw(tool_choices(names)),
                                   parallel_tool_calls=draw(st.sampled_from([None, True, False])),
                                   sampling=draw(sampling()), stream=draw(st.booleans())))
 

@@ -1,21 +1,33 @@
 """Continuous batching of generate requests into one FLyEngine (runs in the daemon's model thread).
 
 The socket thread calls `submit`, `cancel`, `touch`, `client_gone`, `tokenize` and `drain` (all
-thread-safe and quick); the model thread runs `run()`: it loads the models, then loops — drop
-what was cancelled, timed out or abandoned, join waiting requests to the batch while it has room,
-run one engine step, and hand each request's new text to `emit` (which the server sends on).
+thread-safe and quick). Once the models are loaded, a small pool of worker threads prepares each
+queued request — the character limit, the chat template and tokenizer, the token limit and the
+grammar (`FLyEngine.compile_structure`) — and answers tokenize requests, so no request's
+preparation holds up a running stream. The model thread runs `run()`: it loads the models, then
+loops — drop what was cancelled, timed out or abandoned, join a bounded number of prepared
+requests to the batch while it has room (in queue order), run one engine step, and hand each
+request's new text to `emit` (which the server sends on; it is thread-safe).
+
+A job is in exactly one place: queued, preparing, prepared or in the engine (`check()`). Each
+client (a ZeroMQ socket, an HTTP connection) may have `max_requests_per_client` of them, all
+clients together `queue_size` outside the engine. Each request's prefix-cache scope is its tenant
+(the credential it came with) unless `share_prefix_cache`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
+from bisect import insort
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,6 +51,15 @@ LOCAL: Envelope = ()
 """The envelope of requests submitted from inside the process (fly_daemon.inproc): no routing frames, so it
 is never a socket's, and no heartbeats (their owner cancels them when it stops waiting)."""
 Emit = Callable[[Envelope, BaseModel], None]
+Place = Literal["queued", "preparing", "prepared", "engine", "ended"]
+
+PREPARE_WORKERS = 2
+"""Threads that prepare requests and answer tokenize requests."""
+ADMISSIONS_PER_TURN = 4
+"""Prepared requests the model thread tries to add to the engine between two steps."""
+CHARS_PER_TOKEN = 16
+"""Characters a prompt may have per token of the token limit when `max_prompt_chars` is unset: far more
+than any tokenizer averages over real text, so only prompts that cannot fit are refused unread."""
 
 
 class Limits(BaseModel):
@@ -73,18 +94,19 @@ class Job:
 
     envelope: Envelope
     request: GenerateRequest
-    engine_id: str
+    seq: int  # submission order
     tenant: str  # whose prefix cache it may use (a credential: "local", "curve:KEY", "http-key:HASH")
     client: str  # what the per-client cap counts (one socket, one HTTP connection)
     submitted: float
     last_seen: float
+    place: Place = "queued"
     prompt_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
+    matcher: object | None = None  # the compiled grammar, from preparation until it joins the engine
     token_ids: list[int] = field(default_factory=list)
     unsent_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    in_engine: bool = False
     kill: FLyError | None = None
     tool_calls: ToolCallStream | None = None  # set when the request may call tools: splits calls from text
     calls: list[ToolCall] = field(default_factory=list)
@@ -95,16 +117,22 @@ class Job:
         return self.envelope, self.request.id
 
     @property
+    def engine_id(self) -> str:
+        return f"r{self.seq}"
+
+    @property
     def budget(self) -> int:
         """Tokens this request may occupy in the batch (prompt + max new tokens)."""
         return self.prompt_tokens + self.request.sampling.max_tokens
 
 
 class Scheduler:
-    """Bounded admission queue and continuous batching into one engine, built by `load_engine`."""
+    """Bounded admission queue, preparation off the model thread, and continuous batching into one
+    engine, built by `load_engine`. `executor` runs the preparations (default: a pool of
+    PREPARE_WORKERS threads)."""
 
     def __init__(self, load_engine: Callable[[], "FLyEngine"], emit: Emit, limits: Limits = Limits(),
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, executor: Executor | None = None) -> None:
         self.limits = limits
         self.metrics = metrics or Metrics()
         self.engine: FLyEngine | None = None
@@ -119,12 +147,17 @@ class Scheduler:
         self._busy_s = 0.0
         self._load_engine = load_engine
         self._emit = emit
+        self._executor = executor or ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="fly-prepare")
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._jobs: dict[tuple[Envelope, str], Job] = {}
-        self._waiting: deque[Job] = deque()
-        self._tokenize: deque[tuple[Envelope, TokenizeRequest]] = deque()
-        self._ids = count()
+        self._queued: deque[Job] = deque()
+        self._preparing: set[Job] = set()
+        self._prepared: list[Job] = []  # in submission order
+        self._per_client: dict[str, int] = {}
+        self._tokenize: deque[tuple[Envelope, TokenizeRequest]] = deque()  # while loading
+        self._tokenize_pending = 0  # waiting for the models or the pool
+        self._seqs = count()
         self._drain_deadline: float | None = None
 
     # ---- called from the socket thread ----
@@ -140,20 +173,27 @@ class Scheduler:
             raise TooLong(f"max_tokens {request.sampling.max_tokens} exceeds the daemon's limit "
                           f"{self.limits.max_tokens_limit}")
         now = time.monotonic()
+        client = client or _client_of(envelope)
         with self._lock:
             self._check_open()
             if (envelope, request.id) in self._jobs:
                 raise BadRequest(f"request id {request.id!r} is already in flight")
-            if len(self._waiting) >= self.limits.queue_size:
+            if self._per_client.get(client, 0) >= self.limits.max_requests_per_client:
+                raise Busy(f"this client already has {self.limits.max_requests_per_client} requests queued or "
+                           f"running (the daemon's max_requests_per_client)")
+            if self._outside_engine() >= self.limits.queue_size:
                 raise Busy(f"admission queue full ({self.limits.queue_size} waiting)")
-            job = Job(envelope, request, f"r{next(self._ids)}", tenant, client or _client_of(envelope), now, now)
+            job = Job(envelope, request, next(self._seqs), tenant, client, now, now)
             structure = request.structure
             if structure is not None and structure.calls_tools:
                 job.tool_calls = ToolCallStream(frozenset(t.function.name for t in structure.tools)
                                                 if structure.tool_choice in (None, "auto") else frozenset())
             self._jobs[job.key] = job
-            self._waiting.append(job)
-        self._wake.set()
+            self._queued.append(job)
+            self._per_client[client] = self._per_client.get(client, 0) + 1
+            loaded = self.engine is not None
+        if loaded:
+            self._executor.submit(self._prepare_next)
 
     def cancel(self, envelope: Envelope, request_id: str, error: FLyError | None = None) -> bool:
         """Cancel a client's request; False if it has none with that id."""
@@ -173,23 +213,30 @@ class Scheduler:
                     job.kill = Cancelled("the client went away")
         self._wake.set()
 
-    def touch(self, envelope: Envelope, request_ids: list[str]) -> None:
-        """A heartbeat: the client at `envelope` still waits for these of its requests."""
-        now = time.monotonic()
+    def touch(self, envelope: Envelope, request_ids: list[str], *, tenant: str = "local") -> None:
+        """A heartbeat from `envelope` with credential `tenant`: its sender still waits for these requests.
+
+        Only the sender's own are touched: those sent on this socket, and those of its credential
+        (FLyClient heartbeats from a socket of its own, with the same credential).
+        """
+        wanted, now = set(request_ids), time.monotonic()
         with self._lock:
-            for rid in request_ids:
-                job = self._jobs.get((envelope, rid))
-                if job is not None:
+            for job in self._jobs.values():
+                if job.request.id in wanted and (job.envelope == envelope or job.tenant == tenant):
                     job.last_seen = now
 
     def tokenize(self, envelope: Envelope, request: TokenizeRequest) -> None:
-        """Queue a tokenize request (answered between engine steps, by the model thread; waits while models load)."""
+        """Queue a tokenize request (answered by the preparation pool; waits while models load)."""
         with self._lock:
             self._check_open()
-            if len(self._tokenize) >= self.limits.queue_size:
+            if self._tokenize_pending >= self.limits.queue_size:
                 raise Busy("too many tokenize requests waiting")
-            self._tokenize.append((envelope, request))
-        self._wake.set()
+            self._tokenize_pending += 1
+            loaded = self.engine is not None
+            if not loaded:
+                self._tokenize.append((envelope, request))
+        if loaded:
+            self._executor.submit(self._answer_tokenize, envelope, request)
 
     def expire_queued(self) -> None:
         """While models load, end queued requests that were cancelled, passed their deadline or lost their client.
@@ -215,11 +262,34 @@ class Scheduler:
     def snapshot(self) -> dict:
         """Counters for the status reply."""
         with self._lock:
-            waiting, active = len(self._waiting), len(self._jobs) - len(self._waiting)
+            waiting = self._outside_engine()
+            active = len(self._jobs) - waiting
         return dict(queue_depth=waiting, active=active, max_batch_size_seen=self.max_batch_size_seen,
                     requests_total=self.requests_total, tokens_generated=self.tokens_generated,
                     tokens_per_s=self.tokens_generated / self._busy_s if self._busy_s else 0.0,
                     stats=self.stats, prompt=self.prompt_stats)
+
+    def check(self) -> None:
+        """Assert the bookkeeping: every job is in exactly one place (queued, preparing, prepared, engine)
+        and that place says so; the prepared are in submission order; the per-client counts match the
+        jobs and stay within the cap; the queue and the batch within their bounds."""
+        with self._lock:
+            places: dict[Place, list[Job]] = {"queued": list(self._queued), "preparing": list(self._preparing),
+                                              "prepared": list(self._prepared),
+                                              "engine": [j for j in self._jobs.values() if j.place == "engine"]}
+            held = [job for jobs in places.values() for job in jobs]
+            assert len({id(j) for j in held}) == len(held) == len(self._jobs), "a job is in two places or none"
+            for place, jobs in places.items():
+                assert all(j.place == place and self._jobs.get(j.key) is j for j in jobs), f"stale {place} job"
+            assert [j.seq for j in self._prepared] == sorted(j.seq for j in self._prepared), "prepared out of order"
+            clients: dict[str, int] = {}
+            for job in self._jobs.values():
+                clients[job.client] = clients.get(job.client, 0) + 1
+            assert clients == self._per_client, (clients, self._per_client)
+            assert max(clients.values(), default=0) <= self.limits.max_requests_per_client
+            assert len(held) - len(places["engine"]) <= self.limits.queue_size
+            assert len(places["engine"]) <= self.limits.max_batch_size
+            assert len(self._tokenize) <= self._tokenize_pending <= self.limits.queue_size
 
     def _check_open(self) -> None:
         """Raise NotReady unless new work is taken: while loading (it waits for the models) or ready."""
@@ -228,41 +298,134 @@ class Scheduler:
         if self.state not in ("loading", "ready"):
             raise NotReady(f"the daemon is {self.state}")
 
+    def _outside_engine(self) -> int:
+        """Jobs queued, preparing or prepared (the lock is held)."""
+        return len(self._queued) + len(self._preparing) + len(self._prepared)
+
     def _end_queued(self, verdict: Callable[[Job], FLyError | None]) -> None:
         """If no engine exists yet, fail the queued jobs that were cancelled or that `verdict` gives an error for.
 
-        Safe from any thread: the model thread takes jobs from the queue only once the engine exists,
-        and that is checked under the lock.
+        Safe from any thread: nothing leaves the queue before the engine exists, and that is checked under the lock.
         """
         with self._lock:
             if self.engine is not None:
                 return
             ended = []
-            for job in self._waiting:
+            for job in self._queued:
                 job.kill = job.kill or verdict(job)
                 if job.kill is not None:
                     ended.append(job)
             for job in ended:
-                del self._jobs[job.key]
-                self._waiting.remove(job)
+                self._detach(job)
         for job in ended:
             self._fail(job, job.kill)
+
+    def _detach(self, job: Job) -> None:
+        """Take a job out of the table, its place and its client's count (the lock is held)."""
+        del self._jobs[job.key]
+        if job.place == "queued":
+            self._queued.remove(job)
+        elif job.place == "preparing":
+            self._preparing.discard(job)
+        elif job.place == "prepared":
+            self._prepared.remove(job)
+        left = self._per_client[job.client] - 1
+        if left:
+            self._per_client[job.client] = left
+        else:
+            del self._per_client[job.client]
+        job.place = "ended"
+
+    def _end(self, job: Job, error: FLyError) -> None:
+        """Fail a job unless it has already ended (any thread)."""
+        with self._lock:
+            if job.place == "ended":
+                return
+            self._detach(job)
+        self._fail(job, error)
+
+    # ---- the preparation pool ----
+
+    def _prepare_next(self) -> None:
+        """Prepare one queued job: the oldest of a client with nothing being prepared, else the oldest."""
+        with self._lock:
+            busy = {j.client for j in self._preparing}
+            job = next((j for j in self._queued if j.client not in busy), self._queued[0] if self._queued else None)
+            if job is None:
+                return  # its job was cancelled or taken by another task
+            self._queued.remove(job)
+            self._preparing.add(job)
+            job.place = "preparing"
+        try:
+            self._prepare(job)
+        except Exception as exc:  # noqa: BLE001 - a failed preparation fails only its request
+            self._end(job, _error_of(exc, f"preparing request {job.request.id} failed"))
+            return
+        with self._lock:
+            if job.place != "preparing":
+                return  # it ended (cancelled, timed out) while it was prepared
+            self._preparing.remove(job)
+            job.place = "prepared"
+            insort(self._prepared, job, key=lambda j: j.seq)
+        self._wake.set()
+
+    def _prepare(self, job: Job) -> None:
+        """Tokenize the prompt (within the limits) and compile the request's grammar."""
+        request = job.request
+        job.prompt_ids = self._tokens_of(request)
+        job.prompt_tokens = len(job.prompt_ids)
+        if not job.prompt_ids:
+            raise BadRequest("the prompt encodes to no tokens")
+        cap = self._token_cap()
+        if job.prompt_tokens > cap:
+            raise TooLong(f"prompt of {job.prompt_tokens} tokens exceeds the limit of {cap}")
+        if request.structure is not None:
+            job.matcher = self.engine.compile_structure(request.structure)
+
+    def _token_cap(self) -> int:
+        return self.limits.max_prompt_tokens or self.engine.context_window - 1
+
+    def _tokens_of(self, request: GenerateRequest | TokenizeRequest) -> list[int]:
+        """The prompt's token ids (chat template applied), once it is within the character limit."""
+        chars = _prompt_chars(request)
+        cap = self.limits.max_prompt_chars or CHARS_PER_TOKEN * self._token_cap()
+        if chars > cap:
+            raise TooLong(f"prompt of {chars} characters exceeds the limit of {cap}")
+        text = request.prompt if isinstance(request, GenerateRequest) else request.text
+        try:
+            return self.engine.encode(text, *_template_inputs(request))
+        except FLyError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects these messages
+            raise BadRequest(f"cannot encode the prompt: {exc}") from None
+
+    def _answer_tokenize(self, envelope: Envelope, request: TokenizeRequest) -> None:
+        try:
+            ids = self._tokens_of(request)
+            reply: BaseModel = TokenizeReply(id=request.id, token_ids=ids, count=len(ids))
+        except Exception as exc:  # noqa: BLE001 - a failed tokenize request fails only itself
+            error = _error_of(exc, f"tokenize request {request.id} failed")
+            reply = ErrorReply(id=request.id, code=error.code, message=error.message)
+        finally:
+            with self._lock:
+                self._tokenize_pending -= 1
+        self._emit(envelope, reply)
 
     # ---- the model thread ----
 
     def run(self) -> None:
         """Load the engine, then serve until drained (the body of the model thread)."""
         try:
-            self.engine = self._load_engine()
+            engine = self._load_engine()
         except Exception as exc:  # noqa: BLE001 - any load failure ends the daemon with its message
             log.exception("loading models failed")
             with self._lock:
                 self.state, self.detail = "failed", f"loading models failed: {exc}"
             self.abandon_queue(NotReady(self.detail))  # what was queued while loading gets the reason
+            self._executor.shutdown(wait=False)
             return
-        if self.state == "loading":
-            self.state, self.detail = "ready", ""
-        log.info("ready: target=%s draft=%s", self.engine.target_name, self.engine.draft_name)
+        self.start(engine)
+        log.info("ready: target=%s draft=%s", engine.target_name, engine.draft_name)
         try:
             self._serve()
         except Exception as exc:  # noqa: BLE001 - never die silently: fail everything, say why, let the daemon exit
@@ -270,43 +433,59 @@ class Scheduler:
             with self._lock:
                 self.state, self.detail = "failed", f"the model thread failed: {exc}"
             self._fail_all(Internal(self.detail))
+        finally:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def start(self, engine: "FLyEngine") -> None:
+        """The models are loaded: serve with `engine`, and prepare what was queued while they loaded."""
+        with self._lock:
+            self.engine = engine
+            if self.state == "loading":
+                self.state, self.detail = "ready", ""
+            tokenize, queued = list(self._tokenize), len(self._queued)
+            self._tokenize.clear()
+        for envelope, request in tokenize:
+            self._executor.submit(self._answer_tokenize, envelope, request)
+        for _ in range(queued):
+            self._executor.submit(self._prepare_next)
 
     def _serve(self) -> None:
-        """The model thread's loop: reap, admit, step, until drained."""
-        while True:
-            self._wake.clear()  # a submit after this line makes the wait below return at once
-            self._answer_tokenize()
-            self._reap()
-            self._admit()
-            self.metrics.queue_depth.set(len(self._waiting))
-            if self.engine.has_unfinished():
-                self._step()
-            elif self.state == "draining" and not self._jobs:
-                return
-            else:
+        """The model thread's loop: turn after turn until drained, waiting for work when there is none."""
+        while not (self.state == "draining" and not self._jobs and not self._tokenize_pending):
+            self._wake.clear()  # a submit or preparation after this line makes the wait below return at once
+            if not self.turn():
                 self.metrics.active.set(0)
                 self._wake.wait(0.05)
+
+    def turn(self) -> bool:
+        """Reap, admit, and run one engine step if any request is in the engine; whether a step ran."""
+        self._reap()
+        self._admit()
+        with self._lock:
+            self.metrics.queue_depth.set(self._outside_engine())
+        if not self.engine.has_unfinished():
+            return False
+        self._step()
+        return True
 
     def _reap(self) -> None:
         """End jobs that were cancelled, passed their deadline, lost their client, or must drain."""
         now = time.monotonic()
         draining = self.state == "draining"
         drain_over = draining and self._drain_deadline is not None and now > self._drain_deadline
-        ended: list[Job] = []
+        ended: list[tuple[Job, bool]] = []
         with self._lock:
             for job in self._jobs.values():
                 if job.kill is None:
                     job.kill = self._verdict(job, now)
-                if job.kill is None and (drain_over or (draining and not job.in_engine)):
+                if job.kill is None and (drain_over or (draining and job.place != "engine")):
                     job.kill = Cancelled("the daemon is stopping")
                 if job.kill is not None:
-                    ended.append(job)
-            for job in ended:
-                del self._jobs[job.key]
-                if not job.in_engine:
-                    self._waiting.remove(job)
-        for job in ended:
-            if job.in_engine:
+                    ended.append((job, job.place == "engine"))
+            for job, _ in ended:
+                self._detach(job)
+        for job, in_engine in ended:
+            if in_engine:
                 self.engine.abort_request(job.engine_id)
             self._fail(job, job.kill)
 
@@ -321,58 +500,41 @@ class Scheduler:
         return None
 
     def _admit(self) -> None:
-        """Join waiting requests to the batch while it has room (always at least one)."""
-        while True:
+        """Join prepared requests to the batch in queue order while it has room (always at least one):
+        at most ADMISSIONS_PER_TURN tries, failed ones included, so the running streams wait for
+        no more than that before their next step."""
+        for _ in range(ADMISSIONS_PER_TURN):
             with self._lock:
-                if not self._waiting or self.state != "ready":
+                job = self._joinable()
+                if job is None:
                     return
-                active = [j for j in self._jobs.values() if j.in_engine]
-                if len(active) >= self.limits.max_batch_size:
-                    return
-                job = self._waiting[0]
+                self._prepared.pop(0)
+                job.place = "engine"
             try:
-                if not job.prompt_tokens:
-                    self._encode(job)
-                if active and sum(j.budget for j in active) + job.budget > self.limits.max_batch_tokens:
-                    return
                 self.engine.add_request(job.engine_id, job.prompt_ids, job.request.sampling,
-                                        job.request.fly.apply(self.engine.config), job.request.structure)
+                                        job.request.fly.apply(self.engine.config), job.request.structure,
+                                        matcher=job.matcher,
+                                        cache_scope="" if self.limits.share_prefix_cache else job.tenant)
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the model thread
-                if not isinstance(exc, FLyError):
-                    log.exception("admitting request %s failed", job.request.id)
-                self._forget(job)
-                self._fail(job, exc if isinstance(exc, FLyError) else Internal(f"admitting the request failed: {exc}"))
+                self._end(job, _error_of(exc, f"admitting request {job.request.id} failed"))
                 continue
-            with self._lock:
-                self._waiting.popleft()
-                job.in_engine = True
-            job.prompt_ids = []
+            job.prompt_ids, job.matcher = [], None
 
-    def _encode(self, job: Job) -> None:
-        request = job.request
-        try:
-            job.prompt_ids = self.engine.encode(request.prompt, *_template_inputs(request))
-        except FLyError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects these messages
-            raise BadRequest(f"cannot encode the prompt: {exc}") from None
-        job.prompt_tokens = len(job.prompt_ids)
-        if not job.prompt_ids:
-            raise BadRequest("the prompt encodes to no tokens")
-        cap = self.limits.max_prompt_tokens or self.engine.context_window - 1
-        if job.prompt_tokens > cap:
-            raise TooLong(f"prompt of {job.prompt_tokens} tokens exceeds the limit of {cap}")
-
-    def _forget(self, job: Job) -> None:
-        """Remove a job that ended (finished or failed) from the table and the queue."""
-        with self._lock:
-            self._jobs.pop(job.key, None)
-            if job in self._waiting:
-                self._waiting.remove(job)
+    def _joinable(self) -> Job | None:
+        """The first prepared job if the batch has room for it (the lock is held)."""
+        if self.state != "ready" or not self._prepared:
+            return None
+        active = [j for j in self._jobs.values() if j.place == "engine"]
+        if len(active) >= self.limits.max_batch_size:
+            return None
+        job = self._prepared[0]
+        if active and sum(j.budget for j in active) + job.budget > self.limits.max_batch_tokens:
+            return None
+        return job
 
     def _step(self) -> None:
         with self._lock:
-            by_engine_id = {j.engine_id: j for j in self._jobs.values() if j.in_engine}
+            by_engine_id = {j.engine_id: j for j in self._jobs.values() if j.place == "engine"}
         batch = len(by_engine_id)
         self.max_batch_size_seen = max(self.max_batch_size_seen, batch)
         self.metrics.batch_size.observe(batch)
@@ -383,19 +545,31 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, the daemon keeps serving
             log.exception("engine step failed")
             for job in by_engine_id.values():  # the engine dropped them all (FLyEngine.step resets on failure)
-                self._forget(job)
-                self._fail(job, Internal(f"engine step failed: {exc}"))
+                self._end(job, Internal(f"engine step failed: {exc}"))
             return
         now = time.monotonic()
         self._busy_s += now - start
         for out in outputs:
             job = by_engine_id.get(out.request_id)
             if job is not None:
-                self._deliver(job, out, now)
+                self._deliver_one(job, out, now)
         self.stats = self.engine.stats.model_copy(deep=True)
         self.metrics.mat.set(self.stats.mat)
         self.prompt_stats = self.engine.prompt_stats
         self.metrics.prompt_work(self.prompt_stats)
+
+    def _deliver_one(self, job: Job, out: "RequestOutput", now: float) -> None:
+        """Deliver one step's output to its job; any failure (a grammar that failed in the engine, an
+        exception while parsing the output) ends that job only, and its row."""
+        if out.error is not None:
+            self._end(job, BadRequest(out.error))
+            return
+        try:
+            self._deliver(job, out, now)
+        except Exception:  # noqa: BLE001 - e.g. the tool-call parser on hostile output: fail this request only
+            log.exception("handling the output of request %s failed", job.request.id)
+            self.engine.abort_request(job.engine_id)
+            self._end(job, Internal(f"handling the model's output for request {job.request.id} failed"))
 
     def _deliver(self, job: Job, out: "RequestOutput", now: float) -> None:
         if out.new_token_ids:
@@ -423,20 +597,22 @@ class Scheduler:
             job.unsent_ids = []
         if not out.finished:
             return
-        self._forget(job)
-        self.requests_total += 1
-        self.metrics.finished("ok", out.prompt_tokens, out.stats)
         content = "".join(job.content)
         reason = out.finish_reason or "stop"
         if job.calls:
             content, reason = content.strip(), ("tool_calls" if reason == "stop" else reason)
-        self._emit(job.envelope, GenerateResult(
+        result = GenerateResult(
             id=rid, text=content, token_ids=job.token_ids, finish_reason=reason, tool_calls=job.calls,
             usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=len(job.token_ids),
                         total_tokens=out.prompt_tokens + len(job.token_ids), cached_tokens=out.cached_tokens),
             stats=out.stats, model=self.engine.target_name,
             time_to_first_token_s=None if job.first_token_at is None else job.first_token_at - job.submitted,
-            elapsed_s=now - job.submitted))
+            elapsed_s=now - job.submitted)
+        with self._lock:
+            self._detach(job)
+            self.requests_total += 1
+        self.metrics.finished("ok", out.prompt_tokens, out.stats)
+        self._emit(job.envelope, result)
 
     def _fail_all(self, error: FLyError, only_without_engine: bool = False) -> None:
         """Answer every request the scheduler holds (queued, running, tokenize) with `error`.
@@ -448,34 +624,37 @@ class Scheduler:
             if only_without_engine and self.engine is not None:
                 return
             jobs, tokenize = list(self._jobs.values()), list(self._tokenize)
-            self._jobs.clear()
-            self._waiting.clear()
+            for job in jobs:
+                self._detach(job)
             self._tokenize.clear()
+            self._tokenize_pending -= len(tokenize)
         for job in jobs:
             self._fail(job, error)
         for envelope, request in tokenize:
             self._emit(envelope, ErrorReply(id=request.id, code=error.code, message=error.message))
 
     def _fail(self, job: Job, error: FLyError) -> None:
-        self.requests_total += 1
+        with self._lock:
+            self.requests_total += 1
         self.metrics.finished(error.code)
         self._emit(job.envelope, ErrorReply(id=job.request.id, code=error.code, message=error.message))
 
-    def _answer_tokenize(self) -> None:
-        while True:
-            with self._lock:
-                if not self._tokenize:
-                    return
-                envelope, request = self._tokenize.popleft()
-            try:
-                ids = self.engine.encode(request.text, *_template_inputs(request))
-            except FLyError as exc:
-                self._emit(envelope, ErrorReply(id=request.id, code=exc.code, message=exc.message))
-                continue
-            except Exception as exc:  # noqa: BLE001 - e.g. a chat template error on odd input
-                self._emit(envelope, ErrorReply(id=request.id, code=BadRequest.code, message=str(exc)))
-                continue
-            self._emit(envelope, TokenizeReply(id=request.id, token_ids=ids, count=len(ids)))
+
+def _error_of(exc: Exception, what: str) -> FLyError:
+    """The reply to a request whose handling raised `exc`: its own FLyError, else INTERNAL saying `what`
+    (the exception's text stays in the log)."""
+    if isinstance(exc, FLyError):
+        return exc
+    log.error("%s", what, exc_info=exc)
+    return Internal(what)
+
+
+def _prompt_chars(request: GenerateRequest | TokenizeRequest) -> int:
+    """Characters of a request's prompt: its text, or its messages and tools as JSON."""
+    text = request.prompt if isinstance(request, GenerateRequest) else request.text
+    if text is not None:
+        return len(text)
+    return len(json.dumps(_template_inputs(request), ensure_ascii=False))
 
 
 def _client_of(envelope: Envelope) -> str:

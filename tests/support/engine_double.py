@@ -1,8 +1,9 @@
-"""A test double of FLyEngine (no torch) and an in-process Server running on it.
+"""A test double of FLyEngine (no torch), an in-process Server running on it, and a collector of
+a Scheduler's replies.
 
 The double emits one token per step per request, so deadlines, heartbeats, cancellation, batch
-limits, loading state and step failures can be shown quickly and exactly (tests/daemon/test_daemon_server.py,
-tests/http/test_http_front.py).
+limits, loading state, step failures and admission can be shown quickly and exactly
+(tests/daemon/test_daemon_server.py, tests/daemon/test_scheduler*.py, tests/http/test_http_front.py).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel
+
 from fly_llm.config import FLyConfig
 from fly_llm.errors import TooLong
+from fly_llm.protocol import ErrorReply, GenerateResult, TokenizeReply
 from fly_llm.stats import PromptStats, RequestStats
 
 from fly_daemon.scheduler import Limits
@@ -34,7 +38,11 @@ class _Output:
 
 
 class CountingEngine:
-    """Test double of FLyEngine: each step gives every request its next number as one token."""
+    """Test double of FLyEngine: each step gives every request its next number as one token.
+
+    A request added with a structure ends at its first step with `grammar_error` when that is set
+    (as FLyEngine ends a row whose grammar failed).
+    """
 
     context_window = 64
     target_name, draft_name, device, dtype = "counting", None, "cpu", "float32"
@@ -47,6 +55,8 @@ class CountingEngine:
         self.stats = RequestStats()
         self.step_s = step_s
         self.fail_next_step = False
+        self.grammar_error: str | None = None
+        self.structured: set[str] = set()  # request ids added with a structure
         self.rows: dict[str, list[int]] = {}
         self.scopes: dict[str, str] = {}  # request id -> the cache_scope it was added with
 
@@ -64,6 +74,8 @@ class CountingEngine:
             raise TooLong("prompt does not fit")
         self.rows[request_id] = [sampling.max_tokens, 0, len(prompt_ids)]
         self.scopes[request_id] = cache_scope
+        if structure is not None:
+            self.structured.add(request_id)
 
     def abort_request(self, request_id) -> bool:
         return self.rows.pop(request_id, None) is not None
@@ -79,12 +91,40 @@ class CountingEngine:
             raise RuntimeError("boom")
         outputs = []
         for rid, row in list(self.rows.items()):
+            if self.grammar_error is not None and rid in self.structured:
+                del self.rows[rid]
+                outputs.append(_Output(rid, [], "", True, "stop", row[2], error=self.grammar_error))
+                continue
             row[1] += 1
             done = row[1] >= row[0]
             outputs.append(_Output(rid, [row[1]], f"{row[1]} ", done, "length" if done else None, row[2]))
             if done:
                 del self.rows[rid]
         return outputs
+
+
+class Replies:
+    """The `emit` of a test Scheduler: every reply, by request id (and every (envelope, reply) in order)."""
+
+    ENDS = (GenerateResult, ErrorReply, TokenizeReply)
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, list[BaseModel]] = {}
+        self.sent: list[tuple[tuple[bytes, ...], BaseModel]] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, envelope: tuple[bytes, ...], message: BaseModel) -> None:
+        with self._cond:
+            self.by_id.setdefault(message.id, []).append(message)
+            self.sent.append((envelope, message))
+            self._cond.notify_all()
+
+    def final(self, rid: str, timeout: float = 30.0) -> BaseModel:
+        """The last reply to `rid` once one that ends the request has come."""
+        with self._cond:
+            assert self._cond.wait_for(lambda: any(isinstance(m, self.ENDS) for m in self.by_id.get(rid, ())),
+                                       timeout), f"no final reply to {rid}"
+            return self.by_id[rid][-1]
 
 
 @contextmanager

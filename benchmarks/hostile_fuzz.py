@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -119,13 +120,15 @@ def readme(counts: dict[str, Any]) -> str:
         refused = ", ".join(f"{code} {n}" for code, n in door["refused"].items()) or "0"
         rows.append(f"| {name} | {door['requests']} | {door['served']} | {refused} | {door['crashes']} | "
                     f"{door['hangs']} | {door['bad_answers']} | {door['exact_mismatches']} |")
-    firsts = [f"- {name} / {f['family']}: {f['kind']}: {f['finding'].splitlines()[-1][:200]}"
+    firsts = [f"- {name} / {f['family']} ({f['kind']}): {f['finding'].splitlines()[-1][:200]}"
               for name, door in counts["doors"].items() for f in door["first_findings"]]
     return "\n".join([
-        "# Hostile-content fuzzer, run long (issue 33)", "",
+        "# Hostile-content fuzzer counts (issue 33)", "",
+        *([counts["note"], ""] if counts.get("note") else []),
         f"`{counts['command']}` on commit {counts['commit']}, {counts['elapsed_s']:.0f} s: "
         f"{counts['examples_per_door']} cases per door (tests/hostile/strategies.py families, CI proportions), "
-        "a tiny random pair in a daemon subprocess, ZeroMQ raw frames and HTTP bodies.", "",
+        f"a tiny random pair in a daemon subprocess ({counts['daemon_starts']} starts), ZeroMQ raw frames and "
+        "HTTP bodies.", "",
         *rows, "",
         "Findings (first per door and family; whole text in counts.json):" if firsts else "No findings.",
         *firsts, "",
@@ -140,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doors", nargs="+", default=["zmq", "http"], choices=["zmq", "http"])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/hostile-fuzz"))
     parser.add_argument("--commit", default=None, help="the fuzzed code's commit, when not this checkout's HEAD")
+    parser.add_argument("--note", default="", help="a sentence for the README (what this run was for)")
     args = parser.parse_args(argv)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hostile-fuzz-") as tmp:
@@ -154,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name} {family}: {dict(tallies[name].by_family.get(family, {}))}", flush=True)
         finally:
             target.stop()
-    counts = {"command": "python benchmarks/hostile_fuzz.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "commit": args.commit or commit(), "seed": args.seed, "examples_per_door": args.examples,
+    command = shlex.join(["python", "benchmarks/hostile_fuzz.py", *(argv if argv is not None else sys.argv[1:])])
+    counts = {"command": command, "commit": args.commit or commit(), "note": args.note, "seed": args.seed,
+              "examples_per_door": args.examples,
               "elapsed_s": round(time.monotonic() - start, 1), "daemon_starts": target.starts,
               "doors": {name: tally.as_json() for name, tally in tallies.items()}}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -39,7 +40,7 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 """How generated JSON is laid out: Python's json.dumps style, so separators are forced tokens."""
 
 COMPILED_CACHE_SIZE = 64
-"""Compiled grammars kept for reuse (LRU)."""
+"""Compiled grammars kept for reuse (LRU), and as many structures' grammar texts."""
 
 
 def grammar_for(structure: Structure | None, special_tags: frozenset[str] = frozenset(),
@@ -139,6 +140,7 @@ class GrammarCompiler:
         self._sandbox: GrammarSandbox | None = None
         self._setup: dict | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._grammars: OrderedDict[bytes, str] = OrderedDict()  # structure's hash -> its grammar
         self._lock = threading.RLock()  # the caches and the tokenizer view
         self.compile_s = 0.0
         """Seconds spent building the tokenizer view and compiling grammars so far."""
@@ -180,10 +182,22 @@ class GrammarCompiler:
             return self._sandbox
 
     def grammar(self, structure: Structure | None) -> str | None:
-        """The grammar of a request's structure for this tokenizer (None: free output)."""
+        """The grammar of a request's structure for this tokenizer (None: free output); remembered by the
+        structure's content, so a repeated tool list is neither rebuilt nor walked again."""
         if structure is None or structure.is_free:  # checked here too: special_tags builds the tokenizer view
             return None
-        return grammar_for(structure, self.special_tags, self.caps)
+        key = hashlib.sha256(structure.model_dump_json().encode()).digest()
+        with self._lock:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                self._grammars.move_to_end(key)
+                return grammar
+        grammar = grammar_for(structure, self.special_tags, self.caps)
+        with self._lock:
+            self._grammars[key] = grammar
+            if len(self._grammars) > COMPILED_CACHE_SIZE:
+                self._grammars.popitem(last=False)
+        return grammar
 
     def for_structure(self, structure: Structure | None) -> llguidance.LLMatcher | None:
         """A matcher for a request's structure (None when its output is free).

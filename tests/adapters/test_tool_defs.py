@@ -1,0 +1,68 @@
+"""Tools whose arguments are nested pydantic models (`$defs` / `$ref` in their parameters), through the
+LlamaIndex and LangChain adapters, on the tiny random-weight daemon (issue 33 finding 4).
+
+Random weights know nothing: a call is valid only because the daemon decodes it under the tool's
+grammar, so each call's arguments must validate against the schema the adapter sent. Strings
+are short (max_length) and lists bounded: a free-length string from random weights never ends.
+(No `from __future__ import annotations`: FunctionTool reads the annotations at run time.)
+"""
+
+import jsonschema
+import pytest
+from llama_index.core.tools import FunctionTool
+from pydantic import BaseModel, Field
+
+from langchain_fly import ChatFLy
+from llama_index.llms.fly import FLyLLM
+
+ASK = "Save Ann, who lives in Rome."
+
+
+class Address(BaseModel):
+    """Where someone lives."""
+
+    street: str = Field(max_length=8)
+    city: str = Field(max_length=8)
+
+
+class Person(BaseModel):
+    """Someone to save, with where they live and at most one friend."""
+
+    name: str = Field(max_length=8)
+    address: Address
+    friends: list["Person"] = Field(default=[], max_length=1)
+
+
+def save(person: Person) -> str:
+    """Save a person."""
+    return person.name
+
+
+class save_person(BaseModel):  # noqa: N801 - a LangChain tool's name is its class name
+    """Save a person."""
+
+    person: Person
+
+
+def test_llama_index_function_tool_over_nested_models(tiny_daemon):
+    """FunctionTool's parameters keep pydantic's `$defs`: the daemon hoists them and the call validates.
+    On the old code: BAD_REQUEST "Pointer '/$defs/Person' does not exist"."""
+    tool = FunctionTool.from_defaults(save)
+    schema = tool.metadata.get_parameters_dict()
+    assert "$defs" in schema
+    llm = FLyLLM(endpoint=tiny_daemon, max_tokens=300, timeout=120)
+    response = llm.chat_with_tools([tool], ASK, tool_choice="save")
+    [call] = llm.get_tool_calls_from_response(response)
+    assert call.tool_name == "save"
+    jsonschema.validate(call.tool_kwargs, schema)
+    Person.model_validate(call.tool_kwargs["person"])
+
+
+def test_langchain_bind_tools_over_nested_models(tiny_daemon):
+    bound = ChatFLy(endpoint=tiny_daemon, max_tokens=300, timeout=120).bind_tools([save_person], tool_choice="save_person")
+    [offered] = bound.kwargs["tools"]
+    message = bound.invoke(ASK)
+    [call] = message.tool_calls
+    assert call["name"] == "save_person"
+    jsonschema.validate(call["args"], offered["function"]["parameters"])
+    save_person.model_validate(call["args"])

@@ -90,14 +90,14 @@ class _Request:
     fill: PromptFill | None = None  # its prompt's caches while it waits to join
     cached_tokens: int = 0  # whole prefix-cache blocks only: a partial block would tell a prompt token by token
     scope: str = ""  # the prefix-cache scope (tenant) it reads and writes
-    error: str | None = None  # why its grammar ended it
 
 
 class FLyEngine:
     """Speculative decoding over a target, an optional draft model and their shared tokenizer.
 
-    All calls must come from one thread, except `compile_structure` (any thread, any time). `config` holds the defaults; each request may bring its
-    own FLyConfig (k, window, θ, loose, stages) as long as the entropy measure is the engine's.
+    All calls must come from one thread, except `compile_structure` (any thread, any time).
+    `config` holds the defaults; each request may bring its own FLyConfig (k, window, θ, loose,
+    stages) as long as the entropy measure is the engine's.
     `prefix_cache_bytes` bounds the prefix cache (0: off; blocks of `prefix_block` tokens, §3.5);
     `prefill_chunk` bounds the prompt tokens prefilled per step (0: no bound, §3.6).
     """
@@ -300,11 +300,11 @@ class FLyEngine:
             if req.finish_reason is not None:
                 finished.append(b)
         self._cascade.observe([r.tokens for r in rows])
-        for b, problem in self._cascade.grammar.failures():  # only these rows end: the others go on
+        failed = dict(self._cascade.grammar.failures())  # only these rows end: the others go on
+        for b, problem in failed.items():
             outputs[b] = self._end_for_grammar(rows[b], outputs[b], problem)
-            finished = sorted(set(finished) | {b})
-        if finished:
-            self._remove_rows(finished)
+        if finished or failed:
+            self._remove_rows(sorted(set(finished) | failed.keys()))
         return outputs
 
     def _verify(self, contexts: list[list[int]], drafts: list[list[int]], may_loosen: list[bool]):
@@ -413,7 +413,6 @@ class FLyEngine:
     @staticmethod
     def _end_for_grammar(req: _Request, output: RequestOutput, problem: str) -> RequestOutput:
         """End a row whose grammar failed: its output says so in `error` (never a silent 'stop')."""
-        req.error = problem
         req.finish_reason = req.finish_reason or "stop"
         return replace(output, finished=True, finish_reason=req.finish_reason, error=problem)
 

@@ -81,6 +81,8 @@ def _tools_grammar(structure: Structure, special_tags: frozenset[str], caps: Sch
     tools = [t.function for t in structure.tools]
     if isinstance(choice, NamedToolChoice):
         tools = [f for f in tools if f.name == choice.function.name]
+    for f in tools:  # each on its own first: the hoisting below then recurses no deeper than the caps
+        check_schema(f.parameters, caps)
     schema = _calls_schema(tools)
     check_schema(schema, caps)
     body = f"body: {_json(schema)}\n"
@@ -104,8 +106,8 @@ def _tools_grammar(structure: Structure, special_tags: frozenset[str], caps: Sch
 
 def _calls_schema(tools: list) -> dict:
     """One call object of the tools: `{"name": …, "arguments": …}` with each tool's parameters as its
-    arguments; their `$defs` / `definitions` hoisted to the root (as `<tool name>:<name>`; a name holds no colon) and their
-    local `$ref`s rewritten, so pydantic's nested models keep working one level down."""
+    arguments; their `$defs` / `definitions` hoisted to the root (as `<tool name>:<name>`; a name
+    holds no colon) and their local `$ref`s rewritten, so pydantic's nested models work one level down."""
     hoisted: dict = {}
     variants = []
     for f in tools:
@@ -129,7 +131,8 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], *, sandbox: bool = True,
-                 timeout_s: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES, caps: SchemaCaps = SchemaCaps()) -> None:
+                 timeout_s: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES,
+                 caps: SchemaCaps = SchemaCaps()) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
@@ -186,7 +189,11 @@ class GrammarCompiler:
         structure's content, so a repeated tool list is neither rebuilt nor walked again."""
         if structure is None or structure.is_free:  # checked here too: special_tags builds the tokenizer view
             return None
-        key = hashlib.sha256(structure.model_dump_json().encode()).digest()
+        try:
+            text = structure.model_dump_json()
+        except (ValueError, RecursionError) as exc:  # pydantic refuses data nested deeper than it can write
+            raise BadRequest(f"the structure cannot be serialized: {exc}") from None
+        key = hashlib.sha256(text.encode()).digest()
         with self._lock:
             grammar = self._grammars.get(key)
             if grammar is not None:

@@ -176,8 +176,7 @@ class GrammarSandbox:
         process.stdout.close()
         if b"memory allocation" in stderr or b"MemoryError" in stderr:
             return f"the grammar compiler ran out of its memory limit ({self.memory_bytes >> 20} MiB) on this grammar"
-        what = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else f"exit {code}"
-        return f"the grammar compiler crashed on this grammar ({what})"
+        return f"the grammar compiler crashed on this grammar ({_exit_name(code)})"
 
     def _start(self) -> subprocess.Popen:
         """A new worker, its tokenizer view built (Internal if it cannot start)."""
@@ -257,6 +256,14 @@ def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
     return data
 
 
+def _exit_name(code: int) -> str:
+    """'SIGSEGV' for a process killed by signal 11, 'exit 3' for one that exited with status 3."""
+    try:
+        return signal.Signals(-code).name if code < 0 else f"exit {code}"
+    except ValueError:
+        return f"signal {-code}"
+
+
 def _drain(pipe) -> bytes:
     """What a dead worker left on a pipe (its last 64 KiB at most)."""
     os.set_blocking(pipe.fileno(), False)
@@ -296,9 +303,12 @@ def _worker() -> None:
 
 
 def _limit_address_space(extra: int) -> None:
-    """RLIMIT_AS: what the process maps now plus `extra` bytes."""
-    with open("/proc/self/status") as status:
-        size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    """RLIMIT_AS: what the process maps now plus `extra` bytes (Linux; elsewhere no memory limit)."""
+    try:
+        with open("/proc/self/status") as status:
+            size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    except OSError:
+        return
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     limit = size + extra if hard == resource.RLIM_INFINITY else min(size + extra, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))

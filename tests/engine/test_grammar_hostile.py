@@ -173,6 +173,18 @@ def test_caps_apply_to_tools_and_response_format(pair):
             eng.compile_structure(structure)
 
 
+def test_deeply_nested_data_in_a_schema_is_a_bad_request(pair):
+    """`const` data is not walked as schemas; nested past what can be serialized it is still refused."""
+    value: object = 1
+    for _ in range(3000):
+        value = [value]
+    eng = engine(pair)
+    for structure in (schema_structure({"const": value}), Structure(tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"a": {"const": value}}}}}])):
+        with pytest.raises(BadRequest):
+            eng.compile_structure(structure)
+
+
 # -- finding 5: empty languages --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("response_format", [

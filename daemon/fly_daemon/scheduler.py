@@ -434,7 +434,7 @@ class Scheduler:
                 self.state, self.detail = "failed", f"the model thread failed: {exc}"
             self._fail_all(Internal(self.detail))
         finally:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor.shutdown(wait=False)  # what it still holds ends quickly: no queued job is left
 
     def start(self, engine: "FLyEngine") -> None:
         """The models are loaded: serve with `engine`, and prepare what was queued while they loaded."""

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import torch
@@ -54,7 +54,7 @@ class Finding(AssertionError):
 class Outcome:
     """How the daemon answered one case: served, or refused with a stable code."""
 
-    verdict: str  # served | refused
+    verdict: Literal["served", "refused"]
     code: str | None = None
 
 

@@ -4,7 +4,7 @@ Hypothesis draws structure-aware hostile cases (tests/hostile/strategies.py), on
 door: random JSON schemas, regexes, tool lists, message lists, options at their edges, malformed
 frames, and the shapes known to have killed the daemon. Each case must be refused with a stable code
 or served; after each case the daemon is alive and ready, and after each run (a batch of at most
-40 cases) exact mode over both doors equals the target's own greedy output. A death or hang fails
+50 cases) exact mode over both doors equals the target's own greedy output. A death or hang fails
 the test naming the case (its whole body is written to a file next to the daemon's log); the next
 test gets a fresh daemon. Derandomized, no shrinking (each shrink step could need a daemon
 restart), no example database. On the tiny pair's 512-token window the `forced_deep` family cannot

@@ -127,8 +127,8 @@ def readme(counts: dict[str, Any]) -> str:
         *([counts["note"], ""] if counts.get("note") else []),
         f"`{counts['command']}` on commit {counts['commit']}, {counts['elapsed_s']:.0f} s: "
         f"{counts['examples_per_door']} cases per door (tests/hostile/strategies.py families, CI proportions), "
-        f"a tiny random pair in a daemon subprocess ({counts['daemon_starts']} starts), ZeroMQ raw frames and "
-        "HTTP bodies.", "",
+        f"a tiny random pair in a daemon subprocess (started {counts['daemon_starts']} times), ZeroMQ raw frames "
+        "and HTTP bodies.", "",
         *rows, "",
         "Findings (first per door and family; whole text in counts.json):" if firsts else "No findings.",
         *firsts, "",

@@ -129,7 +129,8 @@ def _leaf_schemas() -> st.SearchStrategy[Json]:
 
 
 def _extend_schema(children: st.SearchStrategy[Json]) -> st.SearchStrategy[Json]:
-    names = st.text(st.characters(codec="utf-8"), max_size=6)
+    names = st.one_of(st.text(st.characters(codec="utf-8"), max_size=6),
+                      st.sampled_from(["\ud800", "$ref", "", "a" * 300]))
     return st.one_of(
         st.builds(lambda props, extra: {"type": "object", "properties": props,
                                         "required": list(props)[:2], **extra},
@@ -340,7 +341,7 @@ def _empty_language_case(fmt: dict[str, Any]) -> Case:
 
 
 def _frames() -> st.SearchStrategy[Case]:
-    """Malformed or odd frames / bodies, as raw bytes."""
+    """Malformed or odd frames / bodies, as raw bytes (tokenize requests of hostile chats and tools among them)."""
     good = {"v": 1, "id": "raw", "kind": "generate", "prompt": "x", "sampling": {"max_tokens": 2}}
 
     def with_prompt(escaped: str) -> bytes:
@@ -354,12 +355,14 @@ def _frames() -> st.SearchStrategy[Case]:
              json.dumps({"v": 1, "id": "raw", "kind": "tokenize", "text": "\ud800"}).encode(),
              json.dumps({"v": 1, "id": "raw", "kind": "heartbeat", "ids": ["a"] * 4096}).encode(),
              json.dumps({"v": 1, "id": "raw", "kind": "cancel"}).encode()]
+    tokenize = st.builds(lambda ms, ts: json.dumps({"v": 1, "id": "raw", "kind": "tokenize", "messages": ms,
+                                                   "tools": ts}).encode(), messages(), st.one_of(st.none(), tools()))
     deep = st.builds(lambda n, o: (o * n).encode(), st.integers(100, 50_000), st.sampled_from(["[", '{"a":']))
     deep_closed = st.integers(100, 5_000).map(lambda n: ("[" * n + "]" * n).encode())
     return st.one_of(
         st.sampled_from(fixed).map(lambda f: Case("frame", frame=f)),
         st.binary(max_size=64).map(lambda f: Case("frame", frame=f)),
-        st.one_of(deep, deep_closed).map(lambda f: Case("frame", frame=f)),
+        st.one_of(deep, deep_closed, tokenize).map(lambda f: Case("frame", frame=f)),
         st.just(Case("frame", frame=json.dumps(good).encode(), multipart=True)),
     )
 

@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="cap on the sum of prompt + max_tokens over the running batch")
     serve.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
     serve.add_argument("--max-prompt-tokens", type=int, help="default: the context window - 1")
+    serve.add_argument("--max-prompt-chars", type=int,
+                       help="characters a prompt may have before it is tokenized (default: 16 x the token limit)")
+    serve.add_argument("--max-requests-per-client", type=int,
+                       help="queued + running requests of one client (socket or HTTP connection); more get BUSY")
+    serve.add_argument("--share-prefix-cache", action="store_true", default=None,
+                       help="one prefix cache for all clients (single tenant); default: one per credential")
     serve.add_argument("--max-frame-bytes", type=int)
     serve.add_argument("--heartbeat-timeout", type=float,
                        help="cancel a request whose client sent no heartbeat for this long (0: never)")

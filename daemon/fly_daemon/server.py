@@ -269,7 +269,7 @@ class Server:
             if not scheduler.cancel(envelope, message.id):
                 raise BadRequest(f"no request {message.id!r} in flight to cancel")
         elif isinstance(message, HeartbeatRequest):
-            scheduler.touch(envelope, message.ids)
+            scheduler.touch(envelope, message.ids, tenant=tenant)
             self._reply(router, envelope, HealthReply(id=message.id, state=scheduler.state,
                                                       detail=scheduler.detail))
         elif isinstance(message, HealthRequest):

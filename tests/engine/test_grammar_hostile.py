@@ -23,6 +23,8 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
+from benchmarks.grammar_compile_bench import agent_tools
+
 import fly_llm
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
@@ -278,26 +280,6 @@ def test_hoisting_leaves_schemas_without_refs_alone_and_data_untouched():
 
 
 # -- compiling off the model thread, caching -------------------------------------------------------------------
-
-def agent_tools(n: int) -> list[dict]:
-    """`n` realistic OpenAI-style tools with nested parameters (a `$defs` model, arrays, enums)."""
-    return [{"type": "function", "function": {
-        "name": f"tool_{i}", "description": f"Tool number {i}.",
-        "parameters": {
-            "$defs": {"Filter": {"type": "object", "properties": {
-                "field": {"type": "string", "enum": ["name", "date", "size", "owner"]},
-                "op": {"type": "string", "enum": ["eq", "lt", "gt", "contains"]},
-                "value": {"anyOf": [{"type": "string"}, {"type": "number"}]}},
-                "required": ["field", "op", "value"], "additionalProperties": False}},
-            "type": "object", "properties": {
-                "query": {"type": "string", "description": "What to look for."},
-                "filters": {"type": "array", "items": {"$ref": "#/$defs/Filter"}, "maxItems": 5},
-                "limit": {"type": "integer", "minimum": 1, "maximum": 100},
-                "options": {"type": "object", "properties": {
-                    "sort": {"type": "string", "enum": ["asc", "desc"]}, "verbose": {"type": "boolean"}},
-                    "required": ["sort"], "additionalProperties": False}},
-            "required": ["query", "filters", "limit"], "additionalProperties": False}}} for i in range(n)]
-
 
 def test_a_repeated_tool_list_costs_nothing_the_second_time(pair):
     eng = engine(pair)

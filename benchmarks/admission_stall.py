@@ -61,8 +61,9 @@ class Stream:
     """The scheduler's emit: keeps the final replies; `watch(engine)` records when engine steps gave
     the stream (the one request with STREAM_PROMPT's length) new tokens."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, prompt: str = STREAM_PROMPT) -> None:
         self.max_tokens = max_tokens
+        self.prompt = prompt
         self.scheduler: Scheduler | None = None
         self.arrivals: list[float] = []
         self.finals: dict[str, BaseModel] = {}
@@ -70,7 +71,7 @@ class Stream:
         self._cond = threading.Condition()
 
     def watch(self, engine: FLyEngine) -> None:
-        step, prompt_tokens = engine.step, len(engine.encode(STREAM_PROMPT))
+        step, prompt_tokens = engine.step, len(engine.encode(self.prompt))
 
         def timed_step():
             outputs = step()
@@ -93,7 +94,7 @@ class Stream:
         self._n += 1
         with self._cond:
             seen = len(self.arrivals)
-        self.scheduler.submit(CLIENT, GenerateRequest(id=f"stream{self._n}", prompt=STREAM_PROMPT, stream=True,
+        self.scheduler.submit(CLIENT, GenerateRequest(id=f"stream{self._n}", prompt=self.prompt, stream=True,
                                                       sampling=SamplingParams(max_tokens=self.max_tokens)))
         with self._cond:
             assert self._cond.wait_for(lambda: len(self.arrivals) > seen, 600), "the stream did not start"
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     add_model_arguments(p)
     p.add_argument("--context", type=int, default=8192, help="the tiny pair's context window")
     p.add_argument("--prefill-chunk", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, help="the daemon's prompt limit (default: the context window - 1)")
+    p.add_argument("--stream-prompt", default=STREAM_PROMPT, help="the stream's prompt (a real model's must not end soon)")
     p.add_argument("--stream-tokens", type=int, default=8000, help="max_tokens of each phase's stream")
     p.add_argument("--schema-properties", type=int, default=60)
     p.add_argument("--flood", type=int, default=8, help="prompts refused after tokenizing (and tokenize requests)")
@@ -168,9 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = load(args)
-    limits = Limits(heartbeat_timeout=0, max_tokens_limit=args.stream_tokens)
-    token_cap = engine.context_window - 1
-    stream = Stream(args.stream_tokens)
+    limits = Limits(heartbeat_timeout=0, max_tokens_limit=args.stream_tokens, max_prompt_tokens=args.max_prompt_tokens)
+    token_cap = args.max_prompt_tokens or engine.context_window - 1
+    stream = Stream(args.stream_tokens, args.stream_prompt)
     stream.watch(engine)
     scheduler = Scheduler(lambda: engine, stream, limits)
     stream.scheduler = scheduler

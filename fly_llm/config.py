@@ -77,7 +77,7 @@ REQUEST_OPTIONS: tuple[str, ...] = (*SamplingParams.model_fields, *FLyOverrides.
 (client.build_options, the LangChain and LlamaIndex adapters take exactly these names)."""
 
 
-Quantization = Literal["auto", "none", "int8", "int4"]
+Quantization = Literal["auto", "none", "w4a8", "int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 """Weight quantization choices for the target and the draft (fly_llm.quantization; docs/models.md)."""
 

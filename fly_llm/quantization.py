@@ -1,6 +1,13 @@
 """Quantized weights for a loaded model's Linear layers, target and draft alike (docs/models.md).
 
-Two layers replace `torch.nn.Linear`, each on a kernel that torch itself ships:
+Three layers replace `torch.nn.Linear`: one on this project's own kernel, two on kernels that
+torch itself ships:
+
+- `W4A8Linear`: 4-bit weights in blocks of 32 (a scale and a minimum each, as GGUF's Q4_K
+  sub-blocks) and int8 activations per row and block, on integer dot products
+  (fly_llm.kernels.w4a8: AVX-512 VNNI, else AVX2; compiled on first use). A row's result is the
+  same bit for bit whatever else is in the batch. Where the kernel cannot be built or run, the
+  choice falls back to int8 with a log line.
 
 - `Int8Linear`: int8 weights per output channel and int8 activations per token, on fbgemm's
   int8 matmul (`torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32`, x86 CPUs).
@@ -30,6 +37,7 @@ from transformers import PreTrainedModel
 from fly_llm.config import QUANTIZATIONS
 from fly_llm.errors import ModelError
 from fly_llm.attention import use_row_attention
+from fly_llm.kernels import w4a8
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +120,37 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {INT4_GROUP}"
 
 
-_LAYERS: dict[str, type[nn.Module]] = {"int8": Int8Linear, "int4": Int4Linear}
-_AVAILABLE = {"int8": int8_available, "int4": int4_available}
-_KERNELS = {"int8": "fbgemm's int8 matmul (an x86 CPU build of torch)", "int4": "aten._weight_int4pack_mm_for_cpu"}
+class W4A8Linear(nn.Module):
+    """A Linear with 4-bit weights (blocks of 32 inputs, scale and minimum each) and int8 activations."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = w4a8.pack(w4a8.quantize_weight(linear.weight))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        out = w4a8.linear(rows, self.packed, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w4a8 block {w4a8.BLOCK}"
+
+
+_LAYERS: dict[str, type[nn.Module]] = {"w4a8": W4A8Linear, "int8": Int8Linear, "int4": Int4Linear}
+_AVAILABLE = {"w4a8": w4a8.available, "int8": int8_available, "int4": int4_available}
+_KERNELS = {"w4a8": "fly_llm.kernels.w4a8 (a C++ compiler and an x86 CPU with AVX2)",
+            "int8": "fbgemm's int8 matmul (an x86 CPU build of torch)", "int4": "aten._weight_int4pack_mm_for_cpu"}
 
 
 def resolve_quantization(mode: str, device: torch.device, role: str = "target") -> str:
-    """'none', 'int8' or 'int4' for `mode` on `device`: 'auto' is int8 on a CPU with the kernels.
+    """'none', 'w4a8', 'int8' or 'int4' for `mode` on `device`: 'auto' is int8 on a CPU with the kernels.
 
     Why int8 for 'auto': docs/models.md (a target forward over 1 and over 16 new tokens, per
-    choice, on this project's CPUs). GPUs keep their float weights. An explicit choice that cannot
-    run here is a ModelError naming what is missing.
+    choice, on this project's CPUs). GPUs keep their float weights. 'w4a8' where its kernel cannot
+    be built or run is int8 (logged); any other explicit choice that cannot run here is a
+    ModelError naming what is missing.
     """
     if mode not in QUANTIZATIONS:
         raise ModelError(f"unknown {role}_quantization {mode!r}: choose one of {', '.join(QUANTIZATIONS)}")
@@ -134,17 +162,27 @@ def resolve_quantization(mode: str, device: torch.device, role: str = "target") 
         raise ModelError(f"{role}_quantization={mode!r} runs on CPU only (the device is {device}); use 'none'")
     if mode == "auto":
         return "int8" if _AVAILABLE["int8"]() else "none"
+    if mode == "w4a8" and not _AVAILABLE["w4a8"]() and _AVAILABLE["int8"]():
+        log.warning("%s_quantization='w4a8': its kernel cannot run here (see above); using int8", role)
+        return "int8"
     if not _AVAILABLE[mode]():
         raise ModelError(f"{role}_quantization={mode!r} needs {_KERNELS[mode]}, which this torch lacks; "
                          "use 'none' or 'auto'")
     return mode
 
 
+def _unpackable(scheme: str, linear: nn.Linear) -> bool:
+    """Whether `scheme`'s kernel cannot take `linear`'s widths (it then stays in float)."""
+    if scheme == "int4":
+        return bool(linear.in_features % INT4_GROUP or linear.out_features % _INT4_OUTPUT_MULTIPLE)
+    return scheme == "w4a8" and linear.in_features % w4a8.BLOCK != 0
+
+
 def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "target") -> str:
     """Replace `model`'s Linear layers in place by quantized ones; returns the scheme applied.
 
-    Every Linear is replaced, the output head included (under int4 a Linear whose input width is
-    not a multiple of the group, 32, or whose output width is not one of 16, stays as it is). A
+    Every Linear is replaced, the output head included (a Linear whose input width is not a
+    multiple of 32, or under int4 whose output width is not one of 16, stays as it is). A
     transformers target is switched to `row_attention`, so that each token's result is independent
     of the forward it is in (a draft only proposes and keeps its attention). Embeddings, norms and
     attention keep the model's dtype.
@@ -158,19 +196,19 @@ def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "tar
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
                 continue
-            if scheme == "int4" and (child.in_features % INT4_GROUP or child.out_features % _INT4_OUTPUT_MULTIPLE):
+            if _unpackable(scheme, child):
                 kept += 1
                 continue
             setattr(parent, name, layer(child))
     if kept:
-        log.info("%s: %d Linear layers kept in float (widths the int4 kernel cannot pack)", role, kept)
+        log.info("%s: %d Linear layers kept in float (widths the %s kernel cannot pack)", role, kept, scheme)
     if role == "target" and isinstance(model, PreTrainedModel):
         use_row_attention(model)  # exact mode needs it; a draft only proposes
     return scheme
 
 
 def quantization_of(model: nn.Module) -> str:
-    """'int8', 'int4' or 'none': which quantized layers `model` holds."""
+    """'w4a8', 'int8', 'int4' or 'none': which quantized layers `model` holds."""
     for scheme, layer in _LAYERS.items():
         if any(isinstance(m, layer) for m in model.modules()):
             return scheme

@@ -1,0 +1,49 @@
+"""Compile a C++ source of this package as a torch extension once, and load it.
+
+The build goes to `<model cache>/kernels/<name>-<key>` (fly_llm.model_cache.cache_root), keyed by
+the source, torch and Python versions, so a change to any of them builds anew and an unchanged one
+loads in a fraction of a second. It needs a C++ compiler (g++) and ninja; without them, or if the
+build fails, `load_extension` logs one line and returns None, and the caller uses its fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from fly_llm.model_cache import cache_root
+
+log = logging.getLogger(__name__)
+
+_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own thread pool
+
+
+def build_directory(name: str, source: Path) -> Path:
+    """Where `name` built from `source` lives: keyed by the source, torch and Python."""
+    key = hashlib.sha256(source.read_bytes() + f"{torch.__version__}|{sys.version}|{_FLAGS}".encode())
+    return cache_root() / "kernels" / f"{name}-{key.hexdigest()[:12]}"
+
+
+@functools.cache
+def load_extension(name: str) -> ModuleType | None:
+    """The extension built from `<name>.cpp` beside this file, or None (logged) if it cannot be built."""
+    from torch.utils import cpp_extension
+
+    source = Path(__file__).with_name(f"{name}.cpp")
+    directory = build_directory(name, source)
+    if not any(directory.glob(f"{name}*.so")):
+        log.info("compiling the %s CPU kernel (once, about a minute) in %s", name, directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(name=f"fly_{name}", sources=[str(source)], build_directory=str(directory),
+                                  extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a failed build: every cause means "use the fallback"
+        log.warning("the %s CPU kernel could not be built (%s: %s); using the fallback",
+                    name, type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return None

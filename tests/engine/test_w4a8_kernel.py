@@ -1,0 +1,173 @@
+"""The W4A8 CPU kernel (fly_llm.kernels.w4a8) and the `w4a8` quantization built on it.
+
+The kernel is checked against `reference_linear`, the same quantized math in float64 torch, within
+|kernel - reference| <= 1e-5 * (|x̂| @ |Ŵ|^T) + 1e-7, x̂ and Ŵ the quantized activations and weights:
+float32 rounding of two products per block of 32, accumulated over at most 8 blocks here.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+
+import pytest
+import torch
+from support.tiny_models import greedy_tokens
+from transformers import DynamicCache
+
+from fly_llm import quantization
+from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.decoding.engine import FLyEngine
+from fly_llm.kernels import w4a8
+from fly_llm.models import load_models
+from fly_llm.quantization import W4A8Linear, quantization_of, quantize, resolve_quantization
+
+CPU = torch.device("cpu")
+CAN_BUILD = platform.machine().lower() in {"x86_64", "amd64"} and bool(shutil.which("c++") or shutil.which("g++"))
+has_vnni = pytest.mark.skipif(not (CAN_BUILD and w4a8.best_isa() == "avx512_vnni"), reason="no AVX-512 VNNI here")
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="the kernel needs an x86 CPU and a C++ compiler")
+ISAS = [pytest.param("avx512_vnni", marks=has_vnni), "avx2"]
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for one test, restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _weight(n: int, k: int, seed: int = 0) -> tuple[w4a8.QuantizedWeight, torch.Tensor]:
+    torch.manual_seed(seed)
+    return w4a8.quantize_weight(torch.randn(n, k) * 0.05 + 0.01), torch.randn(n)
+
+
+def _bound(x: torch.Tensor, weight: w4a8.QuantizedWeight) -> torch.Tensor:
+    """1e-5 * (|x̂| @ |Ŵ|^T) + 1e-7: the tolerance stated in the module docstring."""
+    magnitude = w4a8.QuantizedWeight(weight.q, weight.d.abs(), -weight.m.abs())
+    return 1e-5 * w4a8.reference_linear(x.abs(), magnitude) + 1e-7
+
+
+def test_the_kernel_builds_where_a_compiler_exists():
+    assert w4a8.available() and w4a8.best_isa() in ("avx512_vnni", "avx2")
+
+
+def test_quantized_weights_are_close_to_float():
+    torch.manual_seed(1)
+    weight = torch.randn(40, 96)
+    quantized = w4a8.quantize_weight(weight)
+    assert quantized.q.max() <= 15
+    assert ((quantized.dequantize() - weight).norm() / weight.norm()).item() < 0.1
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [(47, 224), (1, 32), (64, 96)])  # N tails and an odd number of K blocks
+def test_kernel_matches_the_reference_for_every_row_count(isa, n_threads, n, k, threads):
+    threads(n_threads)
+    weight, bias = _weight(n, k)
+    packed = w4a8.pack(weight)
+    torch.manual_seed(2)
+    for rows in range(1, 34):
+        x = torch.randn(rows, k)
+        out = w4a8.linear(x, packed, bias, isa=isa)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        error = (out.double() - w4a8.reference_linear(x, weight, bias)).abs()
+        assert (error <= _bound(x, weight)).all(), f"{rows} rows: max error {error.max().item():.3g}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_rows_output_is_the_same_in_any_batch_bit_for_bit(isa, threads):
+    """Row r alone, at any position of 17 rows, of 70 rows (three panels), and with 1 or 2 threads."""
+    weight, bias = _weight(33, 160)
+    packed = w4a8.pack(weight)
+    torch.manual_seed(3)
+    x = torch.randn(70, 160)
+    x[5] *= 1000  # one loud neighbour changes no other row
+    threads(2)
+    alone = torch.cat([w4a8.linear(x[r:r + 1], packed, bias, isa=isa) for r in range(70)])
+    assert torch.equal(w4a8.linear(x, packed, bias, isa=isa), alone)
+    for start in (0, 6, 53):
+        assert torch.equal(w4a8.linear(x[start:start + 17], packed, bias, isa=isa), alone[start:start + 17])
+    threads(1)
+    assert torch.equal(w4a8.linear(x[:17], packed, bias, isa=isa), alone[:17])
+
+
+@has_vnni
+def test_the_avx2_and_vnni_paths_agree_bit_for_bit(monkeypatch):
+    weight, bias = _weight(50, 256)
+    packed = w4a8.pack(weight)
+    x = torch.randn(9, 256)
+    vnni = w4a8.linear(x, packed, bias, isa="avx512_vnni")
+    monkeypatch.setenv(w4a8.ISA_ENV, "avx2")  # the variable forces the path when no argument does
+    assert torch.equal(w4a8.linear(x, packed, bias), vnni)
+    assert torch.equal(w4a8.linear(x, packed, bias, isa="avx2"), vnni)
+
+
+def test_widths_that_are_not_whole_blocks_are_rejected_clearly():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        w4a8.quantize_weight(torch.randn(16, 48))
+    packed = w4a8.pack(_weight(16, 64)[0])
+    with pytest.raises(RuntimeError, match="does not match"):
+        w4a8.linear(torch.randn(2, 96), packed)
+    with pytest.raises(ValueError, match="unknown w4a8 instruction set"):
+        w4a8.linear(torch.randn(2, 64), packed, isa="sse2")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 8))
+    assert quantize(model, "w4a8", CPU) == "w4a8"
+    assert isinstance(model[0], W4A8Linear) and type(model[1]) is torch.nn.Linear
+
+
+def test_the_layer_keeps_shape_and_dtype_and_is_close_to_float():
+    torch.manual_seed(4)
+    linear = torch.nn.Linear(128, 96)
+    x = torch.randn(3, 5, 128, dtype=torch.bfloat16)
+    out = W4A8Linear(linear)(x)
+    reference = linear(x.float())
+    assert out.shape == (3, 5, 96) and out.dtype == torch.bfloat16
+    assert ((out.float() - reference).norm() / reference.norm()).item() < 0.15
+
+
+def test_without_the_kernel_w4a8_falls_back_to_int8_with_a_log_line(monkeypatch, caplog):
+    monkeypatch.setitem(quantization._AVAILABLE, "w4a8", lambda: False)
+    monkeypatch.setitem(quantization._AVAILABLE, "int8", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="fly_llm.quantization"):
+        assert resolve_quantization("w4a8", CPU, "draft") == "int8"
+    assert "draft_quantization='w4a8'" in caplog.text and "using int8" in caplog.text
+
+
+def test_exact_mode_reproduces_the_w4a8_target(tiny_pair_dirs):
+    """FLy off → the greedy output of the w4a8 target, token for token (draft w4a8 too)."""
+    target_dir, draft_dir = tiny_pair_dirs
+    loaded = load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), dtype="float32", device="cpu",
+                                   target_quantization="w4a8", draft_quantization="w4a8"), progress=False)
+    assert loaded.target_quantization == quantization_of(loaded.target) == "w4a8"
+    assert loaded.draft_quantization == quantization_of(loaded.draft) == "w4a8"
+    engine = FLyEngine(loaded.target, loaded.tokenizer, loaded.draft, FLyConfig(loose=False, adaptive=False))
+    prompts = [loaded.tokenizer.encode(text) for text in ("def add(a, b):", "x", "the quick brown fox " * 6)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=24))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert engine.stats.draft_model_rounds > 0
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == greedy_tokens(loaded.target, prompt, 24, [loaded.tokenizer.eos_token_id])
+
+
+def test_a_w4a8_target_scores_a_token_the_same_however_it_is_scheduled(tiny_pair_dirs):
+    """Bit for bit: one full forward vs a prefill and a 3-token verify vs 1-token decode steps."""
+    loaded = load_models(ModelSpec(target=str(tiny_pair_dirs[0]), draft="none", dtype="float32", device="cpu",
+                                   target_quantization="w4a8"), progress=False)
+    target, ids = loaded.target, loaded.tokenizer.encode("the quick brown fox jumps over " * 4)
+    with torch.inference_mode():
+        full = target(torch.tensor([ids])).logits[0, -3:]
+        cache = DynamicCache(config=target.config)
+        target(torch.tensor([ids[:-3]]), past_key_values=cache, use_cache=True)
+        verify = target(torch.tensor([ids[-3:]]), past_key_values=cache, use_cache=True).logits[0]
+        cache = DynamicCache(config=target.config)
+        target(torch.tensor([ids[:-3]]), past_key_values=cache, use_cache=True)
+        steps = torch.cat([target(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0]
+                           for t in ids[-3:]])
+    assert torch.equal(verify, full) and torch.equal(steps, full)

@@ -66,3 +66,47 @@ def test_langchain_bind_tools_over_nested_models(tiny_daemon):
     assert call["name"] == "save_person"
     jsonschema.validate(call["args"], offered["function"]["parameters"])
     save_person.model_validate(call["args"])
+
+
+class Street(BaseModel):
+    """A postal address."""
+
+    street: str
+    city: str
+    country: str
+
+
+class Contact(BaseModel):
+    """A person to add to the address book."""
+
+    name: str
+    address: Street
+
+
+SAVED: list[Contact] = []
+
+
+def save_contact(contact: Contact) -> str:
+    """Add a contact (a person with their postal address) to the address book."""
+    contact = Contact.model_validate(contact)  # LlamaIndex passes the validated arguments as plain dicts
+    SAVED.append(contact)
+    return f"saved {contact.name}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+async def test_llama_index_agent_calls_a_nested_model_tool_on_the_embedded_pair(real_daemon):
+    """A FunctionAgent on the embedded pair calls a tool whose argument is a nested pydantic model, with the
+    facts of the request in the right fields."""
+    from llama_index.core.agent.workflow import FunctionAgent
+
+    tool = FunctionTool.from_defaults(save_contact)
+    assert "$defs" in tool.metadata.get_parameters_dict()
+    llm = FLyLLM(endpoint=real_daemon, max_tokens=256, temperature=0, timeout=1500)
+    agent = FunctionAgent(tools=[tool], llm=llm, system_prompt="You manage an address book with your tools.")
+    SAVED.clear()
+    await agent.run("Add Ann Smith to the address book: she lives at 12 Via Roma, Rome, Italy.")
+    assert SAVED, "the agent never called the tool"
+    for contact in SAVED:  # the 1.5B model may repeat a call; every call must carry the request's facts
+        assert "Ann" in contact.name and contact.address.city == "Rome" and contact.address.country == "Italy"
+        assert "Via Roma" in contact.address.street

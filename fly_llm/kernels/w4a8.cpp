@@ -17,7 +17,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -143,25 +142,48 @@ int64_t best_isa() {
   return kAuto;  // neither path can run
 }
 
+// One block of 32: int8 values round(x / s) (ties to even, as torch.round), s = max|x| / 127, and
+// returns sum of the values. Divides (not multiplies by 1/s), so it equals the reference's rounding.
+__attribute__((target("avx2,fma")))
+int32_t quantize_block(const float* x, int8_t* q, float* scale) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], peak = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    peak = _mm256_max_ps(peak, _mm256_and_ps(v[i], magnitude));
+  }
+  __m128 p4 = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+  p4 = _mm_max_ps(p4, _mm_movehl_ps(p4, p4));
+  p4 = _mm_max_ss(p4, _mm_movehdup_ps(p4));
+  const float s = _mm_cvtss_f32(p4) / 127.f;
+  *scale = s;
+  if (!(s > 0.f)) {
+    std::memset(q, 0, kBlock);
+    return 0;
+  }
+  const __m256 sv = _mm256_set1_ps(s);
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], sv));  // MXCSR: nearest, ties even
+  __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(t);
+}
+
 // Per row and block of 32: int8 values, the scale, and scale * their sum (threads split rows).
 void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* s, float* ms) {
   const int64_t blocks = k / kBlock;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < blocks; ++b) {
-        const float* in = x + r * k + b * kBlock;
-        int8_t* out = q + r * k + b * kBlock;
-        float peak = 0.f;
-        for (int j = 0; j < kBlock; ++j) peak = std::max(peak, std::fabs(in[j]));
-        const float scale = peak / 127.f;
-        int32_t total = 0;
-        for (int j = 0; j < kBlock; ++j) {
-          const int32_t v = scale > 0.f ? static_cast<int32_t>(std::nearbyint(in[j] / scale)) : 0;
-          out[j] = static_cast<int8_t>(v);
-          total += v;
-        }
-        s[r * blocks + b] = scale;
-        ms[r * blocks + b] = scale * static_cast<float>(total);
+        const int64_t i = r * blocks + b;
+        const int32_t total = quantize_block(x + r * k + b * kBlock, q + r * k + b * kBlock, s + i);
+        ms[i] = s[i] * static_cast<float>(total);
       }
     }
   });

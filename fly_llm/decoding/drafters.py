@@ -125,6 +125,10 @@ class ModelStage:
         """Forget each row's cached tokens past the first valid[b] of its context."""
         self.kv.truncate(valid)
 
+    def behind(self, contexts: list[list[int]]) -> list[int]:
+        """Per row, the context tokens its cache lacks besides the last: what a round prefills first."""
+        return [max(len(c) - 1 - n, 0) for c, n in zip(contexts, self.kv.lengths)]
+
     def propose(self, contexts: list[list[int]], ks: list[int], ngram: NgramStage | None = None,
                 ngram_rows: list[bool] | None = None, confidence: list[float] | None = None) -> list[list[int]]:
         """Draft up to ks[b] tokens per row (0 = row not drafting; it is left untouched).
@@ -266,6 +270,10 @@ class Cascade:
         if self.model is not None:
             self.model.kv.check()
             assert self.model.kv.batch_size == rows, (self.model.kv.batch_size, rows)
+
+    def draft_behind(self, contexts: list[list[int]]) -> list[int]:
+        """Per row, what a draft-model round would prefill first (`ModelStage.behind`; 0 without a model)."""
+        return self.model.behind(contexts) if self.model is not None else [0] * len(contexts)
 
     def rollback(self, valid: list[int]) -> None:
         """After verification: each row's first valid[b] context tokens are right."""

@@ -277,6 +277,8 @@ class FLyEngine:
         rows = self._rows
         contexts = [r.tokens for r in rows]
         budgets = [r.max_new - len(r.output) - 1 for r in rows]
+        for req, behind in zip(rows, self._cascade.draft_behind(contexts)):
+            req.policy.draft_behind = behind  # a model round's catch-up prefill, a cost the policy weighs
         # A row's first round never runs the draft model, so its first token waits for no draft prefill.
         plans = [self.policy.plan(r.policy, r.fly, n, len(rows), self.draft is not None and bool(r.output))
                  for r, n in zip(rows, budgets)]

@@ -31,6 +31,19 @@ estimated over a few tokens is noisy, and choosing the model whenever the estima
 its lucky streaks: on general prose the model rounds so chosen emitted 2.2 tokens in the time of
 2.8 plain steps (measured, embedded pair, int8, bf16, 2 threads), each of them a loss.
 
+A model round first feeds the draft cache what it lacks of the context (`PolicyState.draft_behind`:
+the whole prompt in a request's first model round unless the prefix cache or a chunked prefill gave
+it, then the tokens of the rounds since the model last ran). That catch-up costs
+`draft_prefill · draft_behind` once, so a model plan (probe or not) is valued over the tokens the
+request is still expected to emit, L = min(max_tokens left, tokens emitted so far) — a request that
+has run n tokens is taken to run about n more:
+
+    speed over L = L / (draft_prefill · draft_behind + L / speed of the round)
+
+A cold draft cache behind a long prompt (a RAG question over retrieved passages: ~1,500 tokens of
+draft prefill, worth ~50 target forwards on the embedded pair) is then never caught up for a short
+answer, while a warm one (behind by a token or two) is valued as before.
+
 Rounds are never timed: the costs are fixed (the defaults, or `Costs.measure` once at start-up),
 so the choices — and hence FLy-mode output — depend only on the tokens.
 
@@ -51,6 +64,7 @@ from fly_llm.decoding.drafters import DraftPlan
 PLAIN = DraftPlan(k=0, ngram=False, model=False)
 _FIRST_PROBE = 8
 _OPTIMISTIC_ALPHA = 0.9  # the draft model is only probed if it could win at this acceptance
+_PREFILL_WIDTH = 128  # tokens of the timed catch-up forward (the daemon's default prefill chunk)
 
 
 @dataclass(frozen=True)
@@ -58,23 +72,29 @@ class Costs:
     """Relative costs, in units of one target forward over one token.
 
     Defaults measured on CPU with a 1.5B target / 0.5B draft in bf16: a target forward over 16
-    tokens costs ≈ 1.1× one token; a draft-model forward ≈ 1/2.4 of a target forward.
+    tokens costs ≈ 1.1× one token; a draft-model forward ≈ 1/2.4 of a target forward; the draft
+    prefills a token of its backlog for ≈ 1/30 of a target forward (int8 pair, 2 AVX-512 cores).
     """
 
     target_token: float = 0.007
     draft_step: float = 0.42
+    draft_prefill: float = 0.033  # per token the draft cache lacks (a catch-up forward over many tokens)
 
     @classmethod
     def measure(cls, target, draft=None, context: int = 64, repeats: int = 5) -> "Costs":
         """Time the models here (a few forwards on dummy tokens) instead of using the defaults.
 
         The draft is timed over 4 new tokens, a typical cascade forward (its own token plus a
-        checked n-gram proposal). The engine's choices then depend on this machine, so FLy-mode
-        output can differ between machines (exact mode is lossless either way).
+        checked n-gram proposal), and over `_PREFILL_WIDTH` new tokens, a catch-up forward (per
+        token). The engine's choices then depend on this machine, so FLy-mode output can differ
+        between machines (exact mode is lossless either way).
         """
         one, many = _forward_seconds(target, context, (1, 16), repeats)
-        draft_step = _forward_seconds(draft, context, (4,), repeats)[0] / one if draft is not None else cls.draft_step
-        return cls(target_token=max(many - one, 0.0) / 15 / one, draft_step=draft_step)
+        target_token = max(many - one, 0.0) / 15 / one
+        if draft is None:
+            return cls(target_token=target_token)
+        step, prefill = _forward_seconds(draft, context, (4, _PREFILL_WIDTH), repeats)
+        return cls(target_token=target_token, draft_step=step / one, draft_prefill=prefill / _PREFILL_WIDTH / one)
 
 
 @dataclass
@@ -99,7 +119,11 @@ class _Rate:
 
 @dataclass
 class PolicyState:
-    """One request's acceptance history."""
+    """One request's acceptance history, and how far its draft cache lags its context.
+
+    `draft_behind` is set by the engine before each plan: the context tokens the draft-model cache
+    lacks besides the last one (which every round feeds), i.e. what a model round must prefill first.
+    """
 
     ngram: _Rate = field(default_factory=lambda: _Rate(1.0, 1.0))
     model: _Rate = field(default_factory=lambda: _Rate(1.5, 1.0))
@@ -112,6 +136,8 @@ class PolicyState:
     probing: bool = False  # the current model round is a probe
     model_tokens: float = 0.0  # tokens emitted by draft-model rounds, decayed per model round
     model_time: float = 0.0  # their decayed time, in plain target forwards (0: the model never ran)
+    emitted: int = 0  # tokens its rounds emitted so far (forced grammar tokens aside)
+    draft_behind: int = 0
 
     @property
     def model_realized(self) -> float | None:
@@ -146,12 +172,13 @@ class AdaptivePolicy:
                 best, best_speed = DraftPlan(k=k, ngram=True, model=False), speed
         if can_model:
             model_cost = per_token + self.costs.draft_step * state.model_steps
+            catch_up = _CatchUp(self.costs.draft_prefill * state.draft_behind, min(budget + 1, max(state.emitted, 1)))
             realized = state.model_realized
             paid = realized is None or realized > best_speed
-            if paid and _speed(state.model.value, k_max, model_cost, loose) > best_speed:
+            if paid and catch_up.over(_speed(state.model.value, k_max, model_cost, loose)) > best_speed:
                 k, _ = _best_k(state.model.value, k_max, model_cost, loose)
                 return DraftPlan(k=k, ngram=can_ngram, model=True)
-            could_win = _speed(_OPTIMISTIC_ALPHA, k_max, model_cost, loose) > best_speed
+            could_win = catch_up.over(_speed(_OPTIMISTIC_ALPHA, k_max, model_cost, loose)) > best_speed
             if could_win and state.since_model >= state.model_probe_every:
                 state.probing = True
                 return DraftPlan(k=min(4, k_max), ngram=can_ngram, model=True)
@@ -171,6 +198,7 @@ class AdaptivePolicy:
             rejected_where_eligible = accepted < drafted - window
             state.rescue.update(loose, rejected_where_eligible, self.decay)
         native, misses = accepted - loose, loose + (accepted < drafted)
+        state.emitted += accepted + 1
         if plan.model:
             state.model.update(native, misses, self.decay)
             round_time = 1 + self.costs.target_token * batch_size * drafted + self.costs.draft_step * model_forwards
@@ -196,6 +224,19 @@ class _Loose:
 
     rho: float = 0.0
     window: int = 0
+
+
+@dataclass(frozen=True)
+class _CatchUp:
+    """A model round's one-off draft prefill (`cost`, in target forwards), spread over the `tokens`
+    the request is still expected to emit."""
+
+    cost: float
+    tokens: int
+
+    def over(self, speed: float) -> float:
+        """Tokens per unit of time over the expected rest of the request at `speed` after the catch-up."""
+        return self.tokens / (self.cost + self.tokens / speed)
 
 
 def _speed(alpha: float, k_max: int, cost_per_token: float, loose: _Loose = _Loose()) -> float:

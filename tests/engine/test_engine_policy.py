@@ -186,3 +186,73 @@ def test_a_draft_model_whose_rounds_did_not_pay_is_only_probed_however_good_its_
     policy.observe(looks_good, DraftPlan(8, False, True), 8, 8, model_forwards=8)  # 9 tokens in 1.856
     assert looks_good.model_realized > 1
     assert policy.plan(looks_good, exact, budget=100, batch_size=1, has_model=True).model
+
+
+def _probe_rounds(policy: AdaptivePolicy, state: PolicyState, budget: int, draft_behind: int) -> list[DraftPlan]:
+    """Plan round after round as a request whose n-grams miss and plain rounds emit one token each;
+    the draft cache lags by `draft_behind` tokens (it does not move while the model does not run)."""
+    plans = []
+    for left in range(budget, 0, -1):
+        state.draft_behind = draft_behind
+        plan = policy.plan(state, FLY, budget=left, batch_size=1, has_model=True)
+        plans.append(plan)
+        if plan.model:
+            break
+        policy.observe(state, plan, 0, 0, window=FLY.window)
+        draft_behind += 1
+    return plans
+
+
+def test_a_cold_draft_behind_a_long_prompt_is_never_caught_up_for_a_short_answer():
+    """A RAG-like row: 1,500 prompt tokens the draft cache lacks, 40 tokens to go. Catching the draft
+    up costs ~50 target forwards, more than a draft model could save over 40 tokens: no model plan,
+    not even the probe a new request otherwise makes in its second round."""
+    plans = _probe_rounds(AdaptivePolicy(), PolicyState(), budget=40, draft_behind=1500)
+    assert len(plans) == 40 and not any(p.model for p in plans)
+
+
+def test_a_warm_draft_or_a_long_answer_still_runs_the_draft_model():
+    policy = AdaptivePolicy()
+    warm = _probe_rounds(policy, PolicyState(), budget=40, draft_behind=0)  # e.g. from the prefix cache
+    assert warm[-1].model and len(warm) == 1  # probed at once, as before
+    short_prompt = _probe_rounds(policy, PolicyState(), budget=40, draft_behind=30)
+    assert short_prompt[-1].model and len(short_prompt) < 10  # a small catch-up pays soon
+    long_answer = _probe_rounds(policy, PolicyState(), budget=2000, draft_behind=1500)
+    assert long_answer[-1].model  # once the request has run long enough to be expected to run on
+    assert 100 < len(long_answer) < 2000
+
+
+def test_a_learned_good_draft_model_is_not_caught_up_for_the_last_tokens():
+    """Once the model has run, the catch-up after rounds without it is weighed too: a long backlog is
+    fed for a long rest of the answer, not for its last few tokens."""
+    policy = AdaptivePolicy(CHEAP_DRAFT)
+    state = PolicyState()
+    _feed(policy, state, DraftPlan(6, True, False), drafted=0, accepted=0, n=20)  # 20 tokens emitted so far
+    _feed(policy, state, DraftPlan(8, False, True), drafted=8, accepted=8, n=10, model_forwards=8)
+    for behind, budget, wanted in ((0, 4, True), (400, 4, False), (400, 200, True)):
+        state.draft_behind = behind
+        assert policy.plan(state, FLY, budget=budget, batch_size=1, has_model=True).model == wanted
+
+
+def test_the_engine_tells_the_policy_how_far_the_draft_lags():
+    """Through the engine: a long prompt whose draft cache is cold (deferred to the first model round)
+    gets no draft-model round for a short answer; the same prompt entering in chunks, its draft cache
+    filled before it joins, does (exact either way)."""
+    target, draft, tokenizer = make_pair("llama")
+    text = "the quick brown fox jumps over the lazy dog. " * 12
+    prompt = tokenizer.encode(text)
+    ref = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    calls: list[int] = []
+    hook = draft.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        for chunk in (0, 64):  # 0: the draft waits for its first model round; 64: filled at admission
+            engine = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False, ngram=False), prefill_chunk=chunk,
+                               policy=AdaptivePolicy(Costs(draft_step=0.1, draft_prefill=0.03)))
+            calls.clear()
+            gen = engine.generate(text, SamplingParams(max_tokens=12))[0]
+            assert gen.token_ids == ref[:len(gen.token_ids)] and len(gen.token_ids) == 12
+            assert (gen.stats.draft_model_rounds > 0) == bool(chunk), (chunk, gen.stats)
+            assert bool(calls) == bool(chunk)
+    finally:
+        hook.remove()

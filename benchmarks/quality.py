@@ -1,4 +1,5 @@
-"""Scoring answers: HumanEval pass@1 (unit tests in a sandboxed subprocess) and GSM8K exact match.
+"""Scoring answers: HumanEval pass@1 (unit tests in a sandboxed subprocess), GSM8K exact match and
+RAG answer match (a reference answer within the reply, after SQuAD's normalization).
 
 Model-generated code never runs in this process. `run_sandboxed` starts a fresh, isolated Python
 (`-I`, empty environment, temporary working directory, its own session) with limits on memory,
@@ -119,12 +120,30 @@ def _to_float(number: str) -> float | None:
         return None
 
 
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = re.compile(r"[^\w\s]")
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's answer normalization: lower case, no punctuation, no articles, single spaces."""
+    return " ".join(_ARTICLES.sub(" ", _PUNCTUATION.sub("", text.lower())).split())
+
+
+def answer_matches(answer: str, references: list[str]) -> bool:
+    """Whether a normalized reference is the normalized reply or a run of whole words in it (a RAG
+    reply often wraps the short answer in a sentence)."""
+    reply = f" {normalize_answer(answer)} "
+    return any(ref and f" {ref} " in reply for ref in map(normalize_answer, references))
+
+
 def score(item: Item, answer: str, timeout: float = 10.0) -> bool | None:
-    """Whether `answer` solves `item`: HumanEval tests pass / GSM8K final number matches; None for an
-    unscored set (prose, the user's own prompts)."""
+    """Whether `answer` solves `item`: HumanEval tests pass / GSM8K final number matches / a RAG
+    reference answer matches; None for an unscored set (prose, the user's own prompts)."""
     if item.dataset not in SCORED:
         return None
     if item.dataset == "humaneval":
         return _passes(humaneval_program(item, answer), timeout)
+    if item.dataset == "rag":
+        return answer_matches(answer, item.reference["answers"])
     got = final_number(answer)
     return got is not None and abs(got - float(item.reference["answer"].replace(",", ""))) < 1e-6

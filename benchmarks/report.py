@@ -11,7 +11,7 @@ from fly_llm.decoding.drafters import common_prefix
 from fly_llm.stats import RequestStats
 
 REFERENCE = "target"
-METRIC_NAMES = {"humaneval": "pass@1", "gsm8k": "exact match", "prose": "unscored"}
+METRIC_NAMES = {"humaneval": "pass@1", "gsm8k": "exact match", "prose": "unscored", "rag": "answer match"}
 
 
 @dataclass
@@ -44,6 +44,8 @@ def summarize(dataset: str, method: str, items: list[ItemResult], reference: lis
         "tokens_per_s": _tokens_per_s(items),
         "speedup": _tokens_per_s(items) / ref_speed if ref_speed else None,
         "ttft_s": _mean([r.ttft_s for r in items]),
+        "seconds_per_answer": _mean([r.seconds for r in items]),
+        "decode_tokens_per_s": decode_tokens_per_s(items),
         "target_forwards": forwards,
         "mat": tokens / forwards if forwards else 0.0,
         "loose_rate": stats.loose_rate if stats else 0.0,
@@ -72,6 +74,14 @@ def compare_to_best_hf(summaries: list[dict[str, Any]], hf_methods: set[str], ll
 
 def _mean(values: list[float | bool]) -> float:
     return sum(values) / len(values) if values else 0.0
+
+
+def decode_tokens_per_s(items: list[ItemResult]) -> float | None:
+    """The decode-phase rate: tokens after each answer's first over the time after its first token
+    (prefill and first round excluded), summed over the items; None when no answer has two tokens."""
+    tokens = sum(r.tokens - 1 for r in items if r.tokens > 1)
+    seconds = sum(r.seconds - r.ttft_s for r in items if r.tokens > 1)
+    return tokens / seconds if tokens and seconds > 0 else None
 
 
 def _tokens_per_s(items: list[ItemResult]) -> float:
@@ -124,18 +134,22 @@ def markdown(report: dict[str, Any]) -> str:
             continue
         lines += [
             f"## {dataset} ({rows[0]['items']} items, {rows[0]['metric_name']})", "",
-            "| method | tok/s | speedup | vs best HF | vs llama.cpp | MAT | loose rate | TTFT s | metric "
-            "| retention | flipped vs target | identical to target |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| method | tok/s | speedup | vs best HF | vs llama.cpp | s/answer | decode tok/s | MAT | loose rate "
+            "| TTFT s | metric | retention | flipped vs target | identical to target |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for s in rows:
             lines.append(
                 f"| {s['method']} | {s['tokens_per_s']:.2f} | {fmt(s['speedup'], '.2f')}× "
-                f"| {fmt(s.get('vs_best_hf'), '.2f')}× | {fmt(s.get('vs_llamacpp'), '.2f')}× | {s['mat']:.2f} "
+                f"| {fmt(s.get('vs_best_hf'), '.2f')}× | {fmt(s.get('vs_llamacpp'), '.2f')}× "
+                f"| {s['seconds_per_answer']:.2f} | {fmt(s['decode_tokens_per_s'], '.2f')} | {s['mat']:.2f} "
                 f"| {s['loose_rate']:.1%} | {s['ttft_s']:.2f} | {fmt(s['metric'], '.1%')} | {fmt(s['retention'], '.1%')} "
                 f"| {fmt(s['flipped'], '.0%')} | {fmt(s['agreement'], '.0%')} |")
         lines.append("")
     lines += footer({name: m["description"] for name, m in report["methods"].items()},
+                    "tok/s = all tokens over all time (prefill included); s/answer = mean end-to-end seconds "
+                    "per item; decode tok/s = tokens after each answer's first over the time after it (the "
+                    "decode phase, prefill excluded). "
                     "MAT = generated tokens per target forward pass (prefill included). vs best HF = tok/s "
                     "over the fastest of the Hugging Face methods (target, assisted, lookup); vs llama.cpp = tok/s "
                     "over llama.cpp's target-only decoding of the GGUF file (– when it did not run). Speedup, "

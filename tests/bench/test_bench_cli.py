@@ -13,7 +13,7 @@ from benchmarks.methods import MAIN_METHODS, TARGET_FLOAT, all_methods
 SUMMARY_FIELDS = {
     "dataset", "method", "items", "tokens", "seconds", "tokens_per_s", "speedup", "ttft_s", "target_forwards",
     "mat", "loose_rate", "acceptance_by_position", "engine_stats", "metric_name", "metric", "retention",
-    "flipped", "agreement", "prefix_agreement", "vs_best_hf", "per_item",
+    "flipped", "agreement", "prefix_agreement", "vs_best_hf", "per_item", "seconds_per_answer", "decode_tokens_per_s",
 }
 ENVIRONMENT_FIELDS = {"target", "draft", "dtype", "device", "threads", "cpu", "versions", "git_commit", "python"}
 

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fly_llm.client import FLyClient, build_options, default_endpoint
 from fly_llm.config import QUANTIZATIONS, FLyConfig, ModelSpec
@@ -30,14 +29,6 @@ from fly_llm.protocol import GenerateResult
 
 from fly_daemon.runtime import AlreadyRunning, check_endpoint, daemon_files, open_private, running_pid
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from fly_llm.decoding.engine import FLyEngine
-
-    from fly_daemon.http import HttpFront
-    from fly_daemon.server import Server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,13 +178,11 @@ def _start(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, endpoint: str) -> int:
     """Run the daemon in this process until stopped."""
-    from fly_daemon.metrics import Metrics
+    from fly_daemon.core import build_core
     from fly_daemon.server import CurveKeys, Server
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s fly-daemon: %(message)s", datefmt="%H:%M:%S")
-    spec = load_settings(ModelSpec, args.config, vars(args))
-    fly = load_settings(FLyConfig, args.config, vars(args))
     settings = _daemon_settings(args)
     curve = None
     if settings.curve_secret_key or settings.curve_clients:
@@ -202,16 +191,16 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
             return 2
         curve = CurveKeys(settings.curve_secret_key, settings.curve_clients)
 
-    metrics = Metrics()
+    core = build_core(load_settings(ModelSpec, args.config, vars(args)),
+                      load_settings(FLyConfig, args.config, vars(args)), settings)
     try:
-        server = Server(endpoint, engine_loader(spec, fly, settings), settings, metrics=metrics,
-                        max_frame_bytes=settings.max_frame_bytes, curve=curve)
-        http = _http_front(server, settings)
+        server = Server(endpoint, core, max_frame_bytes=settings.max_frame_bytes, curve=curve)
+        http = core.http_front(settings)
     except (ValueError, OSError) as exc:  # a bind refused or taken
         print(f"fly-daemon: {exc}", file=sys.stderr)
         return 2
     if settings.metrics_port:
-        metrics.serve(settings.metrics_port)
+        core.scheduler.metrics.serve(settings.metrics_port)
         logging.getLogger("fly_daemon").info("metrics on http://127.0.0.1:%d/metrics", settings.metrics_port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
@@ -225,35 +214,6 @@ def _serve(args: argparse.Namespace, endpoint: str) -> int:
     finally:
         if http is not None:
             http.stop()
-
-
-def engine_loader(spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings) -> "Callable[[], FLyEngine]":
-    """What the scheduler's model thread calls to load the engine (a daemon's, or a Ray replica's)."""
-
-    def load_engine() -> "FLyEngine":
-        from fly_llm.loading import load_engine
-
-        logging.getLogger("fly_daemon").info("loading models: target=%s draft=%s (%s, %s)",
-                                             spec.target or "embedded default", spec.draft or "default",
-                                             spec.dtype, spec.device)
-        return load_engine(spec, fly, prefix_cache_mb=settings.prefix_cache_mb, prefill_chunk=settings.prefill_chunk)
-
-    return load_engine
-
-
-def _http_front(server: "Server", settings: DaemonSettings) -> "HttpFront | None":
-    """The OpenAI-compatible HTTP front on `settings.http` (bound, not yet serving), or None."""
-    if settings.http is None:
-        return None
-    from fly_daemon.http import HttpFront, create_app, require_key_off_loopback, trusted_hosts
-    from fly_daemon.runtime import host_port
-
-    api_key = settings.api_key_value()
-    host, _ = host_port(settings.http)
-    require_key_off_loopback(host, api_key)
-    hosts = trusted_hosts(host, settings.allowed_hosts)
-    app = create_app(server.inproc, api_key=api_key, max_body_bytes=settings.max_frame_bytes, allowed_hosts=hosts)
-    return HttpFront(app, settings.http, api_key=api_key)
 
 
 def _detach(args: argparse.Namespace, endpoint: str) -> int:

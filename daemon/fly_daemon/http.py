@@ -1,14 +1,15 @@
 """The OpenAI-compatible HTTP front: FastAPI routes served by uvicorn, next to the ZeroMQ socket.
 
-Requests go to the daemon's own scheduler through an `InProcessClient` (the engine knows nothing
-of HTTP). Routes: POST /v1/chat/completions, POST /v1/completions (server-sent events with
-`"stream": true`), GET /v1/models, GET /health. Errors are OpenAI's error shape with our stable
-codes (fly_llm.errors) as `code`; a client that disconnects, while waiting or mid-stream, cancels
-its request. A non-loopback bind needs an API key (Bearer), as a non-loopback ZeroMQ bind needs CURVE.
-With a key, every route but /health needs it (/docs and /redoc are off, /openapi.json needs the key).
-A front on loopback answers only requests whose Host header is a loopback name, its bound host or
-an allowed host (a web page reaching it by DNS rebinding names its own host). An unexpected failure
-answers INTERNAL with a request id that the log's traceback carries, never the exception's text.
+Requests go to the scheduler of a serving core (fly_daemon.core, which builds this front from the
+settings) through its `InProcessClient` (the engine knows nothing of HTTP). Routes: POST
+/v1/chat/completions, POST /v1/completions (server-sent events with `"stream": true`), GET
+/v1/models, GET /health. Errors are OpenAI's error shape with our stable codes (fly_llm.errors) as
+`code`; a client that disconnects, while waiting or mid-stream, cancels its request. A non-loopback
+bind needs an API key (Bearer), as a non-loopback ZeroMQ bind needs CURVE. With a key, every route
+but /health needs it (/docs and /redoc are off, /openapi.json needs the key). A front on loopback
+answers only requests whose Host header is a loopback name, its bound host or an allowed host (a
+web page reaching it by DNS rebinding names its own host). An unexpected failure answers INTERNAL
+with a request id that the log's traceback carries, never the exception's text.
 """
 
 from __future__ import annotations

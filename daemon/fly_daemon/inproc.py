@@ -1,10 +1,10 @@
 """An asyncio client of the scheduler inside the daemon's process: no socket, no serialisation.
 
 The HTTP front (fly_daemon.http) submits through it. Requests go to `Scheduler.submit` with the
-LOCAL envelope; the model thread's replies come back through `deliver` (the daemon's emit routes
-LOCAL replies here), which hands each to the event loop of the coroutine waiting for it. A request
-whose consumer stops waiting (an exception, a cancelled task, a closed generator) is cancelled in
-the scheduler, so its batch slot is freed.
+LOCAL envelope; the model thread's replies come back through `deliver` (the serving core's emit,
+fly_daemon.core, routes LOCAL replies here), which hands each to the event loop of the coroutine
+waiting for it. A request whose consumer stops waiting (an exception, a cancelled task, a closed
+generator) is cancelled in the scheduler, so its batch slot is freed.
 """
 
 from __future__ import annotations

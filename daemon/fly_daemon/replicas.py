@@ -1,10 +1,11 @@
 """Replicas of the daemon's serving core on Ray Serve, behind the same OpenAI-compatible routes.
 
 Each replica is a Ray Serve deployment replica (its own process) holding what a daemon holds: a
-Scheduler running its engine in a model thread, and the HTTP front's FastAPI app (fly_daemon.http)
-over an in-process client of that scheduler. Ray Serve's ingress routes each request to a replica;
-the response names it in an `x-fly-replica` header. Ray calls `check_health` on every replica: one
-whose models failed to load or whose model thread stopped reports unhealthy, and Ray replaces it.
+serving core (fly_daemon.core: a Scheduler running its engine in a model thread) and the HTTP
+front's FastAPI app (fly_daemon.http) over the core's in-process client. Ray Serve's ingress routes
+each request to a replica; the response names it in an `x-fly-replica` header. Ray calls
+`check_health` on every replica: one whose models failed to load or whose model thread stopped
+reports unhealthy, and Ray replaces it.
 
 Used by `fly-serve` (fly_daemon.serve_cli), or by Ray users directly: `serve run
 fly_daemon.replicas:build target=... replicas=2` or a Serve config file naming `fly_daemon.replicas:build`.
@@ -17,7 +18,6 @@ routes answer only loopback Host names and `allowed_hosts`, as the daemon's own 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any
 
@@ -30,11 +30,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fly_llm.config import FLyConfig, ModelSpec
 
-from fly_daemon.cli import engine_loader
-from fly_daemon.http import create_app, require_key_off_loopback, trusted_hosts
-from fly_daemon.inproc import InProcessClient
+from fly_daemon.core import build_core
+from fly_daemon.http import require_key_off_loopback
 from fly_daemon.runtime import is_loopback_host
-from fly_daemon.scheduler import Scheduler
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
 REPLICA_HEADER = "x-fly-replica"
@@ -93,39 +91,33 @@ class ReplicaHeader:
 
 @serve.ingress()
 class FLyReplica:
-    """One replica: a scheduler with its engine in a model thread, served by the HTTP front's routes."""
+    """One replica: a serving core (a scheduler with its engine in a model thread) behind the HTTP front's routes."""
 
     def __init__(self, spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings) -> None:
         self.settings = settings
-        self.api_key = settings.api_key_value()
         self.http_host = serve_http_host()
-        require_secure_exposure(self.http_host, self.api_key)  # before loading models: Serve may be bound anywhere
+        # before loading models: Serve may be bound anywhere
+        require_secure_exposure(self.http_host, settings.api_key_value())
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.scheduler = Scheduler(engine_loader(spec, fly, settings), self._emit, settings)
-        self.client = InProcessClient(self.scheduler)
-        self.model_thread = threading.Thread(target=self.scheduler.run, name="fly-model", daemon=True)
-        self.model_thread.start()
+        self.core = build_core(spec, fly, settings)
+        self.core.start()
         # Ray routes to a replica once its constructor returns: return when the models are loaded,
         # or fail (Ray retries the replica) when they cannot be.
-        while self.scheduler.state == "loading":
+        while self.core.scheduler.state == "loading":
             time.sleep(_LOAD_POLL_S)
         self.check_health()
 
-    def _emit(self, envelope: Any, message: Any) -> None:
-        self.client.deliver(envelope, message)
-
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        """The HTTP front's app over this replica's scheduler, naming the replica in each response."""
-        hosts = trusted_hosts(self.http_host, self.settings.allowed_hosts) if self.http_host else None
-        app = create_app(self.client, api_key=self.api_key, max_body_bytes=self.settings.max_frame_bytes,
-                         allowed_hosts=hosts)
+        """The HTTP front's app over this replica's core, naming the replica in each response."""
+        app = self.core.http_app(self.settings, self.http_host)
         app.add_middleware(ReplicaHeader, replica=self.replica)
         return app
 
     def check_health(self) -> None:
         """Ray's health check: raise (Ray then replaces this replica) if the models failed or the model thread died."""
-        if self.scheduler.state == "failed" or not self.model_thread.is_alive():
-            raise RuntimeError(f"replica {self.replica}: {self.scheduler.detail or 'the model thread stopped'}")
+        scheduler = self.core.scheduler
+        if scheduler.state == "failed" or not self.core.running():
+            raise RuntimeError(f"replica {self.replica}: {scheduler.detail or 'the model thread stopped'}")
 
 
 def application(spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings, *, replicas: int = 1,

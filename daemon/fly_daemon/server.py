@@ -7,8 +7,9 @@ nothing else; any other failure while handling one frame answers INTERNAL (the t
 the log) and the loop goes on. A client whose socket is gone (ROUTER_MANDATORY send fails) loses
 its requests. Over CURVE each client key is its own tenant (prefix-cache scope); everything else is
 the one local tenant.
-Requests from inside the process (`inproc`, used by the HTTP front) share the scheduler; their
-replies are routed back to them instead of the socket.
+The scheduler, its model thread and the in-process client (the HTTP front's) are a ServingCore's
+(fly_daemon.core): the loop is that core's `remote`, so replies to socket clients come here and
+replies to requests from inside the process go back to them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,13 +37,11 @@ from fly_llm.protocol import (
     HeartbeatRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenizeRequest, decode_request, encode,
 )
 
-from fly_daemon.inproc import InProcessClient
-from fly_daemon.metrics import Metrics
 from fly_daemon.runtime import PidLock, check_endpoint, ipc_path, is_loopback
-from fly_daemon.scheduler import LOCAL, Envelope, Limits, Scheduler
+from fly_daemon.scheduler import Envelope
 
 if TYPE_CHECKING:
-    from fly_llm.decoding.engine import FLyEngine
+    from fly_daemon.core import ServingCore
 
 log = logging.getLogger("fly_daemon")
 
@@ -68,19 +66,18 @@ class CurveKeys:
 
 
 class Server:
-    """Binds the endpoint, runs a Scheduler on `load_engine` in the model thread, serves until drained."""
+    """Binds the endpoint, starts `core`'s model thread, serves its scheduler over the socket until drained."""
 
-    def __init__(self, endpoint: str, load_engine: Callable[[], "FLyEngine"], limits: Limits = Limits(), *,
-                 metrics: Metrics | None = None, max_frame_bytes: int = MAX_FRAME_BYTES,
+    def __init__(self, endpoint: str, core: "ServingCore", *, max_frame_bytes: int = MAX_FRAME_BYTES,
                  curve: CurveKeys | None = None) -> None:
         check_endpoint(endpoint)
         if not is_loopback(endpoint) and curve is None:
             raise ValueError(f"refusing to bind {endpoint} (not loopback) without CURVE keys "
                              "(--curve-secret-key and --curve-clients)")
         self.endpoint = endpoint
-        self.scheduler = Scheduler(load_engine, self.emit, limits, metrics)
-        self.inproc = InProcessClient(self.scheduler)
-        """Submits to the same scheduler from inside this process (the HTTP front uses it)."""
+        self.core = core
+        self.scheduler = core.scheduler
+        core.remote = self._push
         self.max_frame_bytes = max_frame_bytes
         self.started = time.time()
         self._curve = curve
@@ -97,11 +94,8 @@ class Server:
         """Begin a graceful stop (signal-safe); a second request cancels running work at once."""
         self._stop_requests += 1
 
-    def emit(self, envelope: Envelope, message: BaseModel) -> None:
-        """Send `message` to a client from any thread (the model thread's replies go through here)."""
-        if envelope == LOCAL:
-            self.inproc.deliver(envelope, message)
-            return
+    def _push(self, envelope: Envelope, message: BaseModel) -> None:
+        """Send `message` to a socket client from any thread (through the outbox the loop forwards)."""
         push = getattr(self._local, "push", None)
         if push is None:
             push = self._ctx.socket(zmq.PUSH)
@@ -121,9 +115,8 @@ class Server:
             pull.bind(self._outbox)
             router, auth = self._bind()
             log.info("listening on %s (pid %d)", self.endpoint, os.getpid())
-            model_thread = threading.Thread(target=self._model_thread, name="fly-model", daemon=True)
-            model_thread.start()
-            self._loop(router, pull, model_thread)
+            self.core.start(on_exit=self._close_push)
+            self._loop(router, pull)
             return 1 if self.scheduler.state == "failed" else 0
         finally:
             for sock in (router, pull):
@@ -137,13 +130,11 @@ class Server:
             self._ctx.destroy(linger=0)  # closed sockets keep their own linger; this ends the rest
             log.info("stopped")
 
-    def _model_thread(self) -> None:
-        try:
-            self.scheduler.run()
-        finally:
-            push = getattr(self._local, "push", None)
-            if push is not None:
-                push.close(linger=1000)
+    def _close_push(self) -> None:
+        """Close this thread's outbox socket (the model thread's, as it ends)."""
+        push = getattr(self._local, "push", None)
+        if push is not None:
+            push.close(linger=1000)
 
     def _bind(self) -> tuple[zmq.Socket, ThreadAuthenticator | None]:
         router = self._ctx.socket(zmq.ROUTER)
@@ -176,7 +167,7 @@ class Server:
         self._socket_file = sock_path
         return router, auth
 
-    def _loop(self, router: zmq.Socket, pull: zmq.Socket, model_thread: threading.Thread) -> None:
+    def _loop(self, router: zmq.Socket, pull: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
@@ -205,7 +196,7 @@ class Server:
                 log.info("draining: no new requests; running ones get %.0f s",
                          self.scheduler.limits.drain_timeout)
                 self.scheduler.drain(force=stops_seen > 1)
-            if not model_thread.is_alive():
+            if not self.core.running():
                 self._forward(router, pull)
                 return
 

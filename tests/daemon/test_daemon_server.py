@@ -27,6 +27,7 @@ from fly_llm.protocol import ErrorReply, GenerateResult, decode_reply
 
 from fly_daemon.metrics import Metrics
 from fly_daemon import runtime
+from fly_daemon.core import ServingCore
 from fly_daemon.runtime import AlreadyRunning, PidLock, daemon_files, is_loopback, running_pid, tcp_host
 from fly_daemon.scheduler import Limits
 from fly_daemon.server import CurveKeys, Server
@@ -243,9 +244,9 @@ def test_each_curve_key_is_its_own_tenant_and_ipc_is_local(tmp_path, monkeypatch
 
 def test_non_loopback_bind_needs_curve(tmp_path):
     with pytest.raises(ValueError, match="CURVE"):
-        Server("tcp://0.0.0.0:5555", CountingEngine)
+        Server("tcp://0.0.0.0:5555", ServingCore(CountingEngine))
     with pytest.raises(ValueError, match="unsupported"):
-        Server("udp://127.0.0.1:5555", CountingEngine)
+        Server("udp://127.0.0.1:5555", ServingCore(CountingEngine))
 
 
 def test_endpoint_helpers(tmp_path, monkeypatch):
@@ -319,7 +320,7 @@ def test_tcp_port_taken_by_another_program(tmp_path, monkeypatch):
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
         other.listen()
-        server = Server(f"tcp://127.0.0.1:{other.getsockname()[1]}", CountingEngine)
+        server = Server(f"tcp://127.0.0.1:{other.getsockname()[1]}", ServingCore(CountingEngine))
         with pytest.raises(OSError, match="cannot bind"):
             server.serve()
 
@@ -350,7 +351,7 @@ def test_stale_socket_is_replaced_but_no_other_file(tmp_path):
     path = tmp_path / "s.sock"
     endpoint = f"ipc://{path}"
     path.write_text("not a socket")
-    server = Server(endpoint, CountingEngine)
+    server = Server(endpoint, ServingCore(CountingEngine))
     server.request_stop()  # were the file taken for a stale socket, serve would return at once, not serve on
     with pytest.raises(OSError, match="not a socket"):
         server.serve()

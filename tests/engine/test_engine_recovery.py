@@ -20,6 +20,7 @@ from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.errors import Internal
 
+from fly_daemon.core import ServingCore
 from fly_daemon.scheduler import Limits
 from fly_daemon.server import Server
 from support.tiny_models import greedy_tokens, make_pair
@@ -95,7 +96,7 @@ def test_daemon_survives_random_step_failures(pair_and_reference, tmp_path):
     (target, draft, tokenizer), reference = pair_and_reference
     engine = FaultyEngine(target, tokenizer, draft, FLyConfig(loose=False), rate=0.15, seed=2)
     endpoint = f"ipc://{tmp_path}/f.sock"
-    server = Server(endpoint, lambda: engine, Limits(heartbeat_timeout=0))
+    server = Server(endpoint, ServingCore(lambda: engine, Limits(heartbeat_timeout=0)))
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     sampling, fly = build_options(max_tokens=MAX_NEW, loose=False)
@@ -131,7 +132,7 @@ def test_a_failure_outside_a_step_fails_everything_and_the_daemon_exits_nonzero(
     (target, draft, tokenizer), _ = pair_and_reference
     engine = FaultyEngine(target, tokenizer, draft, FLyConfig(loose=False), rate=0.0, seed=0)
     endpoint = f"ipc://{tmp_path}/m.sock"
-    server = Server(endpoint, lambda: engine, Limits())
+    server = Server(endpoint, ServingCore(lambda: engine))
     exit_code: list[int] = []
     thread = threading.Thread(target=lambda: exit_code.append(server.serve()), daemon=True)
     thread.start()

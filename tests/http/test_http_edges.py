@@ -1,8 +1,8 @@
 """The HTTP front's edges (issue 33): Host allow-list, docs behind the key, no exception text in errors,
 deep JSON in a tool call's arguments, empty keys, and the tenant / client each request is submitted under.
 
-The front is built as `fly-daemon start --http` builds it (fly_daemon.cli._http_front) over a Server on
-the engine double, so the settings' wiring is tested too.
+The front is built as `fly-daemon start --http` builds it (ServingCore.http_front, fly_daemon.core) over
+a Server on the engine double, so the settings' wiring is tested too.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from support.engine_double import CountingEngine, serving
 
-from fly_daemon.cli import _http_front
+from fly_daemon.core import ServingCore
 from fly_daemon.settings import DaemonSettings, load_settings
 
 MODEL = CountingEngine.target_name
@@ -28,7 +28,7 @@ KEY = "s3cret"
 def front(tmp_path, **settings):
     """(server, httpx client) of a daemon's HTTP front on a free port, built from DaemonSettings(**settings)."""
     with serving(f"ipc://{tmp_path}/s.sock", CountingEngine()) as server:
-        http = _http_front(server, DaemonSettings(**{"http": "127.0.0.1:0", **settings}))
+        http = server.core.http_front(DaemonSettings(**{"http": "127.0.0.1:0", **settings}))
         http.start()
         try:
             with httpx.Client(base_url=http.url, timeout=30) as client:
@@ -60,7 +60,7 @@ def test_a_wildcard_allows_any_host_and_a_bad_entry_is_refused(tmp_path):
     with front(tmp_path, allowed_hosts=["*"]) as (_, client):
         assert client.get("/health", headers={"Host": "anything.example"}).status_code == 200
     with pytest.raises(ValueError, match="not a host name"):
-        _http_front(None, DaemonSettings(http="127.0.0.1:0", allowed_hosts=["a b"]))  # type: ignore[arg-type]
+        ServingCore(CountingEngine).http_front(DaemonSettings(http="127.0.0.1:0", allowed_hosts=["a b"]))
 
 
 def test_docs_and_schema_need_the_key(tmp_path):
@@ -79,7 +79,7 @@ def test_unexpected_errors_answer_a_request_id_never_the_exception_text(tmp_path
         async def broken() -> str:
             raise RuntimeError("the other client's prompt")
 
-        monkeypatch.setattr(server.inproc, "loaded_model", broken)
+        monkeypatch.setattr(server.core.inproc, "loaded_model", broken)
         with caplog.at_level(logging.ERROR, logger="fly_daemon"):
             error = _error(client.post("/v1/chat/completions", json=CHAT), 500, "INTERNAL")
         assert error["type"] == "server_error" and "prompt" not in error["message"]
@@ -90,7 +90,7 @@ def test_unexpected_errors_answer_a_request_id_never_the_exception_text(tmp_path
 
 def test_an_exception_mid_stream_ends_it_with_a_generic_error_event(tmp_path, monkeypatch, caplog):
     with front(tmp_path) as (server, client):
-        replies = server.inproc.replies
+        replies = server.core.inproc.replies
 
         async def one_then_broken(request, **identity):
             stream = replies(request, **identity)
@@ -98,7 +98,7 @@ def test_an_exception_mid_stream_ends_it_with_a_generic_error_event(tmp_path, mo
             await stream.aclose()
             raise RuntimeError("the other client's answer")
 
-        monkeypatch.setattr(server.inproc, "replies", one_then_broken)
+        monkeypatch.setattr(server.core.inproc, "replies", one_then_broken)
         with caplog.at_level(logging.ERROR, logger="fly_daemon"):
             r = client.post("/v1/chat/completions", json={**CHAT, "stream": True})
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -125,13 +125,13 @@ def test_deeply_nested_tool_call_arguments_are_a_400(tmp_path):
 ])
 def test_requests_carry_their_tenant_and_client(tmp_path, monkeypatch, api_key, tenant):
     with front(tmp_path, api_key=api_key) as (server, client):
-        seen, replies = [], server.inproc.replies
+        seen, replies = [], server.core.inproc.replies
 
         def spy(request, **identity):
             seen.append(identity)
             return replies(request, **identity)
 
-        monkeypatch.setattr(server.inproc, "replies", spy)
+        monkeypatch.setattr(server.core.inproc, "replies", spy)
         headers = {"Authorization": f"Bearer {KEY}"}
         assert client.post("/v1/chat/completions", json=CHAT, headers=headers).status_code == 200
         assert client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1, "stream": True},
@@ -150,7 +150,7 @@ def test_an_empty_key_is_no_key(monkeypatch):
     assert load_settings(DaemonSettings).allowed_hosts == ["a.example", "b.example"]
     assert load_settings(DaemonSettings, cli={"allowed_hosts": ["c"]}).allowed_hosts == ["c"]
     with pytest.raises(ValueError, match="without an API key"):
-        _http_front(None, DaemonSettings(http="0.0.0.0:0", api_key=" "))  # type: ignore[arg-type]
+        ServingCore(CountingEngine).http_front(DaemonSettings(http="0.0.0.0:0", api_key=" "))
 
 
 def test_beyond_loopback_the_key_guards_any_host_unless_hosts_are_listed(tmp_path):

@@ -33,7 +33,7 @@ def front(tmp_path, engine: CountingEngine | None = None, limits: Limits = Limit
           api_key: str | None = None, max_body_bytes: int = 64 * 1024):
     """(server, httpx client on the front's URL): the daemon's Server on the double, its HTTP front on a free port."""
     with serving(f"ipc://{tmp_path}/s.sock", engine or CountingEngine(), limits, load=load) as server:
-        app = create_app(server.inproc, api_key=api_key, max_body_bytes=max_body_bytes)
+        app = create_app(server.core.inproc, api_key=api_key, max_body_bytes=max_body_bytes)
         http = HttpFront(app, "127.0.0.1:0", api_key=api_key)
         http.start()
         try:

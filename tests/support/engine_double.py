@@ -1,5 +1,5 @@
-"""A test double of FLyEngine (no torch), an in-process Server running on it, and a collector of
-a Scheduler's replies.
+"""A test double of FLyEngine (no torch), an in-process Server on a serving core running it, and a
+collector of a Scheduler's replies.
 
 The double emits one token per step per request, so deadlines, heartbeats, cancellation, batch
 limits, loading state, step failures and admission can be shown quickly and exactly
@@ -20,6 +20,8 @@ from fly_llm.errors import TooLong
 from fly_llm.protocol import ErrorReply, GenerateResult, TokenizeReply
 from fly_llm.stats import PromptStats, RequestStats
 
+from fly_daemon.core import ServingCore
+from fly_daemon.metrics import Metrics
 from fly_daemon.scheduler import Limits
 from fly_daemon.server import Server
 
@@ -128,8 +130,10 @@ class Replies:
 
 
 @contextmanager
-def serving(endpoint: str, engine: CountingEngine, limits: Limits = Limits(), load=None, **kwargs):
-    server = Server(endpoint, load or (lambda: engine), limits, **kwargs)
+def serving(endpoint: str, engine: CountingEngine, limits: Limits = Limits(), load=None,
+            metrics: Metrics | None = None, **kwargs):
+    """A Server (Server's keyword arguments) on a core running `engine` (or what `load` returns), serving."""
+    server = Server(endpoint, ServingCore(load or (lambda: engine), limits, metrics=metrics), **kwargs)
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     try:

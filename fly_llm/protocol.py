@@ -17,7 +17,7 @@ from fly_llm.config import FLyConfig, FLyOverrides, SamplingParams
 from fly_llm.errors import BadRequest, TooLong
 from fly_llm.json_text import loads
 from fly_llm.stats import FinishReason, PromptStats, RequestStats
-from fly_llm.tools import MAX_TOOLS, ResponseFormat, Structure, ToolCall, ToolChoice, ToolSpec
+from fly_llm.tools import MAX_TOOLS, Structure, StructureOptions, ToolCall, ToolSpec, structure_options
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -124,6 +124,13 @@ def _check_messages(messages: list[ChatMessage] | None) -> None:
                                   {"total": total, "limit": MAX_PROMPT_CHARS})
 
 
+def _check_tools(tools: list[ToolSpec] | None) -> None:
+    """Raise a size error (TOO_LONG on the wire) when more than MAX_TOOLS tools are offered."""
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise PydanticCustomError("too_long", "tools: {count} offered, over the limit of {limit}",
+                                  {"count": len(tools), "limit": MAX_TOOLS})
+
+
 def _check_tool_results(messages: list[ChatMessage] | None) -> None:
     """Every tool result answers a call that an earlier assistant turn made."""
     calls: set[str] = set()
@@ -137,8 +144,9 @@ def _check_tool_results(messages: list[ChatMessage] | None) -> None:
 
 # ---- requests (client → daemon) ----
 
-class GenerateRequest(_Message):
-    """Generate from a prompt string or from chat messages (exactly one of them)."""
+class GenerateRequest(_Message, StructureOptions):
+    """Generate from a prompt string or from chat messages (exactly one of them), its output constrained by
+    the structure options (`fly_llm.tools.StructureOptions`: tools, tool_choice, response_format, ...)."""
 
     kind: Literal["generate"] = "generate"
     prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
@@ -147,13 +155,10 @@ class GenerateRequest(_Message):
     fly: FLyOverrides = Field(default_factory=FLyOverrides)
     stream: bool = False
     timeout_s: float | None = Field(None, gt=0, le=86_400, description="Deadline from admission.")
-    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, description="False: at most one tool call (OpenAI's option).")
-    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
+        _check_tools(self.tools)
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.prompt is not None and not self.prompt:
@@ -162,16 +167,14 @@ class GenerateRequest(_Message):
             raise ValueError("tools need chat messages (the chat template renders them)")
         _check_messages(self.messages)
         _check_tool_results(self.messages)
-        self.structure  # noqa: B018 - validates tools, tool_choice and response_format together
+        self.structure  # noqa: B018 - validates the structure options together
         return self
 
     @property
     def structure(self) -> Structure | None:
-        """What constrains the output (tools / tool_choice / response_format), or None."""
-        if self.tools is None and self.tool_choice is None and self.response_format is None:
-            return None
-        return Structure(tools=self.tools, tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls,
-                         response_format=self.response_format)
+        """What constrains the output (the structure options, checked together), or None when no option is given."""
+        options = structure_options(self)
+        return None if all(value is None for value in options.values()) else Structure(**options)
 
 
 class CancelRequest(_Message):
@@ -210,10 +213,11 @@ class TokenizeRequest(_Message):
     kind: Literal["tokenize"] = "tokenize"
     text: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
-    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tools: list[ToolSpec] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
+        _check_tools(self.tools)
         if (self.text is None) == (self.messages is None):
             raise ValueError("give exactly one of 'text' or 'messages'")
         if self.tools and self.messages is None:

@@ -1,4 +1,5 @@
-"""Tools and structured output on the wire: OpenAI-shaped specs, and tool calls found in text (no torch).
+"""Tools and structured output on the wire: the structure options (`StructureOptions`, declared once for the
+wire, the clients, the HTTP front and the adapters), OpenAI-shaped specs, and tool calls found in text (no torch).
 
 Tool calls use the Hermes / Qwen format that the embedded Qwen2.5 chat template asks for:
 
@@ -14,6 +15,7 @@ The daemon renders `tools` with the target's chat template, constrains decoding 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -24,8 +26,6 @@ TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 MAX_TOOLS = 128
 """Most tools one request may offer."""
-STRUCTURE_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
-"""The request options that constrain the output (the clients' keywords next to sampling and FLy options)."""
 
 _NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 
@@ -115,13 +115,45 @@ class ToolCall(_Strict):
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
-class Structure(_Strict):
-    """What constrains one request's output: offered tools and the choice among them, or a response format."""
+class FormatOptions(_Strict):
+    """The structure options for a prompt or chat messages alike (see `StructureOptions`)."""
 
-    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, description="False: at most one call per answer (None, True: any number).")
     response_format: ResponseFormat | None = None
+
+
+class StructureOptions(FormatOptions):
+    """The options that constrain a request's output, declared once.
+
+    The wire request (`fly_llm.protocol.GenerateRequest`) and the HTTP bodies inherit these fields,
+    the clients take them as keywords (`STRUCTURE_OPTIONS`, checked by `option_names`) and the
+    adapters merge them with `fly_llm.client.core.call_options`. A new option is one field here
+    (in `FormatOptions` when a plain prompt takes it too) plus its meaning where the output is
+    constrained (fly_llm.decoding.grammar); `Structure` checks the fields together.
+    """
+
+    tools: list[ToolSpec] | None = Field(None, description=f"At most {MAX_TOOLS} (a request's size cap).")
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(
+        None, description="False: at most one call per answer (None, True: any number).")
+
+
+STRUCTURE_OPTIONS: tuple[str, ...] = tuple(StructureOptions.model_fields)
+"""The clients' keywords next to sampling and FLy options; `FormatOptions`' fields among them."""
+
+
+def option_names(options: Mapping[str, Any]) -> None:
+    """TypeError naming the keywords of `options` that are no structure option (the clients' and adapters' check)."""
+    if unknown := set(options) - set(STRUCTURE_OPTIONS):
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; accepted: {', '.join(STRUCTURE_OPTIONS)}")
+
+
+def structure_options(model: BaseModel) -> dict[str, Any]:
+    """The structure options that `model` (a wire request, an HTTP body) declares, by name, as it holds them."""
+    return {name: getattr(model, name) for name in STRUCTURE_OPTIONS if name in type(model).model_fields}
+
+
+class Structure(StructureOptions):
+    """What constrains one request's output (what the engine compiles): the structure options, checked together."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "Structure":
@@ -132,8 +164,7 @@ class Structure(_Strict):
         choice = self.tool_choice
         if choice not in (None, "auto", "none") and not names:
             raise ValueError("tool_choice needs tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names the unknown tool {choice.function.name!r} (offered: {names})")
+        _check_offered(choice, names)
         if self.calls_tools and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("give either tools (with tool_choice other than 'none') or a response_format, not both")
         return self
@@ -147,6 +178,12 @@ class Structure(_Strict):
     def is_free(self) -> bool:
         """Nothing constrains the output."""
         return not self.tools and (self.response_format is None or self.response_format.type == "text")
+
+
+def _check_offered(choice: ToolChoice | None, names: list[str]) -> None:
+    """ValueError unless a choice naming a function names one of the offered tools."""
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise ValueError(f"tool_choice names the unknown tool {choice.function.name!r} (offered: {names})")
 
 
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
@@ -180,6 +217,20 @@ def closed_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def closed_tool(spec: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI-style tool dict whose parameters are closed (`closed_schema`); any other shape as it is."""
+    function = spec.get("function")
+    if isinstance(function, dict) and isinstance(function.get("parameters"), dict):
+        return {**spec, "function": {**function, "parameters": closed_schema(function["parameters"])}}
+    return spec
+
+
+def schema_format(schema: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    """The json_schema response format of a JSON Schema, its objects closed (`closed_schema`), named if `name`."""
+    fmt = {"type": "json_schema", "schema": closed_schema(schema)}
+    return fmt if name is None else {**fmt, "name": name}
+
+
 def tool_choice_for(choice: Any, names: list[str]) -> str | dict | None:
     """A framework's tool_choice in the wire form: "auto", "none", "required" or a named function.
 
@@ -201,26 +252,32 @@ def tool_choice_for(choice: Any, names: list[str]) -> str | dict | None:
                      f"of an offered tool ({', '.join(names) or 'none offered'})")
 
 
-def check_tools(tools: list[dict], tool_choice: str | dict | None = None) -> None:
-    """Validate OpenAI-style tools and a tool_choice as the daemon will; a ValueError names the tool and why.
+def offer_tools(tools: list[dict], choice: Any = None) -> dict[str, Any]:
+    """The `tools` and `tool_choice` options for a framework's tool list and its choice (`tool_choice_for`),
+    checked as the daemon will; a ValueError names the tool or the choice and why.
 
     Catches bad names and shapes and a choice naming no offered tool before anything is sent.
     Duplicate names are refused when a request is built (frameworks bind lists they never send),
     and whether a schema compiles to a grammar only the daemon knows (its BAD_REQUEST names the tool).
     """
-    for i, tool in enumerate(tools):
-        try:
-            ToolSpec.model_validate(tool)
-        except ValidationError as exc:
-            name = (tool.get("function") or {}).get("name") if isinstance(tool, dict) else None
-            raise ValueError(f"tool {name or f'#{i}'!r}: {_reason(exc)}") from None
+    if not isinstance(tools, list):
+        raise ValueError(f"tools must be a list of tools, not {type(tools).__name__}")
+    names = [_tool(i, tool).function.name for i, tool in enumerate(tools)]
+    wire = tool_choice_for(choice, names)
     try:
-        choice = _TOOL_CHOICE.validate_python(tool_choice)
+        _check_offered(_TOOL_CHOICE.validate_python(wire), names)
     except ValidationError as exc:
-        raise ValueError(f"tool_choice {tool_choice!r}: {_reason(exc)}") from None
-    names = [t["function"]["name"] for t in tools]
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise ValueError(f"tool_choice names the unknown tool {choice.function.name!r} (offered: {names})")
+        raise ValueError(f"tool_choice {wire!r}: {_reason(exc)}") from None
+    return {"tools": tools} if wire is None else {"tools": tools, "tool_choice": wire}
+
+
+def _tool(i: int, tool: Any) -> ToolSpec:
+    """The i-th offered tool validated; ValueError naming it."""
+    try:
+        return ToolSpec.model_validate(tool)
+    except ValidationError as exc:
+        name = (tool.get("function") or {}).get("name") if isinstance(tool, dict) else None
+        raise ValueError(f"tool {name or f'#{i}'!r}: {_reason(exc)}") from None
 
 
 def _reason(exc: ValidationError) -> str:

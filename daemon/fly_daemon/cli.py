@@ -26,6 +26,7 @@ from fly_llm.client import FLyClient, build_options, default_endpoint
 from fly_llm.config import QUANTIZATIONS, FLyConfig, ModelSpec
 from fly_llm.errors import BadRequest, FLyError, FLyUnavailable
 from fly_llm.protocol import GenerateResult
+from fly_llm.tools import offer_tools
 
 from fly_daemon.runtime import AlreadyRunning, check_endpoint, daemon_files, open_private, running_pid
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
@@ -344,17 +345,18 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _structure(args: argparse.Namespace) -> dict:
-    """tools / tool_choice / response_format from the generate flags (BadRequest for an unreadable file)."""
+    """tools / tool_choice / response_format from the generate flags (BadRequest for an unreadable file, a bad
+    tool or a tool_choice naming no tool in it)."""
     structure: dict = {}
     if args.json_schema is not None:
         structure["response_format"] = {"type": "json_schema", "schema": _read_json(args.json_schema)}
     elif args.json:
         structure["response_format"] = {"type": "json_object"}
     if args.tools is not None:
-        structure["tools"] = _read_json(args.tools)
-        choice = args.tool_choice or "auto"
-        structure["tool_choice"] = choice if choice in ("auto", "none", "required") else {
-            "type": "function", "function": {"name": choice}}
+        try:
+            structure.update(offer_tools(_read_json(args.tools), args.tool_choice or "auto"))
+        except ValueError as exc:
+            raise BadRequest(f"{args.tools}: {exc}") from None
     return structure
 
 

@@ -4,8 +4,9 @@ Requests are pydantic models of the fields we serve; unknown fields are errors (
 OpenAI feature we do not have, is answered 400 with the field named, never ignored). Each request
 becomes one `fly_llm.protocol.GenerateRequest` (`to_generate`), so its options are validated by the
 same models, with the same size caps and error codes, as on the ZeroMQ socket. A field the wire
-protocol gains is one more field here, passed on in `to_generate` (tools, tool_choice and
-response_format are).
+protocol gains is one more field here, passed on in `to_generate`; the structure options (tools,
+tool_choice, response_format, ...) are declared once, in `fly_llm.tools.StructureOptions`, and come
+with it: chat completions take them all, completions those of `FormatOptions`.
 
 Responses are built as plain dicts in OpenAI's shape, with `usage` and, as an extra field,
 `fly_stats` (the request's speculation counters: MAT, loose accepts, …).
@@ -25,7 +26,7 @@ from fly_llm.client.core import build_options, checked
 from fly_llm.errors import FLyError
 from fly_llm.protocol import GenerateRequest, GenerateResult, MessageToolCall, Usage
 from fly_llm.stats import FinishReason
-from fly_llm.tools import ResponseFormat, ToolCall, ToolChoice, ToolSpec
+from fly_llm.tools import FormatOptions, StructureOptions, ToolCall, structure_options
 
 
 class _Strict(BaseModel):
@@ -90,7 +91,6 @@ class GenerationBody(_Strict, ABC):
     window: int | None = Field(None, description="FLy: deferred window W.")
     entropy_threshold: float | None = Field(None, description="FLy: entropy gate θ in nats.")
     loose: bool | None = Field(None, description="FLy: loose acceptance (false = exact, lossless SPD).")
-    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _one_max_tokens(self) -> "GenerationBody":
@@ -116,7 +116,7 @@ class GenerationBody(_Strict, ABC):
             k=self.k, window=self.window, entropy_threshold=self.entropy_threshold, loose=self.loose)
         with checked():
             return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream,
-                                   response_format=self.response_format, **self._source())
+                                   **structure_options(self), **self._source())
 
     @abstractmethod
     def _source(self) -> dict[str, Any]:
@@ -174,7 +174,7 @@ def openai_tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]
     return shaped if index is None else {"index": index, **shaped}
 
 
-class ChatCompletionRequest(GenerationBody):
+class ChatCompletionRequest(GenerationBody, StructureOptions):
     """POST /v1/chat/completions: the messages go through the target's chat template."""
 
     object_name = "chat.completion"
@@ -183,13 +183,9 @@ class ChatCompletionRequest(GenerationBody):
     opens_with_role = True
 
     messages: list[Message] = Field(min_length=1)
-    tools: list[ToolSpec] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, description="False: at most one tool call.")
 
     def _source(self) -> dict[str, Any]:
-        return {"messages": [m.to_protocol() for m in self.messages], "tools": self.tools,
-                "tool_choice": self.tool_choice, "parallel_tool_calls": self.parallel_tool_calls}
+        return {"messages": [m.to_protocol() for m in self.messages]}
 
     def _choice(self, result: GenerateResult) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
@@ -211,7 +207,7 @@ class ChatCompletionRequest(GenerationBody):
         return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
 
 
-class CompletionRequest(GenerationBody):
+class CompletionRequest(GenerationBody, FormatOptions):
     """POST /v1/completions: the model continues the prompt text (one prompt; a list of exactly one is accepted)."""
 
     object_name = chunk_object_name = "text_completion"

@@ -14,7 +14,7 @@ This package is the client API: adapters import from here only.
 """
 
 from fly_llm.client.aio import AsyncFLyClient
-from fly_llm.client.core import Messages, Tools, build_options
+from fly_llm.client.core import Messages, Tools, build_options, call_options
 from fly_llm.client.sync import FLyClient
 from fly_llm.config import FLyOverrides, SamplingParams
 from fly_llm.endpoints import default_endpoint, runtime_dir
@@ -23,4 +23,4 @@ from fly_llm.tools import ResponseFormat, ToolCall, ToolChoice, ToolSpec, split_
 
 __all__ = ["AsyncFLyClient", "ChatMessage", "FLyClient", "FLyOverrides", "GenerateResult", "InfoReply", "Messages",
            "ResponseFormat", "SamplingParams", "TokenChunk", "ToolCall", "ToolChoice", "ToolSpec", "Tools",
-           "build_options", "default_endpoint", "runtime_dir", "split_tool_calls"]
+           "build_options", "call_options", "default_endpoint", "runtime_dir", "split_tool_calls"]

@@ -22,7 +22,7 @@ from fly_llm.protocol import (
     ChatMessage, ErrorReply, GenerateRequest, GenerateResult, TokenChunk, TokenizeRequest, decode_reply,
     invalid,
 )
-from fly_llm.tools import ToolSpec
+from fly_llm.tools import STRUCTURE_OPTIONS, ToolSpec, option_names
 
 POLL_S = 0.1
 """Longest single wait for a frame, so deadlines and liveness are checked often."""
@@ -50,6 +50,22 @@ def build_options(**options: Any) -> tuple[SamplingParams, FLyOverrides]:
                 FLyOverrides(**{n: v for n, v in given.items() if n in FLyOverrides.model_fields}))
 
 
+def call_options(fields: object, call: dict[str, Any]) -> dict[str, Any]:
+    """An adapter call's client keywords: `sampling`, `fly`, `timeout` and the structure options that are set.
+
+    Each option is the call's value where the call gives one, else the adapter's field of that name
+    (None, or no such field: the daemon's default); an unknown keyword is a TypeError.
+    """
+    def value(name: str) -> Any:
+        return call[name] if name in call else getattr(fields, name, None)
+
+    rest = {name: v for name, v in call.items() if name not in ("timeout", *STRUCTURE_OPTIONS)}
+    sampling, fly = build_options(**{**{name: getattr(fields, name) for name in REQUEST_OPTIONS}, **rest})
+    structure = {name: value(name) for name in STRUCTURE_OPTIONS}
+    return {"sampling": sampling, "fly": fly, "timeout": value("timeout"),
+            **{name: v for name, v in structure.items() if v is not None}}
+
+
 @contextmanager
 def checked() -> Iterator[None]:
     """Turn pydantic's ValidationError into BadRequest (TooLong for a size cap), as the daemon does."""
@@ -75,8 +91,10 @@ def generate_request(prompt: str | None, messages: Messages | None, sampling: Sa
                      **structure: Any) -> GenerateRequest:
     """A GenerateRequest for a prompt (completion) or chat messages; BadRequest if it is not valid.
 
-    `structure`: tools, tool_choice and response_format, as GenerateRequest takes them (None: unset).
+    `structure`: the structure options (`fly_llm.tools.StructureOptions`: tools, tool_choice, ...) as
+    GenerateRequest takes them, None leaving one unset; another keyword is a TypeError.
     """
+    option_names(structure)
     with checked():
         return GenerateRequest(id=new_id(), prompt=prompt, messages=_chat(messages), sampling=sampling or SamplingParams(),
                                fly=fly or FLyOverrides(), stream=stream, timeout_s=min(timeout, MAX_TIMEOUT_S),

@@ -19,7 +19,6 @@ from fly_llm.protocol import (
     GenerateResult, HealthReply, HealthRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenChunk,
     TokenizeReply,
 )
-from fly_llm.tools import ResponseFormat, ToolChoice
 
 
 class _Connection(Connection):
@@ -52,45 +51,38 @@ class FLyClient(ClientBase):
         self._connections: list[_Connection] = []
 
     def generate(self, prompt: str, sampling: SamplingParams | None = None, fly: FLyOverrides | None = None,
-                 timeout: float | None = None, *, response_format: ResponseFormat | dict | None = None) -> GenerateResult:
-        """Generate a completion for `prompt` (its output constrained by `response_format`, if given)."""
-        return self.batch([prompt], sampling, fly, timeout, response_format=response_format)[0]
+                 timeout: float | None = None, **structure: Any) -> GenerateResult:
+        """Generate a completion for `prompt`; `structure`: the structure options (e.g. `response_format`)."""
+        return self.batch([prompt], sampling, fly, timeout, **structure)[0]
 
     def chat(self, messages: Messages, sampling: SamplingParams | None = None, fly: FLyOverrides | None = None,
-             timeout: float | None = None, *, tools: Tools | None = None, tool_choice: ToolChoice | dict | None = None,
-             parallel_tool_calls: bool | None = None,
-             response_format: ResponseFormat | dict | None = None) -> GenerateResult:
+             timeout: float | None = None, **structure: Any) -> GenerateResult:
         """Answer chat `messages` (rendered with the target's chat template on the daemon).
 
-        With `tools` the model may call them (`tool_choice`: "auto", "none", "required" or one
-        named function; `parallel_tool_calls=False`: at most one call); the result's `tool_calls`
-        lists the calls. `response_format` constrains the answer to JSON (a schema, or any object) or a regex.
+        `structure`: the structure options, keywords named as `fly_llm.tools.StructureOptions`' fields
+        (another keyword is a TypeError). With `tools` the model may call them (`tool_choice`: "auto",
+        "none", "required" or one named function; `parallel_tool_calls=False`: at most one call); the
+        result's `tool_calls` lists the calls. `response_format` constrains the answer to JSON (a
+        schema, or any object) or a regex.
         """
-        return self.batch([messages], sampling, fly, timeout, tools=tools, tool_choice=tool_choice,
-                          parallel_tool_calls=parallel_tool_calls, response_format=response_format)[0]
+        return self.batch([messages], sampling, fly, timeout, **structure)[0]
 
     def stream(self, prompt: str | None = None, *, messages: Messages | None = None,
                sampling: SamplingParams | None = None, fly: FLyOverrides | None = None,
-               timeout: float | None = None, tools: Tools | None = None, tool_choice: ToolChoice | dict | None = None,
-               parallel_tool_calls: bool | None = None,
-               response_format: ResponseFormat | dict | None = None) -> Iterator[TokenChunk | GenerateResult]:
+               timeout: float | None = None, **structure: Any) -> Iterator[TokenChunk | GenerateResult]:
         """Yield TokenChunks as text (and whole tool calls) are generated, then the final GenerateResult.
 
-        Closing the iterator early cancels the request on the daemon.
+        `structure` as for `chat`. Closing the iterator early cancels the request on the daemon.
         """
-        request = self._request(prompt, messages, sampling, fly, timeout, stream=True, tools=tools,
-                                tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
-                                response_format=response_format)
+        request = self._request(prompt, messages, sampling, fly, timeout, stream=True, **structure)
         with self._open([request]) as (conn, (replies,)):
             yield from self._replies(conn, replies)
 
     def batch(self, prompts: list[str] | list[Messages], sampling: SamplingParams | None = None,
-              fly: FLyOverrides | None = None, timeout: float | None = None, *, tools: Tools | None = None,
-              tool_choice: ToolChoice | dict | None = None, parallel_tool_calls: bool | None = None,
-              response_format: ResponseFormat | dict | None = None) -> list[GenerateResult]:
-        """Generate for many prompts (strings or message lists), all sent at once and batched by the daemon."""
-        requests = self._batch(prompts, sampling, fly, timeout, tools=tools, tool_choice=tool_choice,
-                               parallel_tool_calls=parallel_tool_calls, response_format=response_format)
+              fly: FLyOverrides | None = None, timeout: float | None = None, **structure: Any) -> list[GenerateResult]:
+        """Generate for many prompts (strings or message lists), all sent at once and batched by the daemon;
+        `structure` as for `chat`, the same for every prompt."""
+        requests = self._batch(prompts, sampling, fly, timeout, **structure)
         with self._open(requests) as (conn, routes):
             return [result_of(self._replies(conn, replies)) for replies in routes]
 

@@ -12,10 +12,9 @@ from langchain_core.language_models import LangSmithParams
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from pydantic import BaseModel, Field
 
-from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
+from fly_llm.client import AsyncFLyClient, FLyClient, call_options, default_endpoint
 from fly_llm.config import REQUEST_OPTIONS
 from fly_llm.protocol import GenerateResult
-from fly_llm.tools import STRUCTURE_OPTIONS
 
 
 class FLyBase(BaseModel):
@@ -95,22 +94,18 @@ class FLyBase(BaseModel):
         return self._client.tokenize(text).count
 
     def _request_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The client's keyword arguments for one call: sampling, fly, timeout and whichever of tools,
-        tool_choice and response_format are set. The call's options (and `stop`) replace the fields."""
+        """The client's keyword arguments for one call (`call_options`): the call's options (and `stop`)
+        replace the fields."""
         requested = kwargs.get("model")
         if requested is not None and requested != self.model:
             raise ValueError(
                 f"{type(self).__name__} cannot switch models per call: the daemon at {self.endpoint} serves "
                 f"one model pair. Start a daemon with `fly-daemon start --target {requested}` and point "
                 f"`endpoint` at it.")
-        call = {name: value for name, value in kwargs.items()
-                if name not in ("model", "stream", "timeout", *STRUCTURE_OPTIONS)}
+        call = {name: value for name, value in kwargs.items() if name not in ("model", "stream")}
         if stop is not None:
             call["stop"] = stop  # a call's stop replaces the instance's, like every other option
-        sampling, fly = build_options(**{**{name: getattr(self, name) for name in REQUEST_OPTIONS}, **call})
-        structure = {name: kwargs.get(name, getattr(self, name, None)) for name in STRUCTURE_OPTIONS}
-        return {"sampling": sampling, "fly": fly, "timeout": kwargs.get("timeout", self.timeout),
-                **{name: value for name, value in structure.items() if value is not None}}
+        return call_options(self, call)
 
     def _model_name(self, result: GenerateResult) -> str:
         return result.model or self.model or "fly"

@@ -14,7 +14,7 @@ from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
 
 from fly_llm.protocol import GenerateResult, TokenChunk
-from fly_llm.tools import check_tools, tool_choice_for
+from fly_llm.tools import offer_tools
 from langchain_fly._base import FLyBase, usage_metadata
 from langchain_fly._messages import ai_message, message_chunk, to_wire
 from langchain_fly._tools import openai_tool
@@ -70,14 +70,10 @@ class ChatFLy(FLyBase, BaseChatModel):
         name or a choice naming no offered tool raises ValueError naming it, here; duplicate names
         are refused when a call is made (BadRequest), before anything is sent.
         """
-        formatted = [openai_tool(t, strict) for t in tools]
-        choice = tool_choice_for(tool_choice, [t["function"]["name"] for t in formatted])
-        check_tools(formatted, choice)
-        if choice is not None:
-            kwargs["tool_choice"] = choice
+        options = offer_tools([openai_tool(t, strict) for t in tools], tool_choice)
         if parallel_tool_calls is not None:
-            kwargs["parallel_tool_calls"] = parallel_tool_calls
-        return self.bind(tools=formatted, **kwargs)
+            options["parallel_tool_calls"] = parallel_tool_calls
+        return self.bind(**options, **kwargs)
 
     def with_structured_output(self, schema: dict[str, Any] | type | None, *, method: Method = "json_schema",
                                include_raw: bool = False, strict: bool | None = None) -> Runnable[LanguageModelInput, Any]:

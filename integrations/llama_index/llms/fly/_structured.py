@@ -8,13 +8,12 @@ from llama_index.core.base.llms.types import ChatResponse
 from llama_index.core.bridge.pydantic import BaseModel, ValidationError
 from llama_index.core.program.utils import process_streaming_objects
 
-from fly_llm.tools import closed_schema
+from fly_llm.tools import schema_format
 
 
 def response_format_for(output_cls: Type[BaseModel]) -> dict[str, Any]:
-    """The json_schema response format of a pydantic class (objects closed: `closed_schema`)."""
-    return {"type": "json_schema", "schema": closed_schema(output_cls.model_json_schema()),
-            "name": output_cls.__name__}
+    """The json_schema response format of a pydantic class (objects closed: `schema_format`)."""
+    return schema_format(output_cls.model_json_schema(), output_cls.__name__)
 
 
 def parse_structured(output_cls: Type[BaseModel], response: ChatResponse) -> BaseModel:

@@ -1,7 +1,7 @@
 """FLyLLM: the fly-llm daemon as a LlamaIndex LLM (shaped like llama-index-llms-ollama).
 
-Every call goes through `fly_llm.client`; request options are built by
-`fly_llm.client.build_options`, the same function the LangChain adapter uses. Responses carry the
+Every call goes through `fly_llm.client`; request options are merged by
+`fly_llm.client.call_options`, the same function the LangChain adapter uses. Responses carry the
 daemon's `GenerateResult` as `raw` (a dict with `usage.prompt_tokens` / `usage.completion_tokens`),
 which is what LlamaIndex's `TokenCountingHandler` reads.
 
@@ -32,10 +32,9 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.tools.types import BaseTool
 from llama_index.core.types import PydanticProgramMode
 
-from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint
-from fly_llm.config import REQUEST_OPTIONS
+from fly_llm.client import AsyncFLyClient, FLyClient, call_options, default_endpoint
 from fly_llm.protocol import GenerateResult, InfoReply, TokenChunk, ToolCall
-from fly_llm.tools import STRUCTURE_OPTIONS, check_tools, closed_schema, tool_choice_for
+from fly_llm.tools import closed_tool, offer_tools
 from llama_index.llms.fly._messages import answer, to_wire, tool_selections
 from llama_index.llms.fly._structured import parse_partial, parse_structured, response_format_for
 
@@ -137,13 +136,8 @@ class FLyLLM(FunctionCallingLLM):
         return payload
 
     def _request(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The client's keywords for one call: sampling, FLy options, timeout and whichever of tools,
-        tool_choice and response_format are set; the fields, overridden by the call's keywords."""
-        call = {name: value for name, value in kwargs.items() if name not in ("timeout", *STRUCTURE_OPTIONS)}
-        sampling, fly = build_options(**{**{name: getattr(self, name) for name in REQUEST_OPTIONS}, **call})
-        structure = {name: kwargs.get(name, getattr(self, name, None)) for name in STRUCTURE_OPTIONS}
-        return {"sampling": sampling, "fly": fly, "timeout": kwargs.get("timeout", self.timeout),
-                **{name: value for name, value in structure.items() if value is not None}}
+        """The client's keywords for one call (`call_options`): the fields, overridden by the call's keywords."""
+        return call_options(self, kwargs)
 
     def _prompt(self, prompt: str, formatted: bool) -> str:
         return prompt if formatted else self.completion_to_prompt(prompt)
@@ -207,16 +201,15 @@ class FLyLLM(FunctionCallingLLM):
         tool's name or an OpenAI dict) takes precedence; unless `allow_parallel_tool_calls`, the
         grammar allows at most one call. A bad tool or choice is a ValueError naming it.
         """
-        specs = [_openai_tool(t) for t in tools]
-        choice = tool_choice_for(tool_choice if tool_choice is not None else ("required" if tool_required else None),
-                                 [s["function"]["name"] for s in specs])
-        check_tools(specs, choice)
+        specs = [closed_tool(t.metadata.to_openai_tool()) for t in tools]
+        choice = tool_choice if tool_choice is not None else ("required" if tool_required else None)
+        options = offer_tools(specs, choice)  # checked even when no tool is offered
+        if not allow_parallel_tool_calls:
+            options["parallel_tool_calls"] = False
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(ChatMessage(role="user", content=user_msg) if isinstance(user_msg, str) else user_msg)
-        structure = {"tools": specs or None, "tool_choice": choice if specs else None,
-                     "parallel_tool_calls": None if allow_parallel_tool_calls or not specs else False}
-        return {"messages": messages, **{k: v for k, v in structure.items() if v is not None}, **kwargs}
+        return {"messages": messages, **(options if specs else {}), **kwargs}
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
                                      **kwargs: Any) -> list[ToolSelection]:
@@ -263,13 +256,6 @@ class FLyLLM(FunctionCallingLLM):
             return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
         messages = self._get_messages(prompt, **prompt_args)
         return _apartials(output_cls, await self.astream_chat(messages, **_structured(output_cls, llm_kwargs)))
-
-
-def _openai_tool(tool: BaseTool) -> dict[str, Any]:
-    """A LlamaIndex tool in OpenAI's shape, its parameter objects closed (`closed_schema`)."""
-    spec = tool.metadata.to_openai_tool()
-    function = spec["function"]
-    return {**spec, "function": {**function, "parameters": closed_schema(function["parameters"])}}
 
 
 def _structured(output_cls: Type[BaseModel], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:

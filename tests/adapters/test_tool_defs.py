@@ -10,27 +10,13 @@ are short (max_length) and lists bounded: a free-length string from random weigh
 import jsonschema
 import pytest
 from llama_index.core.tools import FunctionTool
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from langchain_fly import ChatFLy
 from llama_index.llms.fly import FLyLLM
+from support.nested_models import Person
 
 ASK = "Save Ann, who lives in Rome."
-
-
-class Address(BaseModel):
-    """Where someone lives."""
-
-    street: str = Field(max_length=8)
-    city: str = Field(max_length=8)
-
-
-class Person(BaseModel):
-    """Someone to save, with where they live and at most one friend."""
-
-    name: str = Field(max_length=8)
-    address: Address
-    friends: list["Person"] = Field(default=[], max_length=1)
 
 
 def save(person: Person) -> str:

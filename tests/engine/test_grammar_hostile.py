@@ -21,7 +21,6 @@ import jsonschema
 import openai
 import pytest
 import torch
-from pydantic import BaseModel, Field
 
 from benchmarks.grammar_compile_bench import agent_tools
 
@@ -32,6 +31,7 @@ from fly_llm.decoding.grammar_sandbox import GrammarSandbox
 from fly_llm.decoding.schema_limits import SchemaCaps, check_schema, hoist_defs
 from fly_llm.errors import BadRequest
 from fly_llm.tools import Structure, split_tool_calls
+from support.nested_models import Person
 from support.tiny_models import make_pair, make_tokenizer
 
 torch.set_num_threads(1)
@@ -222,17 +222,6 @@ def test_a_grammar_that_fails_mid_output_ends_only_its_request_with_an_error(pai
 
 
 # -- finding 4: $defs / $ref in tool parameters -------------------------------------------------------------
-
-class Address(BaseModel):
-    street: str = Field(max_length=8)
-    city: str = Field(max_length=8)
-
-
-class Person(BaseModel):
-    name: str = Field(max_length=8)
-    address: Address
-    friends: list[Person] = Field(default=[], max_length=1)
-
 
 def check_call(eng: FLyEngine, tools: list[dict], name: str) -> None:
     """Force a call of `name`; its arguments validate against the tool's original parameters."""

@@ -10,22 +10,11 @@ import json
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel, Field
 
+from support.nested_models import Person
 from support.daemon_process import free_port, start_daemon
 
 ASK = [{"role": "user", "content": "Save Ann, who lives in Rome."}]
-
-
-class Address(BaseModel):
-    street: str = Field(max_length=8)
-    city: str = Field(max_length=8)
-
-
-class Person(BaseModel):
-    name: str = Field(max_length=8)
-    address: Address
-    friends: list[Person] = Field(default=[], max_length=1)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ has run n tokens is taken to run about n more:
     speed over L = L / (draft_prefill · draft_behind + L / speed of the round)
 
 A cold draft cache behind a long prompt (a RAG question over retrieved passages: ~1,500 tokens of
-draft prefill, worth ~50 target forwards on the embedded pair) is then never caught up for a short
+draft prefill, worth ~70 target forwards on the embedded pair) is then never caught up for a short
 answer, while a warm one (behind by a token or two) is valued as before.
 
 Rounds are never timed: the costs are fixed (the defaults, or `Costs.measure` once at start-up),
@@ -72,13 +72,14 @@ class Costs:
     """Relative costs, in units of one target forward over one token.
 
     Defaults measured on CPU with a 1.5B target / 0.5B draft in bf16: a target forward over 16
-    tokens costs ≈ 1.1× one token; a draft-model forward ≈ 1/2.4 of a target forward; the draft
-    prefills a token of its backlog for ≈ 1/30 of a target forward (int8 pair, 2 AVX-512 cores).
+    tokens costs ≈ 1.1× one token; a draft-model forward ≈ 1/2.4 of a target forward. The draft
+    prefills a token of its backlog for ≈ 1/20 of a target forward (measured 0.043–0.055 with the
+    embedded pair in int8 on 2 AVX-512 threads).
     """
 
     target_token: float = 0.007
     draft_step: float = 0.42
-    draft_prefill: float = 0.033  # per token the draft cache lacks (a catch-up forward over many tokens)
+    draft_prefill: float = 0.05  # per token the draft cache lacks (a catch-up forward over many tokens)
 
     @classmethod
     def measure(cls, target, draft=None, context: int = 64, repeats: int = 5) -> "Costs":

@@ -216,7 +216,7 @@ def test_a_warm_draft_or_a_long_answer_still_runs_the_draft_model():
     warm = _probe_rounds(policy, PolicyState(), budget=40, draft_behind=0)  # e.g. from the prefix cache
     assert warm[-1].model and len(warm) == 1  # probed at once, as before
     short_prompt = _probe_rounds(policy, PolicyState(), budget=40, draft_behind=30)
-    assert short_prompt[-1].model and len(short_prompt) < 10  # a small catch-up pays soon
+    assert short_prompt[-1].model and len(short_prompt) < 16  # a small catch-up pays soon
     long_answer = _probe_rounds(policy, PolicyState(), budget=2000, draft_behind=1500)
     assert long_answer[-1].model  # once the request has run long enough to be expected to run on
     assert 100 < len(long_answer) < 2000

@@ -1,11 +1,10 @@
 """The W4A8 kernel against torch's int8 and bfloat16 on the embedded pair: all Linear layers of one
 forward at M = 1, 2, 4, 8, 16 rows, and whole forwards over w new tokens after a cached prompt
-(docs/models.md). One scheme per run (each loads the pair anew), so a run stays short; the report
-is assembled from every scheme measured so far in --out:
+(docs/models.md). The schemes of one run are loaded one after another in the same process (compare
+those side by side); the report is assembled from every run in --out:
 
-    python benchmarks/kernel_bench.py --scheme w4a8 --out benchmarks/results/kernel
-    python benchmarks/kernel_bench.py --scheme int8 --out benchmarks/results/kernel
-    python benchmarks/kernel_bench.py --scheme none --out benchmarks/results/kernel
+    python benchmarks/kernel_bench.py --schemes w4a8 int8 --out benchmarks/results/kernel
+    python benchmarks/kernel_bench.py --schemes none --out benchmarks/results/kernel
 
 `w4a8` is timed on its best instruction set and again with the AVX2 path forced (same weights).
 Linear layers are timed in model order over distinct weights, so they stream from memory as in a
@@ -79,8 +78,8 @@ def variants(scheme: str) -> list[tuple[str, str | None]]:
 
 
 def report(out: Path) -> str:
-    """Markdown tables of every scheme's results in `out`."""
-    runs = [json.loads(p.read_text()) for p in sorted(out.glob("scheme-*.json"))]
+    """Markdown tables of every run's results in `out`."""
+    runs = [json.loads(p.read_text()) for p in sorted(out.glob("run-*.json"), reverse=True)]
     lines = ["# W4A8 kernel vs torch int8 and bf16 on the embedded pair\n"]
     for run in runs:
         lines.append(f"- `{run['command']}`: {run['cpu']}, {run['threads']} threads, torch {run['torch']}, "
@@ -101,7 +100,7 @@ def report(out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scheme", required=True, choices=["w4a8", "int8", "none"])
+    p.add_argument("--schemes", nargs="+", required=True, choices=["w4a8", "int8", "none"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=300, help="cached prompt tokens before a timed forward")
     p.add_argument("--reps", type=int, default=5)
@@ -109,24 +108,27 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     target_dir, draft_dir = ensure_default_pair(progress=False)
-    loaded = load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), dtype="auto",
-                                   target_quantization=args.scheme, draft_quantization=args.scheme), progress=False)
-    if (loaded.target_quantization, loaded.draft_quantization) != (args.scheme, args.scheme):
-        raise SystemExit(f"asked for {args.scheme}, loaded {loaded.target_quantization}/{loaded.draft_quantization}")
     results = {}
-    for label, isa in variants(args.scheme):
+    for scheme in args.schemes:
+        loaded = load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), dtype="auto",
+                                       target_quantization=scheme, draft_quantization=scheme), progress=False)
+        if (loaded.target_quantization, loaded.draft_quantization) != (scheme, scheme):
+            raise SystemExit(f"asked for {scheme}, loaded {loaded.target_quantization}/{loaded.draft_quantization}")
+        for label, isa in variants(scheme):
+            os.environ.pop(w4a8.ISA_ENV, None)
+            if isa:
+                os.environ[w4a8.ISA_ENV] = isa
+            results[label] = {role: measure(model, args.context, args.reps)
+                              for role, model in (("target", loaded.target), ("draft", loaded.draft))}
+            print(label, json.dumps(results[label]), flush=True)
         os.environ.pop(w4a8.ISA_ENV, None)
-        if isa:
-            os.environ[w4a8.ISA_ENV] = isa
-        results[label] = {role: measure(model, args.context, args.reps)
-                          for role, model in (("target", loaded.target), ("draft", loaded.draft))}
-        print(label, json.dumps(results[label]), flush=True)
-    os.environ.pop(w4a8.ISA_ENV, None)
+        dtype = str(loaded.dtype)
+        del loaded
     run = {"command": shlex.join(["python", "benchmarks/kernel_bench.py", *(argv or sys.argv[1:])]),
            "cpu": cpu_name(), "platform": platform.platform(), "threads": args.threads, "torch": torch.__version__,
-           "dtype": str(loaded.dtype), "context": args.context, "reps": args.reps, "results": results}
+           "dtype": dtype, "context": args.context, "reps": args.reps, "results": results}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"scheme-{args.scheme}.json").write_text(json.dumps(run, indent=1) + "\n", encoding="utf-8")
+    (args.out / f"run-{'-'.join(args.schemes)}.json").write_text(json.dumps(run, indent=1) + "\n", encoding="utf-8")
     md = report(args.out)
     (args.out / "results.md").write_text(md, encoding="utf-8")
     print(md)

@@ -130,8 +130,10 @@ class W4A8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        out = w4a8.linear(rows, self.packed, self.bias)
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype not in (torch.float32, torch.bfloat16):
+            rows = rows.float()
+        out = w4a8.linear(rows.contiguous(), self.packed, self.bias)  # in the input's dtype
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:

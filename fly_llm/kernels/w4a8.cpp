@@ -1,7 +1,8 @@
 // W4A8 linear for x86 CPUs: 4-bit weights, int8 activations, integer dot products.
 //
-// Weights (packed by fly_llm/kernels/w4a8.py): output columns in groups of 16, input features in
-// blocks of 32. Weight w = d * q - m per (column, block), q in 0..15, d and m float16.
+// Input float32 or bfloat16, output in the same dtype. Weights (packed by fly_llm/kernels/w4a8.py):
+// output columns in groups of 16, input features in blocks of 32. Weight w = d * q - m per (column,
+// block), q in 0..15, d and m float16.
 //   q: uint8 [groups, blocks, 4, 64]: chunk c holds k = 8c..8c+7 of the block; byte 4*col + j has
 //      k = 8c + j in its low nibble and k = 8c + 4 + j in its high nibble (col 0..15, j 0..3).
 //   d, m: float16 [groups, blocks, 16].
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -175,28 +177,85 @@ int32_t quantize_block(const float* x, int8_t* q, float* scale) {
   return _mm_cvtsi128_si32(t);
 }
 
+// 32 bfloat16 values as float32 (exact: a bfloat16 is the upper half of a float32).
+__attribute__((target("avx2")))
+void widen_block(const at::BFloat16* x, float* out) {
+  for (int i = 0; i < kBlock; i += 8) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)));
+  }
+}
+
 // Per row and block of 32: int8 values, the scale, and scale * their sum (threads split rows).
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* s, float* ms) {
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* s, float* ms) {
   const int64_t blocks = k / kBlock;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float wide[kBlock];
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t i = r * blocks + b;
-        const int32_t total = quantize_block(x + r * k + b * kBlock, q + r * k + b * kBlock, s + i);
+        const T* in = x + r * k + b * kBlock;
+        const float* block = nullptr;
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          widen_block(in, wide);
+          block = wide;
+        } else {
+          block = in;
+        }
+        const int32_t total = quantize_block(block, q + r * k + b * kBlock, s + i);
         ms[i] = s[i] * static_cast<float>(total);
       }
     }
   });
 }
 
+// Quantize the rows of x, then out = x W^T (+ bias) in the panels and groups described above.
+template <typename T>
+void run(const T* x, T* out, const Weights& w, int64_t rows, int64_t n, const float* bias, int64_t isa) {
+  const int64_t k = w.blocks * kBlock, groups = (n + kCols - 1) / kCols;
+  auto q = torch::empty({rows, k}, torch::kInt8);
+  auto s = torch::empty({rows, w.blocks}, torch::kFloat32);
+  auto ms = torch::empty({rows, w.blocks}, torch::kFloat32);
+  quantize_rows(x, rows, k, q.data_ptr<int8_t>(), s.data_ptr<float>(), ms.data_ptr<float>());
+  const Activations act{q.data_ptr<int8_t>(), s.data_ptr<float>(), ms.data_ptr<float>(), k, w.blocks};
+  const Tile* tiles = isa == kAvx512Vnni ? kVnniTiles : kAvx2Tiles;
+  const int tile_rows = isa == kAvx512Vnni ? kVnniRows : kAvx2Rows;
+
+  for (int64_t panel = 0; panel < rows; panel += kPanel) {  // prefill: a panel's activations stay in cache
+    const int64_t panel_rows = std::min<int64_t>(kPanel, rows - panel);
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      alignas(64) float acc[kPanel * kCols];
+      for (int64_t g = g0; g < g1; ++g) {
+        std::fill(acc, acc + panel_rows * kCols, 0.f);
+        for (int64_t b0 = 0; b0 < w.blocks; b0 += kChunk) {  // each weight chunk is read once for the panel
+          const int64_t b1 = std::min(w.blocks, b0 + kChunk);
+          for (int64_t r = 0; r < panel_rows; r += tile_rows) {
+            const int64_t count = std::min<int64_t>(tile_rows, panel_rows - r);
+            tiles[count - 1](w, act, g, panel + r, b0, b1, acc + r * kCols);
+          }
+        }
+        const int64_t col0 = g * kCols, cols = std::min<int64_t>(kCols, n - col0);
+        for (int64_t r = 0; r < panel_rows; ++r) {
+          T* dst = out + (panel + r) * n + col0;  // float → bfloat16 rounds to nearest even, as torch's .to()
+          for (int64_t c = 0; c < cols; ++c)
+            dst[c] = static_cast<T>(acc[r * kCols + c] + (bias ? bias[col0 + c] : 0.f));
+        }
+      }
+    });
+  }
+}
+
 }  // namespace
 
 int64_t cpu_isa() { return best_isa(); }
 
-// y = x W^T (+ bias) for x [M, K] float32, W packed as above with n output columns; isa 0 = the best.
+// y = x W^T (+ bias) for x [M, K] float32 or bfloat16 (y in the same dtype; the bias float32), W packed
+// as above with n output columns; isa 0 = the best this CPU has.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const torch::Tensor& wd,
                      const torch::Tensor& wm, const c10::optional<torch::Tensor>& bias, int64_t n, int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "w4a8: x must be a 2-D float32 tensor");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "w4a8: x must be a 2-D float32 or bfloat16 tensor");
   TORCH_CHECK(wq.scalar_type() == torch::kUInt8 && wq.dim() == 4 && wq.size(2) * wq.size(3) == kGroupBytes,
               "w4a8: packed weights must be uint8 [groups, blocks, 4, 64]");
   TORCH_CHECK(wd.scalar_type() == torch::kFloat16 && wm.scalar_type() == torch::kFloat16,
@@ -206,48 +265,22 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const torc
   TORCH_CHECK(blocks * kBlock == k, "w4a8: input width ", k, " does not match the weights' ", blocks * kBlock);
   TORCH_CHECK(n > (groups - 1) * kCols && n <= groups * kCols, "w4a8: ", n, " outputs do not fit ", groups, " groups");
   TORCH_CHECK(wd.numel() == groups * blocks * kCols && wm.numel() == wd.numel(), "w4a8: scale shapes");
-  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->numel() == n), "w4a8: bias must be float32 [n]");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n),
+              "w4a8: bias must be a contiguous float32 [n]");
   const int64_t available = best_isa();
   if (isa == kAuto) isa = available;
   TORCH_CHECK(isa != kAuto, "w4a8: this CPU has neither AVX-512 VNNI nor AVX2 with FMA");
   TORCH_CHECK(isa <= available, "w4a8: the requested instruction set is not available on this CPU");
 
   const torch::Tensor xc = x.contiguous(), qc = wq.contiguous(), dc = wd.contiguous(), mc = wm.contiguous();
-  auto q = torch::empty({rows, k}, torch::kInt8);
-  auto s = torch::empty({rows, blocks}, torch::kFloat32);
-  auto ms = torch::empty({rows, blocks}, torch::kFloat32);
-  quantize_rows(xc.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), s.data_ptr<float>(), ms.data_ptr<float>());
-  auto y = torch::empty({rows, n}, torch::kFloat32);
-
-  const Activations act{q.data_ptr<int8_t>(), s.data_ptr<float>(), ms.data_ptr<float>(), k, blocks};
   const Weights w{qc.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>()),
                   reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>()), blocks};
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  const Tile* tiles = isa == kAvx512Vnni ? kVnniTiles : kAvx2Tiles;
-  const int tile_rows = isa == kAvx512Vnni ? kVnniRows : kAvx2Rows;
-  float* out = y.data_ptr<float>();
-
-  for (int64_t panel = 0; panel < rows; panel += kPanel) {  // prefill: a panel's activations stay in cache
-    const int64_t panel_rows = std::min<int64_t>(kPanel, rows - panel);
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      alignas(64) float acc[kPanel * kCols];
-      for (int64_t g = g0; g < g1; ++g) {
-        std::fill(acc, acc + panel_rows * kCols, 0.f);
-        for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {  // each weight chunk is read once for the panel
-          const int64_t b1 = std::min(blocks, b0 + kChunk);
-          for (int64_t r = 0; r < panel_rows; r += tile_rows) {
-            const int64_t count = std::min<int64_t>(tile_rows, panel_rows - r);
-            tiles[count - 1](w, act, g, panel + r, b0, b1, acc + r * kCols);
-          }
-        }
-        const int64_t col0 = g * kCols, cols = std::min<int64_t>(kCols, n - col0);
-        for (int64_t r = 0; r < panel_rows; ++r) {
-          float* dst = out + (panel + r) * n + col0;
-          for (int64_t c = 0; c < cols; ++c) dst[c] = acc[r * kCols + c] + (b ? b[col0 + c] : 0.f);
-        }
-      }
-    });
-  }
+  auto y = torch::empty({rows, n}, x.options());
+  if (x.scalar_type() == torch::kBFloat16)
+    run(xc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), w, rows, n, b, isa);
+  else
+    run(xc.data_ptr<float>(), y.data_ptr<float>(), w, rows, n, b, isa);
   return y;
 }
 

@@ -139,8 +139,9 @@ def _isa_code(isa: str | None) -> int:
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
            isa: str | None = None) -> torch.Tensor:
-    """x [M, k] float32 times the packed weight's transpose (+ bias float32 [n]): float32 [M, n].
+    """x [M, k] times the packed weight's transpose (+ bias float32 [n]): [M, n] in x's dtype.
 
+    x is float32 or bfloat16; a bfloat16 x gives exactly `linear(x.float()).bfloat16()`.
     `isa` ('auto', 'avx2', 'avx512_vnni'; default: $FLY_W4A8_ISA, else 'auto') picks the path;
     both give the same result bit for bit. Needs `available()`.
     """

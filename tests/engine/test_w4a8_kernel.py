@@ -105,6 +105,16 @@ def test_the_avx2_and_vnni_paths_agree_bit_for_bit(monkeypatch):
     assert torch.equal(w4a8.linear(x, packed, bias, isa="avx2"), vnni)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_bfloat16_in_and_out_is_the_float32_result_rounded(isa):
+    weight, bias = _weight(40, 128)
+    packed = w4a8.pack(weight)
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    out = w4a8.linear(x, packed, bias, isa=isa)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, w4a8.linear(x.float(), packed, bias, isa=isa).bfloat16())
+
+
 def test_widths_that_are_not_whole_blocks_are_rejected_clearly():
     with pytest.raises(ValueError, match="multiple of 32"):
         w4a8.quantize_weight(torch.randn(16, 48))

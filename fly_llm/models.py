@@ -19,6 +19,7 @@ from fly_llm.attention import use_float32_attention
 from fly_llm.config import ModelSpec
 from fly_llm.default_models import DRAFT, TARGET, ensure_default_pair
 from fly_llm.errors import ModelError
+from fly_llm.kernels.cpu import cpu_flags
 from fly_llm.model_cache import cache_root, cached_conversion, hf_progress
 from fly_llm.quantization import quantize
 
@@ -47,12 +48,7 @@ class LoadedModels:
 
 def cpu_has_native_bf16() -> bool:
     """True when the CPU computes bfloat16 natively (AVX-512 BF16 or AMX), where bf16 beats fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_device(device: str) -> torch.device:

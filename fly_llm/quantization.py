@@ -6,15 +6,15 @@ torch itself ships:
 - `W4A8Linear`: 4-bit weights in blocks of 32 (a scale and a minimum each, as GGUF's Q4_K
   sub-blocks) and int8 activations per row and block, on integer dot products
   (fly_llm.kernels.w4a8: AVX-512 VNNI, else AVX2; compiled on first use). A row's result is the
-  same bit for bit whatever else is in the batch. Where the kernel cannot be built or run, the
-  choice falls back to int8 with a log line.
-
+  same bit for bit whatever else is in the batch, on either path and any thread count. 'auto'
+  on a CPU with AVX-512 VNNI. Where the kernel cannot be built or run, the choice falls back to
+  int8 with a log line.
 - `Int8Linear`: int8 weights per output channel and int8 activations per token, on fbgemm's
   int8 matmul (`torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32`, x86 CPUs).
-  It is the only choice measured here that is cheaper than float at every width a speculative
-  round uses (one new token and K+1 of them). The kernel quantizes its whole input with one
-  given scale; each row is therefore divided by its own largest magnitude first, so the scale is
-  the same on every call: a row's result depends on that row only, bit for bit, whatever else is
+  'auto' elsewhere: of torch's kernels the only one measured here that is cheaper than float at
+  every width a speculative round uses (one new token and K+1 of them). The kernel quantizes its
+  whole input with one given scale; each row is therefore divided by its own largest magnitude
+  first, so the scale is the same on every call: a row's result depends on that row only, bit for bit, whatever else is
   in the batch. That keeps exact mode lossless with respect to the quantized target, and one
   request's outputs independent of its neighbours'.
 - `Int4Linear`: int4 weights in groups of 32 with a scale and a minimum each (as GGUF's Q4_K
@@ -38,6 +38,7 @@ from fly_llm.config import QUANTIZATIONS
 from fly_llm.errors import ModelError
 from fly_llm.attention import use_row_attention
 from fly_llm.kernels import w4a8
+from fly_llm.kernels.cpu import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -146,13 +147,24 @@ _KERNELS = {"w4a8": "fly_llm.kernels.w4a8 (a C++ compiler and an x86 CPU with AV
             "int8": "fbgemm's int8 matmul (an x86 CPU build of torch)", "int4": "aten._weight_int4pack_mm_for_cpu"}
 
 
-def resolve_quantization(mode: str, device: torch.device, role: str = "target") -> str:
-    """'none', 'w4a8', 'int8' or 'int4' for `mode` on `device`: 'auto' is int8 on a CPU with the kernels.
+def auto_scheme() -> str:
+    """'auto' on a CPU: w4a8 with AVX-512 VNNI (where its kernel builds), else int8 where torch has it, else none.
 
-    Why int8 for 'auto': docs/models.md (a target forward over 1 and over 16 new tokens, per
-    choice, on this project's CPUs). GPUs keep their float weights. 'w4a8' where its kernel cannot
-    be built or run is int8 (logged); any other explicit choice that cannot run here is a
-    ModelError naming what is missing.
+    Why (docs/models.md, benchmarks/results/kernel): on an AVX-512 VNNI CPU a w4a8 forward of the
+    embedded target is 1.4x cheaper than int8 over one new token and as cheap over sixteen, and
+    agrees with the float target more often. Its AVX2 path is cheaper than int8 at one token but
+    dearer from eight on (measured with that path forced on the same CPU), so AVX2-only CPUs keep int8.
+    """
+    if "avx512_vnni" in cpu_flags() and _AVAILABLE["w4a8"]():
+        return "w4a8"
+    return "int8" if _AVAILABLE["int8"]() else "none"
+
+
+def resolve_quantization(mode: str, device: torch.device, role: str = "target") -> str:
+    """'none', 'w4a8', 'int8' or 'int4' for `mode` on `device`; 'auto' on a CPU: `auto_scheme()`.
+
+    GPUs keep their float weights. 'w4a8' where its kernel cannot be built or run is int8
+    (logged); any other explicit choice that cannot run here is a ModelError naming what is missing.
     """
     if mode not in QUANTIZATIONS:
         raise ModelError(f"unknown {role}_quantization {mode!r}: choose one of {', '.join(QUANTIZATIONS)}")
@@ -163,7 +175,7 @@ def resolve_quantization(mode: str, device: torch.device, role: str = "target") 
             return "none"
         raise ModelError(f"{role}_quantization={mode!r} runs on CPU only (the device is {device}); use 'none'")
     if mode == "auto":
-        return "int8" if _AVAILABLE["int8"]() else "none"
+        return auto_scheme()
     if mode == "w4a8" and not _AVAILABLE["w4a8"]() and _AVAILABLE["int8"]():
         log.warning("%s_quantization='w4a8': its kernel cannot run here (see above); using int8", role)
         return "int8"

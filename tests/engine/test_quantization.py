@@ -12,6 +12,8 @@ from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.errors import ModelError
 from fly_llm import quantization
+from fly_llm.kernels import w4a8
+from fly_llm.kernels.cpu import cpu_flags
 from fly_llm.models import load_models
 from fly_llm.quantization import (Int4Linear, Int8Linear, int4_available, int8_available, quantization_of, quantize,
                                   resolve_quantization)
@@ -56,8 +58,15 @@ def test_int8_without_bias_and_in_bfloat16():
     assert out.dtype == torch.bfloat16 and out.shape == (4, 32)
 
 
-def test_auto_is_int8_on_cpu_and_float_on_gpu():
-    assert resolve_quantization("auto", CPU) == ("int8" if int8_available() else "none")
+def _auto_on_cpu() -> str:
+    """What 'auto' should give here: w4a8 with AVX-512 VNNI, else int8 (docs/models.md)."""
+    if "avx512_vnni" in cpu_flags() and w4a8.available():
+        return "w4a8"
+    return "int8" if int8_available() else "none"
+
+
+def test_auto_is_w4a8_or_int8_on_cpu_and_float_on_gpu():
+    assert resolve_quantization("auto", CPU) == _auto_on_cpu()
     assert resolve_quantization("auto", torch.device("cuda")) == "none"
     assert resolve_quantization("none", torch.device("cuda")) == "none"
     with pytest.raises(ModelError, match="runs on CPU only"):
@@ -68,6 +77,7 @@ def test_a_missing_kernel_falls_back_or_says_what_is_missing(monkeypatch):
     monkeypatch.setattr(quantization, "int8_available", lambda: False)
     monkeypatch.setitem(quantization._AVAILABLE, "int8", lambda: False)
     monkeypatch.setitem(quantization._AVAILABLE, "int4", lambda: False)
+    monkeypatch.setitem(quantization._AVAILABLE, "w4a8", lambda: False)
     assert resolve_quantization("auto", CPU) == "none"
     with pytest.raises(ModelError, match="fbgemm"):
         resolve_quantization("int8", CPU, "target")
@@ -110,7 +120,7 @@ def test_exact_mode_reproduces_the_quantized_target(tiny_pair_dirs, scheme):
 def test_auto_quantizes_both_models_on_cpu(tiny_pair_dirs):
     target_dir, draft_dir = tiny_pair_dirs
     loaded = load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), device="cpu"), progress=False)
-    expected = "int8" if int8_available() else "none"
+    expected = _auto_on_cpu()
     assert (loaded.target_quantization, loaded.draft_quantization) == (expected, expected)
 
 

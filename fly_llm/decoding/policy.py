@@ -34,15 +34,21 @@ its lucky streaks: on general prose the model rounds so chosen emitted 2.2 token
 A model round first feeds the draft cache what it lacks of the context (`PolicyState.draft_behind`:
 the whole prompt in a request's first model round unless the prefix cache or a chunked prefill gave
 it, then the tokens of the rounds since the model last ran). That catch-up costs
-`draft_prefill · draft_behind` once, so a model plan (probe or not) is valued over the tokens the
+`draft_prefill · draft_behind` once, so a model plan other than a probe is valued over the tokens the
 request is still expected to emit, L = min(max_tokens left, tokens emitted so far) — a request that
 has run n tokens is taken to run about n more:
 
     speed over L = L / (draft_prefill · draft_behind + L / speed of the round)
 
-A cold draft cache behind a long prompt (a RAG question over retrieved passages: ~1,500 tokens of
-draft prefill, worth ~70 target forwards on the embedded pair) is then never caught up for a short
-answer, while a warm one (behind by a token or two) is valued as before.
+A probe cannot be valued that way: what a model that has not run yields (its n-gram-checked cascade
+forwards, FLy's rescues) is what the probe finds out, and the optimistic estimate says "barely
+better than plain" on the embedded pair, where the model then paid well on code and math. So a
+probe's catch-up is bounded instead: at most a quarter of the time the rest of the request is
+expected to take (L tokens at the best other plan's speed). A cold draft cache behind a long
+prompt (a RAG question over retrieved passages: ~1,500 tokens of draft prefill, worth ~70 target
+forwards on the embedded pair) is then never caught up for a short answer; behind a 150-token
+prompt it is, once the request has emitted a few dozen tokens; a warm one (behind by a token or
+two) is valued as before.
 
 Rounds are never timed: the costs are fixed (the defaults, or `Costs.measure` once at start-up),
 so the choices — and hence FLy-mode output — depend only on the tokens.
@@ -65,6 +71,7 @@ PLAIN = DraftPlan(k=0, ngram=False, model=False)
 _FIRST_PROBE = 8
 _OPTIMISTIC_ALPHA = 0.9  # the draft model is only probed if it could win at this acceptance
 _PREFILL_WIDTH = 128  # tokens of the timed catch-up forward (the daemon's default prefill chunk)
+_PROBE_CATCH_UP_SHARE = 0.25  # a probe's catch-up may take this share of the request's expected remaining time
 
 
 @dataclass(frozen=True)
@@ -179,7 +186,8 @@ class AdaptivePolicy:
             if paid and catch_up.over(_speed(state.model.value, k_max, model_cost, loose)) > best_speed:
                 k, _ = _best_k(state.model.value, k_max, model_cost, loose)
                 return DraftPlan(k=k, ngram=can_ngram, model=True)
-            could_win = catch_up.over(_speed(_OPTIMISTIC_ALPHA, k_max, model_cost, loose)) > best_speed
+            could_win = _speed(_OPTIMISTIC_ALPHA, k_max, model_cost, loose) > best_speed
+            could_win = could_win and catch_up.cost <= _PROBE_CATCH_UP_SHARE * catch_up.tokens / best_speed
             if could_win and state.since_model >= state.model_probe_every:
                 state.probing = True
                 return DraftPlan(k=min(4, k_max), ngram=can_ngram, model=True)

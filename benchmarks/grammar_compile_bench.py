@@ -19,6 +19,8 @@ import statistics
 import time
 
 from fly_llm.decoding.grammar import GrammarCompiler
+from fly_llm.tool_formats import Constraints
+from fly_llm.tool_formats.hermes import HERMES
 from fly_llm.tools import Structure
 
 
@@ -64,19 +66,20 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or _embedded_tokenizer_dir())
     compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     start = time.perf_counter()
-    compiler.tokenizer, compiler.special_tags
+    constraints = Constraints(HERMES, compiler.special_tokens)
+    compiler.tokenizer, compiler.special_tokens(HERMES.tags)
     view = time.perf_counter() - start
     start = time.perf_counter()
     compiler.matcher('start: "warm"')  # starts the sandbox worker
     worker = time.perf_counter() - start
     start = time.perf_counter()
-    compiler.for_structure(Structure(tools=agent_tools(args.tools), tool_choice="auto"))
+    compiler.for_constraint(constraints.constraint(Structure(tools=agent_tools(args.tools), tool_choice="auto")))
     first = time.perf_counter() - start
     later = []
     for _ in range(args.repeats):
         structure = Structure(tools=agent_tools(args.tools), tool_choice="auto")  # a new request, same tools
         start = time.perf_counter()
-        compiler.for_structure(structure)
+        compiler.for_constraint(constraints.constraint(structure))
         later.append(time.perf_counter() - start)
     print(json.dumps({
         "cpu": platform.processor() or platform.machine(), "vocab": len(tokenizer), "tools": args.tools,

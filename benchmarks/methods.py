@@ -23,6 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.stats import RequestStats
+from fly_llm.tool_formats import Constraints
 from fly_llm.tools import Structure
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -205,7 +206,7 @@ class Runner:
         if structure is not None:
             from fly_llm.decoding.grammar import GrammarLogitsProcessor
 
-            matcher = self.engine.grammars.for_structure(structure)
+            matcher = self.engine.compile_constraint(Constraints.of(self.engine).constraint(structure))
             kwargs["logits_processor"] = [GrammarLogitsProcessor(matcher, len(prompt_ids), self.engine.vocab_size)]
         streamer = _FirstToken()
         model = self.float_target if method.float_weights else self.target
@@ -227,7 +228,7 @@ class Runner:
         stats = RequestStats()
         start = time.perf_counter()
         engine.add_request(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens), fly=method.fly,
-                           structure=structure)
+                           constraint=Constraints.of(engine).constraint(structure))
         while engine.has_unfinished():
             for out in engine.step():
                 if out.request_id != request_id:

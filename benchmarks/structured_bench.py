@@ -29,7 +29,8 @@ import jsonschema
 from benchmarks.datasets import load
 from benchmarks.methods import Runner, all_methods
 from benchmarks.quality import _to_float
-from fly_llm.tools import Structure, split_tool_calls
+from fly_llm.tool_formats.hermes import split_tool_calls
+from fly_llm.tools import Structure
 
 METHODS = ("target", "spd", "fly")
 ANSWER_SCHEMA = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 600},

@@ -1,29 +1,18 @@
 """Tools and structured output on the wire: the structure options (`StructureOptions`, declared once for the
-wire, the clients, the HTTP front and the adapters), OpenAI-shaped specs, and tool calls found in text (no torch).
+wire, the clients, the HTTP front and the adapters), OpenAI-shaped specs and the calls a model made (no torch).
 
-Tool calls use the Hermes / Qwen format that the embedded Qwen2.5 chat template asks for:
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-The daemon renders `tools` with the target's chat template, constrains decoding with a grammar
-(fly_llm.decoding.grammar), and reads the calls back out of the text with `split_tool_calls` /
-`ToolCallStream`. Everything here is validated data or string work, so clients import it too.
+The daemon renders `tools` with the target's chat template; the model's tool-call format
+(fly_llm.tool_formats) turns them into the constraint the engine compiles and reads the calls back
+out of the text. Everything here is validated data, so clients import it too.
 """
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from fly_llm.json_text import loads, loads_objects
-
-TOOL_OPEN = "<tool_call>"
-TOOL_CLOSE = "</tool_call>"
 MAX_TOOLS = 128
 """Most tools one request may offer."""
 
@@ -128,7 +117,7 @@ class StructureOptions(FormatOptions):
     the clients take them as keywords (`STRUCTURE_OPTIONS`, checked by `option_names`) and the
     adapters merge them with `fly_llm.client.core.call_options`. A new option is one field here
     (in `FormatOptions` when a plain prompt takes it too) plus its meaning where the output is
-    constrained (fly_llm.decoding.grammar); `Structure` checks the fields together.
+    constrained (fly_llm.tool_formats); `Structure` checks the fields together.
     """
 
     tools: list[ToolSpec] | None = Field(None, description=f"At most {MAX_TOOLS} (a request's size cap).")
@@ -286,112 +275,3 @@ def _reason(exc: ValidationError) -> str:
     where = ".".join(str(p) for p in err.get("loc", ()))
     message = err.get("msg", "invalid").removeprefix("Value error, ")
     return f"{where}: {message}" if where else message
-
-
-def parse_call(body: str) -> ToolCall:
-    """A ToolCall (with a fresh id) from the JSON between the tags; ValueError unless {"name": str, "arguments": {…}}.
-
-    Any text either parses or raises ValueError (nesting deeper than json_text.MAX_DEPTH included).
-    """
-    return _call(loads(body))
-
-
-def _call(data: Any) -> ToolCall:
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        raise ValueError("a tool call must be a JSON object with a string 'name'")
-    arguments = data.get("arguments", {})
-    if not isinstance(arguments, dict):
-        raise ValueError("a tool call's 'arguments' must be a JSON object")
-    return ToolCall(id=f"call_{secrets.token_hex(8)}", name=data["name"], arguments=arguments)
-
-
-def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """Split generated text into (text outside the calls, the calls); a block that does not parse stays text."""
-    stream = ToolCallStream()
-    shown, calls = stream.feed(text)
-    rest, _ = stream.finish()
-    content = shown + rest
-    return (content.strip() if calls else content), calls
-
-
-class ToolCallStream:
-    """Splits streamed text into text deltas and whole tool calls (one delta per call, when it closes).
-
-    Text that might be the start of TOOL_OPEN is held back until it is clear. A call still open
-    when the stream ends is returned as text by `finish` (it never parsed).
-
-    With `names` (the offered tools), an answer that is one bare or ```json-fenced call object
-    of an offered tool also counts as a call: small models (Qwen2.5-Coder among them) often answer
-    a tool request that way instead of with the tags. Such an answer is held back whole and
-    decided at `finish`; it is not constrained by the grammar, so its arguments are as the model wrote them.
-    """
-
-    def __init__(self, names: frozenset[str] = frozenset()) -> None:
-        self._names = names
-        self._pending = ""
-        self._in_call = False
-        self._bare: bool | None = None if names else False  # None: too early to tell
-
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        """Add a text delta; return (text to show now, calls completed by it)."""
-        self._pending += text
-        if self._bare is None:
-            start = self._pending.lstrip()
-            if any(prefix.startswith(start) for prefix in _BARE_STARTS):
-                return "", []
-            self._bare = start.startswith(_BARE_STARTS)
-        if self._bare:
-            return "", []
-        shown, calls = [], []
-        while True:
-            if self._in_call:
-                end = self._pending.find(TOOL_CLOSE)
-                if end < 0:
-                    break
-                body, self._pending = self._pending[:end], self._pending[end + len(TOOL_CLOSE):]
-                self._in_call = False
-                try:
-                    calls.append(parse_call(body))
-                except ValueError:
-                    shown.append(TOOL_OPEN + body + TOOL_CLOSE)
-                continue
-            start = self._pending.find(TOOL_OPEN)
-            if start >= 0:
-                shown.append(self._pending[:start])
-                self._pending = self._pending[start + len(TOOL_OPEN):]
-                self._in_call = True
-                continue
-            keep = _partial_suffix(self._pending, TOOL_OPEN)
-            shown.append(self._pending[:len(self._pending) - keep])
-            self._pending = self._pending[len(self._pending) - keep:]
-            break
-        return "".join(shown), calls
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """When the stream ends: the text still held back, and a bare call if the answer was one."""
-        rest = (TOOL_OPEN if self._in_call else "") + self._pending
-        self._pending, self._in_call = "", False
-        if self._bare is not False:
-            calls = _bare_calls(rest.strip().removeprefix("```json").removesuffix("```").strip())
-            if calls and all(call.name in self._names for call in calls):
-                return "", calls
-        return rest, []
-
-
-_BARE_STARTS = ("{", "```json")
-
-
-def _bare_calls(text: str) -> list[ToolCall]:
-    """The call objects of a bare answer (one or more, separated by whitespace); [] if it is anything else."""
-    try:
-        return [_call(data) for data in loads_objects(text)]
-    except ValueError:
-        return []
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

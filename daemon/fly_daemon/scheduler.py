@@ -3,7 +3,8 @@
 The socket thread calls `submit`, `cancel`, `touch`, `client_gone`, `tokenize` and `drain` (all
 thread-safe and quick). Once the models are loaded, a small pool of worker threads prepares each
 queued request — the character limit, the chat template and tokenizer, the token limit and the
-grammar (`FLyEngine.compile_structure`) — and answers tokenize requests, so no request's
+constraint (the model's tool format, `fly_llm.tool_formats`) and its grammar
+(`FLyEngine.compile_constraint`) — and answers tokenize requests, so no request's
 preparation holds up a running stream. The model thread runs `run()`: it loads the models, then
 loops — drop what was cancelled, timed out or abandoned, join a bounded number of prepared
 requests to the batch while it has room (in queue order), run one engine step, and hand each
@@ -31,12 +32,14 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fly_llm.constraints import Constraint
 from fly_llm.errors import BadRequest, Busy, Cancelled, FLyError, Internal, NotReady, Timeout, TooLong
 from fly_llm.protocol import (
     ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest, Usage,
 )
 from fly_llm.stats import PromptStats, RequestStats
-from fly_llm.tools import ToolCall, ToolCallStream
+from fly_llm.tool_formats import CallParser, Constraints
+from fly_llm.tools import ToolCall
 
 from fly_daemon.metrics import Metrics
 
@@ -102,13 +105,14 @@ class Job:
     place: Place = "queued"
     prompt_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
+    constraint: Constraint | None = None  # what constrains its output, from preparation until it joins the engine
     matcher: object | None = None  # the compiled grammar, from preparation until it joins the engine
     token_ids: list[int] = field(default_factory=list)
     unsent_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float | None = None
     kill: FLyError | None = None
-    tool_calls: ToolCallStream | None = None  # set when the request may call tools: splits calls from text
+    tool_calls: CallParser | None = None  # set when the request may call tools: splits calls from text
     calls: list[ToolCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)  # text outside tool calls
 
@@ -146,6 +150,7 @@ class Scheduler:
         self.prompt_stats = PromptStats()
         self._busy_s = 0.0
         self._load_engine = load_engine
+        self._constraints: Constraints | None = None  # the model's, once it is loaded
         self._emit = emit
         self._executor = executor or ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="fly-prepare")
         self._lock = threading.Lock()
@@ -184,10 +189,6 @@ class Scheduler:
             if self._outside_engine() >= self.limits.queue_size:
                 raise Busy(f"admission queue full ({self.limits.queue_size} waiting)")
             job = Job(envelope, request, next(self._seqs), tenant, client, now, now)
-            structure = request.structure
-            if structure is not None and structure.calls_tools:
-                job.tool_calls = ToolCallStream(frozenset(t.function.name for t in structure.tools)
-                                                if structure.tool_choice in (None, "auto") else frozenset())
             self._jobs[job.key] = job
             self._queued.append(job)
             self._per_client[client] = self._per_client.get(client, 0) + 1
@@ -370,7 +371,7 @@ class Scheduler:
         self._wake.set()
 
     def _prepare(self, job: Job) -> None:
-        """Tokenize the prompt (within the limits) and compile the request's grammar."""
+        """Tokenize the prompt (within the limits), compile the request's constraint and set its call parser."""
         request = job.request
         job.prompt_ids = self._tokens_of(request)
         job.prompt_tokens = len(job.prompt_ids)
@@ -379,8 +380,9 @@ class Scheduler:
         cap = self._token_cap()
         if job.prompt_tokens > cap:
             raise TooLong(f"prompt of {job.prompt_tokens} tokens exceeds the limit of {cap}")
-        if request.structure is not None:
-            job.matcher = self.engine.compile_structure(request.structure)
+        job.constraint = self._constraints.constraint(request.structure)
+        job.matcher = self.engine.compile_constraint(job.constraint)
+        job.tool_calls = self._constraints.parser(request.structure)
 
     def _token_cap(self) -> int:
         return self.limits.max_prompt_tokens or self.engine.context_window - 1
@@ -440,6 +442,7 @@ class Scheduler:
         """The models are loaded: serve with `engine`, and prepare what was queued while they loaded."""
         with self._lock:
             self.engine = engine
+            self._constraints = Constraints.of(engine)
             if self.state == "loading":
                 self.state, self.detail = "ready", ""
             tokenize, queued = list(self._tokenize), len(self._queued)
@@ -512,13 +515,13 @@ class Scheduler:
                 job.place = "engine"
             try:
                 self.engine.add_request(job.engine_id, job.prompt_ids, job.request.sampling,
-                                        job.request.fly.apply(self.engine.config), job.request.structure,
+                                        job.request.fly.apply(self.engine.config), job.constraint,
                                         matcher=job.matcher,
                                         cache_scope="" if self.limits.share_prefix_cache else job.tenant)
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the model thread
                 self._end(job, _error_of(exc, f"admitting request {job.request.id} failed"))
                 continue
-            job.prompt_ids, job.matcher = [], None
+            job.prompt_ids, job.constraint, job.matcher = [], None, None
 
     def _joinable(self) -> Job | None:
         """The first prepared job if the batch has room for it (the lock is held)."""

@@ -19,7 +19,8 @@ from fly_llm.client.sync import FLyClient
 from fly_llm.config import FLyOverrides, SamplingParams
 from fly_llm.endpoints import default_endpoint, runtime_dir
 from fly_llm.protocol import ChatMessage, GenerateResult, InfoReply, TokenChunk
-from fly_llm.tools import ResponseFormat, ToolCall, ToolChoice, ToolSpec, split_tool_calls
+from fly_llm.tool_formats.hermes import split_tool_calls
+from fly_llm.tools import ResponseFormat, ToolCall, ToolChoice, ToolSpec
 
 __all__ = ["AsyncFLyClient", "ChatMessage", "FLyClient", "FLyOverrides", "GenerateResult", "InfoReply", "Messages",
            "ResponseFormat", "SamplingParams", "TokenChunk", "ToolCall", "ToolChoice", "ToolSpec", "Tools",

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.constraints import Constraint
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.drafters import Cascade, ModelStage, NgramStage
 from fly_llm.decoding.grammar import GrammarCompiler, GrammarStage, apply_masks
@@ -39,7 +40,6 @@ from fly_llm.decoding.verify import RowRules, RowSampling, verify
 from fly_llm.errors import BadRequest, TooLong
 from fly_llm.quantization import quantization_of
 from fly_llm.stats import FinishReason, PromptStats, RequestStats
-from fly_llm.tools import Structure
 
 
 @dataclass
@@ -95,7 +95,7 @@ class _Request:
 class FLyEngine:
     """Speculative decoding over a target, an optional draft model and their shared tokenizer.
 
-    All calls must come from one thread, except `compile_structure` (any thread, any time).
+    All calls must come from one thread, except `compile_constraint` (any thread, any time).
     `config` holds the defaults; each request may bring its own FLyConfig (k, window, θ, loose,
     stages) as long as the entropy measure is the engine's.
     `prefix_cache_bytes` bounds the prefix cache (0: off; blocks of `prefix_block` tokens, §3.5);
@@ -150,20 +150,20 @@ class FLyEngine:
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return list(self.tokenizer.encode(prompt))
 
-    def compile_structure(self, structure: Structure | None):
-        """The grammar matcher for a structure (tools / tool_choice / response_format), None when its
-        output is free; BadRequest for a bad grammar. Safe from any thread while `step()` runs (a
-        grammar not seen before compiles in the sandbox first, then here; a repeated one is a copy)."""
-        return self.grammars.for_structure(structure)
+    def compile_constraint(self, constraint: Constraint | None):
+        """The grammar matcher for a constraint (fly_llm.constraints), None when the output is free;
+        BadRequest for a bad grammar. Safe from any thread while `step()` runs (a grammar not seen
+        before compiles in the sandbox first, then here; a repeated one is a copy)."""
+        return self.grammars.for_constraint(constraint)
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                    fly: FLyConfig | None = None, structure: Structure | None = None, *, matcher=None,
+                    fly: FLyConfig | None = None, constraint: Constraint | None = None, *, matcher=None,
                     cache_scope: str = "") -> None:
         """Queue a request; it is prefilled and joins the batch in the next step().
 
-        `structure` (tools / tool_choice / response_format) constrains its output through a grammar
+        `constraint` (a grammar, regex or JSON Schema) constrains its output through a grammar
         compiled here, so a bad one raises BadRequest before the request is queued; a `matcher` from
-        `compile_structure` is used as it is instead. `cache_scope`: the prefix-cache scope (tenant)
+        `compile_constraint` is used as it is instead. `cache_scope`: the prefix-cache scope (tenant)
         whose cached prefixes it may use and where its own are kept.
         """
         if not prompt_ids:
@@ -178,7 +178,7 @@ class FLyEngine:
             raise BadRequest("the entropy measure is set per engine, not per request")
         compiled_before = self.grammars.compile_s
         if matcher is None:
-            matcher = self.grammars.for_structure(structure)
+            matcher = self.grammars.for_constraint(constraint)
         generator = None
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
@@ -438,7 +438,7 @@ class FLyEngine:
         return f"{kind}-{self._local_ids}"
 
     def generate(self, prompts: str | list[str], sampling: SamplingParams | None = None,
-                 fly: FLyConfig | None = None, structure: Structure | None = None) -> list[Generation]:
+                 fly: FLyConfig | None = None, constraint: Constraint | None = None) -> list[Generation]:
         """Generate for one or many prompts (batched together); one Generation per prompt, in order.
 
         Drives step() itself until these prompts finish: for in-process use, not next to a
@@ -449,7 +449,7 @@ class FLyEngine:
         sampling = sampling or SamplingParams()
         ids = [self._new_id("generate") for _ in prompts]
         for rid, prompt in zip(ids, prompts):
-            self.add_request(rid, self.encode(prompt), sampling, fly, structure)
+            self.add_request(rid, self.encode(prompt), sampling, fly, constraint)
         texts: dict[str, list[str]] = {i: [] for i in ids}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         results: dict[str, Generation] = {}

@@ -1,10 +1,11 @@
 """Constrained decoding inside speculation (docs/design.md §1.5), on llguidance.
 
-- `grammar_for(structure)`: the llguidance grammar (Lark syntax with inline JSON Schemas) for a
-  request's tools / tool_choice / response_format, or None when nothing constrains it.
+- `grammar_of(constraint)`: the llguidance grammar (Lark syntax with inline JSON Schemas) of a
+  `fly_llm.constraints.Constraint` (a grammar, a regex or a JSON Schema). The engine knows no tools:
+  the serving edge (fly_llm.tool_formats) turns a request's structure options into the constraint.
 - `GrammarCompiler`: builds llguidance's view of the tokenizer once, compiles grammars into
   matchers (a bounded cache of compiled prototypes, copied per request) and reports bad ones as
-  BadRequest naming the problem (and the tool, when one tool's parameters are the cause). Every
+  BadRequest naming the problem (and the constraint's part, e.g. a tool's parameters, when one is the cause). Every
   grammar is untrusted: schemas are walked against caps first (`schema_limits`), a grammar not
   seen before compiles first in a sacrificial worker process (`grammar_sandbox`), then here on a
   big-stack thread with llguidance's limits. Thread-safe: any thread may compile while the model
@@ -19,9 +20,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -32,95 +31,23 @@ import torch
 
 from fly_llm.decoding.grammar_sandbox import (MEMORY_BYTES, TIMEOUT_S, GrammarSandbox, big_stack_call,
                                               build_tokenizer, compile_grammar, shared_sandbox, tokenizer_setup)
-from fly_llm.decoding.schema_limits import SchemaCaps, check_schema, hoist_defs
+from fly_llm.constraints import Constraint, json_lexeme
 from fly_llm.errors import BadRequest
-from fly_llm.tools import TOOL_CLOSE, TOOL_OPEN, NamedToolChoice, Structure
-
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-"""How generated JSON is laid out: Python's json.dumps style, so separators are forced tokens."""
+from fly_llm.schema_limits import SchemaCaps, check_schema
 
 COMPILED_CACHE_SIZE = 64
-"""Compiled grammars kept for reuse (LRU), and as many structures' grammar texts."""
+"""Compiled grammars kept for reuse (LRU), and as many constraints' grammar texts."""
 
 
-def grammar_for(structure: Structure | None, special_tags: frozenset[str] = frozenset(),
-                caps: SchemaCaps = SchemaCaps()) -> str | None:
-    """The grammar for a request's structure; None when its output is free. BadRequest when a schema
-    in it exceeds `caps`.
-
-    `special_tags`: the tool-call tags that are single special tokens of the tokenizer (Qwen2.5's
-    `<tool_call>`); the grammar names those as tokens, the others as text.
-    """
-    if structure is None or structure.is_free:
-        return None
-    if structure.tools:
-        return _tools_grammar(structure, special_tags, caps)
-    fmt = structure.response_format
-    if fmt.type == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(fmt.pattern)
-    schema = fmt.json_schema_ if fmt.type == "json_schema" else {"type": "object"}
-    check_schema(schema, caps)
-    return f"start: {_json(schema)}\n"
-
-
-def _json(schema: dict) -> str:
-    """An inline JSON Schema lexeme with our JSON layout."""
-    if not isinstance(schema, dict):
-        raise BadRequest("a JSON Schema must be an object")
-    styled = {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}}
-    return "%json " + json.dumps(styled)
-
-
-def _tools_grammar(structure: Structure, special_tags: frozenset[str], caps: SchemaCaps) -> str:
-    """Hermes-format calls of the offered tools: forced ('required', a name), optional ('auto') or none;
-    at most one call when `parallel_tool_calls` is False."""
-    choice = structure.tool_choice or "auto"
-    if choice == "none":  # tools are described in the prompt, but no call may start
-        return ("start: TEXT\n"
-                f"TEXT: /(?s:.*)/ & ~/(?s:.*){_regex_literal(TOOL_OPEN)}(?s:.*)/\n")
-    tools = [t.function for t in structure.tools]
-    if isinstance(choice, NamedToolChoice):
-        tools = [f for f in tools if f.name == choice.function.name]
-    for f in tools:  # each on its own first: the hoisting below then recurses no deeper than the caps
-        check_schema(f.parameters, caps)
-    schema = _calls_schema(tools)
-    check_schema(schema, caps)
-    body = f"body: {_json(schema)}\n"
-    open_tag, close_tag = (f"<{t[1:-1]}>" if t in special_tags else json.dumps(t) for t in (TOOL_OPEN, TOOL_CLOSE))
-    call = f'call: {open_tag} "\\n" body "\\n" {close_tag}\n'
-    several = structure.parallel_tool_calls is not False
-    repeat = "*" if several else "?"
-    if choice == "auto":  # text, tagged calls in it, or (small models answer so) bare call objects, constrained too
-        bare = 'bare: body ("\\n" body)*\n' if several else "bare: body\n"
-        bare += 'TEXT: /([^{](.|\\n)*)?/\n'  # text never starts like a bare call
-        if TOOL_OPEN in special_tags:  # text cannot hold a special token: the tag itself starts a call
-            return f"start: TEXT (call TEXT){repeat} | bare\n" + call + body + bare
-        end = "TEXT" if several else "LAST"  # after the one call, text with no tag (it would start another)
-        last = "" if several else f"LAST: /([^{{](.|\\n)*)?/ & ~/(?s:.*){_regex_literal(TOOL_OPEN)}(?s:.*)/\n"
-        return (f"start: (call_head call_tail){repeat} {end} | bare\n"
-                f"call_head[lazy]: TEXT {open_tag}\n"
-                f'call_tail: "\\n" body "\\n" {close_tag}\n' + body + bare + last)
-    calls = 'call ("\\n" call)*' if several and not isinstance(choice, NamedToolChoice) else "call"
-    return f'start: {calls} "\\n"?\n' + call + body  # the model may end its last call with a newline
-
-
-def _calls_schema(tools: list) -> dict:
-    """One call object of the tools: `{"name": …, "arguments": …}` with each tool's parameters as its
-    arguments; their `$defs` / `definitions` hoisted to the root (as `<tool name>:<name>`; a name
-    holds no colon) and their local `$ref`s rewritten, so pydantic's nested models work one level down."""
-    hoisted: dict = {}
-    variants = []
-    for f in tools:
-        arguments, definitions = hoist_defs(f.parameters, f.name)
-        hoisted.update(definitions)
-        variants.append({"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments},
-                         "required": ["name", "arguments"], "additionalProperties": False})
-    schema = {"anyOf": variants} if len(variants) > 1 else variants[0]
-    return {**schema, "$defs": hoisted} if hoisted else schema
-
-
-def _regex_literal(text: str) -> str:
-    return re.escape(text).replace("/", "\\/")
+def grammar_of(constraint: Constraint, caps: SchemaCaps = SchemaCaps()) -> str:
+    """The llguidance grammar of a constraint; BadRequest when its JSON Schema exceeds `caps`."""
+    if constraint.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(constraint.text)
+    if constraint.kind == "json_schema":
+        schema = json.loads(constraint.text)
+        check_schema(schema, caps)
+        return f"start: {json_lexeme(schema)}\n"
+    return constraint.text
 
 
 class GrammarCompiler:
@@ -138,12 +65,12 @@ class GrammarCompiler:
         self.eos_ids = eos_ids
         self.caps = caps
         self._sandbox_limits = (timeout_s, memory_bytes) if sandbox else None
-        self._special_tags: frozenset[str] | None = None
+        self._special: dict[tuple[str, ...], frozenset[str]] = {}
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._sandbox: GrammarSandbox | None = None
         self._setup: dict | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._grammars: OrderedDict[bytes, str] = OrderedDict()  # structure's hash -> its grammar
+        self._grammars: OrderedDict[Constraint, str] = OrderedDict()  # constraint -> its grammar
         self._lock = threading.RLock()  # the caches and the tokenizer view
         self.compile_s = 0.0
         """Seconds spent building the tokenizer view and compiling grammars so far."""
@@ -166,15 +93,14 @@ class GrammarCompiler:
                 self._setup = tokenizer_setup(self._hf_tokenizer, self.vocab_size, self.eos_ids)
             return self._setup
 
-    @property
-    def special_tags(self) -> frozenset[str]:
-        """The tool-call tags that are one special token each for llguidance (Qwen2.5's `<tool_call>`)."""
+    def special_tokens(self, texts: tuple[str, ...]) -> frozenset[str]:
+        """Those of `texts` that are one special token each for llguidance (Qwen2.5's `<tool_call>`)."""
         with self._lock:
-            if self._special_tags is None:
-                ids = {tag: self._hf_tokenizer.encode(tag, add_special_tokens=False) for tag in (TOOL_OPEN, TOOL_CLOSE)}
-                self._special_tags = frozenset(tag for tag, tokens in ids.items()
-                                               if len(tokens) == 1 and self.tokenizer.is_special_token(tokens[0]))
-            return self._special_tags
+            if texts not in self._special:
+                ids = {text: self._hf_tokenizer.encode(text, add_special_tokens=False) for text in texts}
+                self._special[texts] = frozenset(text for text, tokens in ids.items()
+                                                 if len(tokens) == 1 and self.tokenizer.is_special_token(tokens[0]))
+            return self._special[texts]
 
     @property
     def sandbox(self) -> GrammarSandbox | None:
@@ -184,47 +110,38 @@ class GrammarCompiler:
                 self._sandbox = shared_sandbox(self.setup, *self._sandbox_limits)
             return self._sandbox
 
-    def grammar(self, structure: Structure | None) -> str | None:
-        """The grammar of a request's structure for this tokenizer (None: free output); remembered by the
-        structure's content, so a repeated tool list is neither rebuilt nor walked again."""
-        if structure is None or structure.is_free:  # checked here too: special_tags builds the tokenizer view
-            return None
-        try:
-            text = structure.model_dump_json()
-        except (ValueError, RecursionError) as exc:  # pydantic refuses data nested deeper than it can write
-            raise BadRequest(f"the structure cannot be serialized: {exc}") from None
-        key = hashlib.sha256(text.encode()).digest()
+    def grammar(self, constraint: Constraint) -> str:
+        """The grammar of a constraint, remembered (a repeated JSON Schema is not walked again)."""
         with self._lock:
-            grammar = self._grammars.get(key)
+            grammar = self._grammars.get(constraint)
             if grammar is not None:
-                self._grammars.move_to_end(key)
+                self._grammars.move_to_end(constraint)
                 return grammar
-        grammar = grammar_for(structure, self.special_tags, self.caps)
+        grammar = grammar_of(constraint, self.caps)
         with self._lock:
-            self._grammars[key] = grammar
+            self._grammars[constraint] = grammar
             if len(self._grammars) > COMPILED_CACHE_SIZE:
                 self._grammars.popitem(last=False)
         return grammar
 
-    def for_structure(self, structure: Structure | None) -> llguidance.LLMatcher | None:
-        """A matcher for a request's structure (None when its output is free).
+    def for_constraint(self, constraint: Constraint | None) -> llguidance.LLMatcher | None:
+        """A matcher for a constraint (None: free output).
 
-        When the grammar does not compile, the first tool whose parameters fail on their own is
-        named in the BadRequest (checked only then, so good requests pay nothing for it).
+        When the grammar does not compile, the first of the constraint's parts that fails on its
+        own is named in the BadRequest (checked only then, so good requests pay nothing for it).
         """
-        grammar = self.grammar(structure)
-        if grammar is None:
+        if constraint is None:
             return None
+        grammar = self.grammar(constraint)
         try:
             return self.matcher(grammar)
         except BadRequest:
-            for tool in structure.tools or ():
+            for what, schema in constraint.parts:
                 try:
-                    self._prototype(f"start: {_json(tool.function.parameters)}\n")
+                    self._prototype(f"start: {json_lexeme(json.loads(schema))}\n")
                 except BadRequest as exc:
                     reason = exc.message.splitlines()[0].split(": ", 1)[-1]
-                    raise BadRequest(f"tool {tool.function.name!r}: its parameters schema cannot be used: "
-                                     f"{reason}") from None
+                    raise BadRequest(f"{what} cannot be used: {reason}") from None
             raise
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:

@@ -23,7 +23,7 @@ from support.engine_double import CountingEngine, Replies
 from fly_llm.config import SamplingParams
 from fly_llm.errors import BadRequest, Busy, FLyError, TooLong
 from fly_llm.protocol import ErrorReply, GenerateRequest, GenerateResult, TokenChunk, TokenizeRequest
-from fly_llm.tools import ToolCallStream
+from fly_llm.tool_formats.hermes import ToolCallStream
 
 from fly_daemon.scheduler import ADMISSIONS_PER_TURN, Limits, Scheduler
 
@@ -53,9 +53,9 @@ class Recording(CountingEngine):
             raise ValueError("the template refuses this")
         return super().encode(prompt, messages, tools)
 
-    def compile_structure(self, structure):
+    def compile_constraint(self, constraint):
         self.threads.append(("compile", threading.current_thread().name))
-        return super().compile_structure(structure)
+        return super().compile_constraint(constraint)
 
     def add_request(self, *args, **kwargs) -> None:
         self.adds_between_steps[-1] += 1

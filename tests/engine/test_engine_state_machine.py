@@ -27,7 +27,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.decoding.grammar import grammar_for
+from fly_llm.decoding.grammar import grammar_of
+from fly_llm.tool_formats import constraint_for
 from fly_llm.tools import Structure
 from support.grammar_reference import constrained_greedy, grammar_valid_prefix
 from support.tiny_models import greedy_tokens, make_pair
@@ -49,7 +50,7 @@ def pair():
     return _PAIR
 
 
-STRUCTURES = [None, None, None] + [Structure.model_validate(s) for s in (
+CONSTRAINTS = [None, None, None] + [constraint_for(Structure.model_validate(s)) for s in (
     {"response_format": {"type": "json_schema", "schema": {
         "type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
         "required": ["ok", "n"], "additionalProperties": False}}},
@@ -102,8 +103,8 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(prompt=prompts(), related=related(), max_tokens=st.integers(1, MAX_NEW), k=st.integers(1, 15),
           adaptive=st.booleans(), ngram=st.booleans(), draft_model=st.booleans(), loose=st.booleans(),
           seed=st.one_of(st.none(), st.integers(0, 2**31)), confidence=st.sampled_from([0.0, 0.0, 0.5, 0.9]),
-          structure=st.sampled_from(STRUCTURES))
-    def add(self, prompt, related, max_tokens, k, adaptive, ngram, draft_model, loose, seed, confidence, structure):
+          constraint=st.sampled_from(CONSTRAINTS))
+    def add(self, prompt, related, max_tokens, k, adaptive, ngram, draft_model, loose, seed, confidence, constraint):
         if related is not None and self.contexts:
             which, cut, more = related
             prompt = (self.contexts[which % len(self.contexts)][:cut] + more)[:MAX_RELATED]
@@ -113,8 +114,9 @@ class EngineMachine(RuleBasedStateMachine):
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0 if seed is None else 0.8, seed=seed)
         fly = FLyConfig(k=k, adaptive=adaptive, ngram=ngram, draft_model=draft_model, loose=loose,
                         draft_confidence=confidence)
-        self.engine.add_request(rid, prompt, sampling, fly, structure)
-        self.requests[rid] = (tuple(prompt), not loose and seed is None, max_tokens, grammar_for(structure))
+        self.engine.add_request(rid, prompt, sampling, fly, constraint)
+        grammar = grammar_of(constraint) if constraint is not None else None
+        self.requests[rid] = (tuple(prompt), not loose and seed is None, max_tokens, grammar)
         self.tokens[rid] = []
 
     @rule()

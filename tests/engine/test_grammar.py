@@ -14,10 +14,13 @@ import torch
 
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.decoding.grammar import grammar_for
+from fly_llm.decoding.grammar import grammar_of
 from fly_llm.errors import BadRequest
-from fly_llm.tools import Structure, split_tool_calls
+from fly_llm.tool_formats import Constraints
+from fly_llm.tool_formats.hermes import HERMES, split_tool_calls
+from fly_llm.tools import Structure
 from support.grammar_reference import constrained_greedy, grammar_valid_prefix
+from support.structures import constraint_of, schema_structure
 from support.tiny_models import make_pair
 
 torch.set_num_threads(1)
@@ -50,10 +53,6 @@ def engine(pair, **fly) -> FLyEngine:
     return FLyEngine(target, tokenizer, draft, FLyConfig(**fly))
 
 
-def schema_structure(schema: dict) -> Structure:
-    return Structure(response_format={"type": "json_schema", "schema": schema})
-
-
 @pytest.mark.parametrize("loose", [False, True])
 def test_outputs_validate_batched_with_free_rows(pair, loose):
     """Every schema's output parses and validates; free rows in the same batch stay unconstrained."""
@@ -63,7 +62,7 @@ def test_outputs_validate_batched_with_free_rows(pair, loose):
         for j, prompt in enumerate(PROMPTS[:2]):
             rid = f"{name}-{j}"
             eng.add_request(rid, eng.encode(prompt), SamplingParams(max_tokens=120, temperature=0.7 * j, seed=i),
-                            structure=schema_structure(schema))
+                            constraint=constraint_of(eng, schema_structure(schema)))
             rids.append((rid, schema))
     eng.add_request("free", eng.encode("def add(a, b):"), SamplingParams(max_tokens=30))
     texts: dict[str, str] = {}
@@ -90,7 +89,7 @@ def test_exact_mode_equals_hf_generate_under_grammar(pair, k, ngram):
     cases.append(("def add", Structure(response_format={"type": "regex", "pattern": r"[a-c]{2,9}!"})))
     prompts = [eng.encode(p) for p, _ in cases]
     for i, (ids, (_, structure)) in enumerate(zip(prompts, cases)):
-        eng.add_request(f"r{i}", ids, SamplingParams(max_tokens=40), structure=structure)
+        eng.add_request(f"r{i}", ids, SamplingParams(max_tokens=40), constraint=constraint_of(eng, structure))
     eng.add_request("free", eng.encode("The dog"), SamplingParams(max_tokens=20))
     got: dict[str, list[int]] = {}
     while eng.has_unfinished():
@@ -98,7 +97,8 @@ def test_exact_mode_equals_hf_generate_under_grammar(pair, k, ngram):
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
         eng.check()
     for i, (ids, (_, structure)) in enumerate(zip(prompts, cases)):
-        assert got[f"r{i}"] == constrained_greedy(target, tokenizer, ids, grammar_for(structure), 40, eos), i
+        grammar = grammar_of(constraint_of(eng, structure))
+        assert got[f"r{i}"] == constrained_greedy(target, tokenizer, ids, grammar, 40, eos), i
 
 
 def test_forced_tokens_are_drafted_and_counted(pair):
@@ -107,12 +107,12 @@ def test_forced_tokens_are_drafted_and_counted(pair):
                                                "another_long_key_here": {"type": "boolean"}},
               "required": ["the_first_long_key", "another_long_key_here"], "additionalProperties": False}
     eng = engine(pair, loose=False, draft_model=False, ngram=False)
-    [gen] = eng.generate("x", SamplingParams(max_tokens=60), structure=schema_structure(schema))
+    [gen] = eng.generate("x", SamplingParams(max_tokens=60), constraint=constraint_of(eng, schema_structure(schema)))
     assert gen.finish_reason == "stop"
     jsonschema.validate(json.loads(gen.text), schema)
     assert gen.stats.forced >= 10, gen.stats
     assert gen.stats.grammar_s > 0  # compiled (and timed) at admission
-    [again] = eng.generate("y", SamplingParams(max_tokens=60), structure=schema_structure(schema))
+    [again] = eng.generate("y", SamplingParams(max_tokens=60), constraint=constraint_of(eng, schema_structure(schema)))
     assert again.stats.grammar_s == 0  # the compiled grammar came from the cache
     assert gen.stats.rounds < gen.completion_tokens / 2  # forced runs make rounds emit many tokens
 
@@ -129,7 +129,7 @@ def test_required_and_named_tool_choice_yield_valid_calls(pair):
     for choice in ["required", {"type": "function", "function": {"name": "lookup"}}]:
         structure = Structure(tools=tools, tool_choice=choice)
         for prompt in PROMPTS:
-            [gen] = eng.generate(prompt, SamplingParams(max_tokens=80), structure=structure)
+            [gen] = eng.generate(prompt, SamplingParams(max_tokens=80), constraint=constraint_of(eng, structure))
             content, calls = split_tool_calls(gen.text)
             assert calls and not content, gen.text
             for call in calls:
@@ -144,7 +144,7 @@ def test_tool_choice_none_never_starts_a_call(pair):
     eng = engine(pair)
     structure = Structure(tools=tools, tool_choice="none")
     for prompt in PROMPTS:
-        [gen] = eng.generate(prompt, SamplingParams(max_tokens=40), structure=structure)
+        [gen] = eng.generate(prompt, SamplingParams(max_tokens=40), constraint=constraint_of(eng, structure))
         assert "<tool_call>" not in gen.text
 
 
@@ -155,7 +155,8 @@ def test_tool_choice_none_never_starts_a_call(pair):
 def test_bad_grammars_are_bad_requests(pair, response_format, problem):
     eng = engine(pair)
     with pytest.raises(BadRequest) as err:
-        eng.add_request("bad", eng.encode("x"), SamplingParams(), structure=Structure(response_format=response_format))
+        eng.add_request("bad", eng.encode("x"), SamplingParams(),
+                        constraint=constraint_of(eng, Structure(response_format=response_format)))
     assert not eng.has_unfinished()
     assert problem in str(err.value).lower() or "grammar" in str(err.value).lower()
 
@@ -164,7 +165,7 @@ def test_valid_prefix_helper_rejects_garbage(pair):
     """The test oracle itself can fail: a token sequence outside the grammar is not accepted."""
     _, _, tokenizer = pair
     eng = engine(pair)
-    grammar = grammar_for(schema_structure(SCHEMAS["enum_bool"]))
+    grammar = grammar_of(constraint_of(eng, schema_structure(SCHEMAS["enum_bool"])))
     bad = tokenizer.encode('{"color": "purple"}')
     assert grammar_valid_prefix(tokenizer, eng.vocab_size, sorted(eng._eos), grammar, bad) < len(bad)
 
@@ -178,7 +179,8 @@ def test_tool_tags_that_are_special_tokens_are_named_as_tokens():
     tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
     open_id, close_id = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
     compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
-    assert compiler.special_tags == {"<tool_call>", "</tool_call>"}
+    constraints = Constraints(HERMES, compiler.special_tokens)
+    assert compiler.special_tokens(HERMES.tags) == {"<tool_call>", "</tool_call>"}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}}}]
     call = [open_id, *tokenizer.encode('\n{"name": "f", "arguments": {"x": 2}}\n'), close_id]
@@ -186,7 +188,7 @@ def test_tool_tags_that_are_special_tokens_are_named_as_tokens():
     eos = [tokenizer.eos_token_id]
 
     def accepts(choice, tokens) -> bool:
-        matcher = compiler.matcher(compiler.grammar(Structure(tools=tools, tool_choice=choice)))
+        matcher = compiler.for_constraint(constraints.constraint(Structure(tools=tools, tool_choice=choice)))
         return matcher.validate_tokens(tokens) == len(tokens)
 
     assert accepts("auto", text + call + text + eos) and accepts("auto", text + eos)
@@ -195,7 +197,8 @@ def test_tool_tags_that_are_special_tokens_are_named_as_tokens():
     assert not accepts("auto", tokenizer.encode('{"name": "f", "arguments": {"x": 3}}') + eos)
     assert accepts("required", call + eos) and not accepts("required", text + call + eos)
     assert accepts("none", text + eos) and not accepts("none", text + call + eos)
-    forced = compiler.matcher(compiler.grammar(Structure(tools=tools, tool_choice="required"))).compute_ff_tokens()
+    forced = compiler.for_constraint(constraints.constraint(Structure(tools=tools, tool_choice="required")))
+    forced = forced.compute_ff_tokens()
     assert forced[0] == open_id
 
 
@@ -210,6 +213,7 @@ def test_parallel_tool_calls_false_allows_at_most_one_call(special):
     if special:
         tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
     compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    constraints = Constraints(HERMES, compiler.special_tokens)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}}}]
 
@@ -228,7 +232,7 @@ def test_parallel_tool_calls_false_allows_at_most_one_call(special):
 
     def accepts(choice, parallel, tokens) -> bool:
         structure = Structure(tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
-        return compiler.matcher(compiler.grammar(structure)).validate_tokens(tokens) == len(tokens)
+        return compiler.for_constraint(constraints.constraint(structure)).validate_tokens(tokens) == len(tokens)
 
     for choice, (one, two) in answers.items():
         for parallel in (None, True, False):

@@ -28,10 +28,13 @@ import fly_llm
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.grammar_sandbox import GrammarSandbox
-from fly_llm.decoding.schema_limits import SchemaCaps, check_schema, hoist_defs
+from fly_llm.schema_limits import SchemaCaps, check_schema, hoist_defs
 from fly_llm.errors import BadRequest
-from fly_llm.tools import Structure, split_tool_calls
+from fly_llm.tool_formats import Constraints
+from fly_llm.tool_formats.hermes import split_tool_calls
+from fly_llm.tools import Structure
 from support.nested_models import Person
+from support.structures import constraint_of, schema_structure
 from support.tiny_models import make_pair, make_tokenizer
 
 torch.set_num_threads(1)
@@ -49,10 +52,6 @@ def engine(pair, **kwargs) -> FLyEngine:
     return FLyEngine(target, tokenizer, draft, FLyConfig(loose=False), **kwargs)
 
 
-def schema_structure(schema: dict) -> Structure:
-    return Structure(response_format={"type": "json_schema", "schema": schema})
-
-
 def ref_chain(n: int) -> dict:
     """`$defs` d0 → d1 → … → dn, each only a `$ref` to the next (llguidance 1.9.1 overflows its stack
     on this past ~2,200 links on an 8 MiB stack; ~950 when each link is an object property)."""
@@ -64,7 +63,8 @@ def ref_chain(n: int) -> dict:
 def run(eng: FLyEngine, requests: dict[str, Structure | None], max_tokens: int = 40) -> dict:
     """Add each request (prompt "x"), step to the end checking invariants; {id: (text, last output)}."""
     for rid, structure in requests.items():
-        eng.add_request(rid, eng.encode("x"), SamplingParams(max_tokens=max_tokens), structure=structure)
+        eng.add_request(rid, eng.encode("x"), SamplingParams(max_tokens=max_tokens),
+                        constraint=constraint_of(eng, structure))
     texts, last = {rid: "" for rid in requests}, {}
     while eng.has_unfinished():
         for out in eng.step():
@@ -84,13 +84,13 @@ def test_a_long_ref_chain_is_a_bad_request_not_a_dead_process():
         from fly_llm.decoding.engine import FLyEngine
         from fly_llm.config import SamplingParams
         from fly_llm.errors import BadRequest
-        from fly_llm.tools import Structure
+        from support.structures import constraint_of, schema_structure
         target, draft, tokenizer = make_pair("llama")
         eng = FLyEngine(target, tokenizer, draft)
         schema = json.loads(sys.argv[1])
         try:
-            eng.add_request("r", eng.encode("x"), SamplingParams(), structure=Structure(
-                response_format={"type": "json_schema", "schema": schema}))
+            eng.add_request("r", eng.encode("x"), SamplingParams(),
+                            constraint=constraint_of(eng, schema_structure(schema)))
         except BadRequest as exc:
             print("BAD_REQUEST", exc.message)
     """)
@@ -172,7 +172,7 @@ def test_caps_apply_to_tools_and_response_format(pair):
     for structure in (schema_structure(deep), Structure(tools=[{"type": "function", "function": {
             "name": "f", "parameters": deep}}], tool_choice="required")):
         with pytest.raises(BadRequest, match="nesting depth"):
-            eng.compile_structure(structure)
+            eng.compile_constraint(constraint_of(eng, structure))
 
 
 def test_deeply_nested_data_in_a_schema_is_a_bad_request(pair):
@@ -184,7 +184,7 @@ def test_deeply_nested_data_in_a_schema_is_a_bad_request(pair):
     for structure in (schema_structure({"const": value}), Structure(tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object", "properties": {"a": {"const": value}}}}}])):
         with pytest.raises(BadRequest):
-            eng.compile_structure(structure)
+            eng.compile_constraint(constraint_of(eng, structure))
 
 
 # -- finding 5: empty languages --------------------------------------------------------------------------
@@ -198,7 +198,8 @@ def test_an_empty_language_is_refused_at_admission(pair, response_format):
     """On the old code these were admitted and ended at once with 'stop' and no text."""
     eng = engine(pair)
     with pytest.raises(BadRequest, match="language is empty"):
-        eng.add_request("r", eng.encode("x"), SamplingParams(), structure=Structure(response_format=response_format))
+        eng.add_request("r", eng.encode("x"), SamplingParams(),
+                        constraint=constraint_of(eng, Structure(response_format=response_format)))
     assert not eng.has_unfinished()
 
 
@@ -217,7 +218,7 @@ def test_a_grammar_that_fails_mid_output_ends_only_its_request_with_an_error(pai
         assert results[rid][1].error is None and results[rid][1].finished
     jsonschema.validate(json.loads(results["good"][0]), good)
     with pytest.raises(BadRequest, match="no continuation"):
-        eng.generate("x", SamplingParams(max_tokens=40), structure=schema_structure(DEAD_END))
+        eng.generate("x", SamplingParams(max_tokens=40), constraint=constraint_of(eng, schema_structure(DEAD_END)))
     assert not eng.has_unfinished()
 
 
@@ -226,7 +227,7 @@ def test_a_grammar_that_fails_mid_output_ends_only_its_request_with_an_error(pai
 def check_call(eng: FLyEngine, tools: list[dict], name: str) -> None:
     """Force a call of `name`; its arguments validate against the tool's original parameters."""
     structure = Structure(tools=tools, tool_choice={"type": "function", "function": {"name": name}})
-    [gen] = eng.generate("x", SamplingParams(max_tokens=200), structure=structure)
+    [gen] = eng.generate("x", SamplingParams(max_tokens=200), constraint=constraint_of(eng, structure))
     _, calls = split_tool_calls(gen.text)
     assert gen.finish_reason == "stop" and [c.name for c in calls] == [name], gen.text
     spec = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == name)
@@ -272,26 +273,28 @@ def test_hoisting_leaves_schemas_without_refs_alone_and_data_untouched():
 
 def test_a_repeated_tool_list_costs_nothing_the_second_time(pair):
     eng = engine(pair)
-    structure = Structure(tools=agent_tools(20), tool_choice="auto")
-    eng.compile_structure(structure)
+    constraints = Constraints.of(eng)
+    eng.compile_constraint(constraints.constraint(Structure(tools=agent_tools(20), tool_choice="auto")))
     again = Structure(tools=agent_tools(20), tool_choice="auto")  # a new request with the same tools
     compiled_s, starts = eng.grammars.compile_s, eng.grammars.sandbox.starts
     start = time.perf_counter()
-    matcher = eng.compile_structure(again)
+    matcher = eng.compile_constraint(constraints.constraint(again))
     assert time.perf_counter() - start < 0.05 and matcher is not None  # ~0.1 ms here
     assert (eng.grammars.compile_s, eng.grammars.sandbox.starts) == (compiled_s, starts)
 
 
 def test_compiling_on_another_thread_while_the_model_thread_steps(pair):
-    """compile_structure from a worker thread, add_request(matcher=) on the model thread; the batch's
+    """compile_constraint from a worker thread, add_request(matcher=) on the model thread; the batch's
     constrained rows stay valid and the engine's invariants hold after every step."""
     eng = engine(pair)
     schemas = [{"type": "object", "properties": {f"k{i}": {"enum": [i, i + 1]}}, "required": [f"k{i}"],
                 "additionalProperties": False} for i in range(6)]
     compiled: list = []
-    worker = threading.Thread(target=lambda: compiled.extend(eng.compile_structure(schema_structure(s)) for s in schemas))
+    worker = threading.Thread(target=lambda: compiled.extend(
+        eng.compile_constraint(constraint_of(eng, schema_structure(s))) for s in schemas))
     worker.start()
-    eng.add_request("first", eng.encode("x"), SamplingParams(max_tokens=30), structure=schema_structure(schemas[0]))
+    eng.add_request("first", eng.encode("x"), SamplingParams(max_tokens=30),
+                    constraint=constraint_of(eng, schema_structure(schemas[0])))
     texts: dict[str, str] = {}
     while eng.has_unfinished() or worker.is_alive():
         for out in eng.step():

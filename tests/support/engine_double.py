@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from fly_llm.config import FLyConfig
 from fly_llm.errors import TooLong
 from fly_llm.protocol import ErrorReply, GenerateResult, TokenizeReply
+from fly_llm.schema_limits import SchemaCaps
 from fly_llm.stats import PromptStats, RequestStats
 
 from fly_daemon.core import ServingCore
@@ -39,10 +40,20 @@ class _Output:
     error: str | None = None
 
 
+class _NoGrammars:
+    """The double's grammar compiler: the schema caps, and no special tokens (no tokenizer)."""
+
+    caps = SchemaCaps()
+
+    @staticmethod
+    def special_tokens(texts: tuple[str, ...]) -> frozenset[str]:
+        return frozenset()
+
+
 class CountingEngine:
     """Test double of FLyEngine: each step gives every request its next number as one token.
 
-    A request added with a structure ends at its first step with `grammar_error` when that is set
+    A request added with a constraint ends at its first step with `grammar_error` when that is set
     (as FLyEngine ends a row whose grammar failed).
     """
 
@@ -51,6 +62,7 @@ class CountingEngine:
     target_quantization = draft_quantization = "none"
     tokenizer = None  # no chat template
     prompt_stats = PromptStats()  # no prefix cache
+    grammars = _NoGrammars()
 
     def __init__(self, step_s: float = 0.0) -> None:
         self.config = FLyConfig()
@@ -58,7 +70,7 @@ class CountingEngine:
         self.step_s = step_s
         self.fail_next_step = False
         self.grammar_error: str | None = None
-        self.structured: set[str] = set()  # request ids added with a structure
+        self.structured: set[str] = set()  # request ids added with a constraint
         self.rows: dict[str, list[int]] = {}
         self.scopes: dict[str, str] = {}  # request id -> the cache_scope it was added with
 
@@ -66,17 +78,17 @@ class CountingEngine:
         text = prompt if prompt is not None else " ".join(m["content"] for m in messages)
         return [1] * len(text.split())
 
-    def compile_structure(self, structure):
-        """No grammars here: every structure compiles to no matcher."""
+    def compile_constraint(self, constraint):
+        """No grammars here: every constraint compiles to no matcher."""
         return None
 
-    def add_request(self, request_id, prompt_ids, sampling, fly=None, structure=None, *, matcher=None,
+    def add_request(self, request_id, prompt_ids, sampling, fly=None, constraint=None, *, matcher=None,
                     cache_scope: str = "") -> None:
         if len(prompt_ids) >= self.context_window:
             raise TooLong("prompt does not fit")
         self.rows[request_id] = [sampling.max_tokens, 0, len(prompt_ids)]
         self.scopes[request_id] = cache_scope
-        if structure is not None:
+        if constraint is not None:
             self.structured.add(request_id)
 
     def abort_request(self, request_id) -> bool:

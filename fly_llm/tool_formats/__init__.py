@@ -1,0 +1,119 @@
+"""Structure options to constraints, at the serving edge (no torch): the model's tool-call format,
+the response_format mapping, and a cache of both.
+
+A tool-call format (`ToolFormat`) owns its tags, the grammar that constrains its calls and the
+parser that reads them back (`hermes.py`: Qwen's / Hermes'). A second format is one new module
+plus a line in `FORMATS`; `format_for` picks one per model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from fly_llm.constraints import Constraint
+from fly_llm.errors import BadRequest
+from fly_llm.schema_limits import SchemaCaps
+from fly_llm.tool_formats.hermes import HERMES
+from fly_llm.tools import Structure, ToolCall
+
+CACHE_SIZE = 64
+"""Structures' constraints kept for reuse (LRU)."""
+
+
+class CallParser(Protocol):
+    """Reads a model's tool calls out of its streamed text (`hermes.ToolCallStream`)."""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """Add a text delta; return (text to show now, calls completed by it)."""
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """When the stream ends: the text still held back, and the calls found only then."""
+
+
+class ToolFormat(Protocol):
+    """How a model writes tool calls: the grammar that constrains them and the parser that finds them."""
+
+    name: str
+    tags: tuple[str, ...]
+    """Strings that may be single special tokens of a tokenizer (`constraint`'s `special_tags` are among them)."""
+
+    def constraint(self, structure: Structure, special_tags: frozenset[str], caps: SchemaCaps) -> Constraint:
+        """The constraint of a request that offers tools; BadRequest for a schema over `caps`."""
+
+    def parser(self, structure: Structure) -> CallParser:
+        """The streaming call parser of a request that may call tools."""
+
+
+FORMATS: dict[str, ToolFormat] = {HERMES.name: HERMES}
+"""The tool-call formats by name."""
+
+
+def format_for(model: str | None = None) -> ToolFormat:
+    """The tool-call format of a model (by its name or path): Hermes for every model served today."""
+    return FORMATS["hermes"]
+
+
+def constraint_for(structure: Structure | None, tool_format: ToolFormat = HERMES,
+                   special_tags: frozenset[str] = frozenset(), caps: SchemaCaps = SchemaCaps()) -> Constraint | None:
+    """The constraint of a request's structure options; None when its output is free."""
+    if structure is None or structure.is_free:
+        return None
+    if structure.tools:
+        return tool_format.constraint(structure, special_tags, caps)
+    fmt = structure.response_format
+    if fmt.type == "regex":
+        return Constraint("regex", fmt.pattern)
+    return Constraint("json_schema", json.dumps(fmt.json_schema_ if fmt.type == "json_schema" else {"type": "object"}))
+
+
+class Constraints:
+    """A model's structures to constraints, remembered by content (a repeated tool list is neither
+    rebuilt nor walked again). Thread-safe.
+
+    `special_tokens(texts)`: which of `texts` are one special token each of the model's tokenizer
+    (the engine's `GrammarCompiler.special_tokens`; asked once, when a structure first needs it).
+    """
+
+    def __init__(self, tool_format: ToolFormat, special_tokens: Callable[[tuple[str, ...]], frozenset[str]],
+                 caps: SchemaCaps = SchemaCaps()) -> None:
+        self.tool_format = tool_format
+        self.caps = caps
+        self._special_tokens = special_tokens
+        self._cache: OrderedDict[bytes, Constraint] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, engine: Any) -> "Constraints":
+        """The constraints for a loaded engine's model (a FLyEngine, not imported here: no torch)."""
+        return cls(format_for(engine.target_name), engine.grammars.special_tokens, engine.grammars.caps)
+
+    def constraint(self, structure: Structure | None) -> Constraint | None:
+        """The constraint of a request's structure (None: free output); BadRequest for a bad one."""
+        if structure is None or structure.is_free:  # checked here too: special tokens build the tokenizer view
+            return None
+        try:
+            text = structure.model_dump_json()
+        except (ValueError, RecursionError) as exc:  # pydantic refuses data nested deeper than it can write
+            raise BadRequest(f"the structure cannot be serialized: {exc}") from None
+        key = hashlib.sha256(text.encode()).digest()
+        with self._lock:
+            constraint = self._cache.get(key)
+            if constraint is not None:
+                self._cache.move_to_end(key)
+                return constraint
+        special = self._special_tokens(self.tool_format.tags) if structure.tools else frozenset()
+        constraint = constraint_for(structure, self.tool_format, special, self.caps)
+        with self._lock:
+            self._cache[key] = constraint
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return constraint
+
+    def parser(self, structure: Structure | None) -> CallParser | None:
+        """The call parser of a request that may call tools; None for the others."""
+        return self.tool_format.parser(structure) if structure is not None and structure.calls_tools else None

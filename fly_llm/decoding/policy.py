@@ -35,8 +35,8 @@ A model round first feeds the draft cache what it lacks of the context (`PolicyS
 the whole prompt in a request's first model round unless the prefix cache or a chunked prefill gave
 it, then the tokens of the rounds since the model last ran). That catch-up costs
 `draft_prefill · draft_behind` once, so a model plan other than a probe is valued over the tokens the
-request is still expected to emit, L = min(max_tokens left, tokens emitted so far) — a request that
-has run n tokens is taken to run about n more:
+request is still expected to emit, L = min(max_tokens left, max(tokens emitted so far, 64)) — a
+request that has run n tokens is taken to run about n more, and a new one 64:
 
     speed over L = L / (draft_prefill · draft_behind + L / speed of the round)
 
@@ -46,9 +46,10 @@ better than plain" on the embedded pair, where the model then paid well on code 
 probe's catch-up is bounded instead: at most a quarter of the time the rest of the request is
 expected to take (L tokens at the best other plan's speed). A cold draft cache behind a long
 prompt (a RAG question over retrieved passages: ~1,500 tokens of draft prefill, worth ~70 target
-forwards on the embedded pair) is then never caught up for a short answer; behind a 150-token
-prompt it is, once the request has emitted a few dozen tokens; a warm one (behind by a token or
-two) is valued as before.
+forwards on the embedded pair) is then never caught up for a short answer, nor before a long one
+has run ~300 tokens; behind a prompt of up to ~300 tokens (HumanEval, GSM8K) the model is probed
+in the second round as before, when the n-gram stage has not yet shown that it does better (after
+which an unproven model is not probed at all); a warm cache is valued as before.
 
 Rounds are never timed: the costs are fixed (the defaults, or `Costs.measure` once at start-up),
 so the choices — and hence FLy-mode output — depend only on the tokens.
@@ -71,6 +72,7 @@ PLAIN = DraftPlan(k=0, ngram=False, model=False)
 _FIRST_PROBE = 8
 _OPTIMISTIC_ALPHA = 0.9  # the draft model is only probed if it could win at this acceptance
 _PREFILL_WIDTH = 128  # tokens of the timed catch-up forward (the daemon's default prefill chunk)
+_PRIOR_TOKENS = 64  # what a request is expected to emit before its history says more
 _PROBE_CATCH_UP_SHARE = 0.25  # a probe's catch-up may take this share of the request's expected remaining time
 
 
@@ -180,7 +182,8 @@ class AdaptivePolicy:
                 best, best_speed = DraftPlan(k=k, ngram=True, model=False), speed
         if can_model:
             model_cost = per_token + self.costs.draft_step * state.model_steps
-            catch_up = _CatchUp(self.costs.draft_prefill * state.draft_behind, min(budget + 1, max(state.emitted, 1)))
+            expected = min(budget + 1, max(state.emitted, _PRIOR_TOKENS))
+            catch_up = _CatchUp(self.costs.draft_prefill * state.draft_behind, expected)
             realized = state.model_realized
             paid = realized is None or realized > best_speed
             if paid and catch_up.over(_speed(state.model.value, k_max, model_cost, loose)) > best_speed:

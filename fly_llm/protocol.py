@@ -288,7 +288,7 @@ class InfoReply(_Message):
     device: str
     dtype: str
     target_quantization: str = "none"
-    """Weights of the target as it runs: none, int8 or int4 (docs/models.md)."""
+    """Weights of the target as it runs: none, int8, int4 or w4a8 (docs/models.md)."""
     draft_quantization: str = "none"
     fly_defaults: FLyConfig
     sampling_defaults: SamplingParams

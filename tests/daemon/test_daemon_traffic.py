@@ -40,7 +40,7 @@ ONE_TOKEN = ["x", "Q", "a", "5", "(", "\n", "The"]
 def traffic_daemon(tiny_pair_dirs, tmp_path_factory):
     """A daemon with a small batch and queue, so bursts overflow it; its process and log stay readable.
 
-    Its target runs as a CPU user's does by default (int8 where torch has the kernels)."""
+    Its target runs as a CPU user's does by default (w4a8 on AVX-512 VNNI CPUs, else int8 where torch has the kernels)."""
     daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("traffic"), "t", "--max-batch-size", "4",
                           "--queue-size", "6", "--heartbeat-timeout", "2", "--target-quantization", "auto")
     yield daemon

@@ -21,6 +21,7 @@ from fly_llm.quantization import (Int4Linear, Int8Linear, int4_available, int8_a
 CPU = torch.device("cpu")
 needs_int8 = pytest.mark.skipif(not int8_available(), reason="torch has no fbgemm int8 kernels here")
 needs_int4 = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 kernel here")
+needs_w4a8 = pytest.mark.skipif(not w4a8.available(), reason="the w4a8 kernel cannot be built or run here")
 LAYERS = [pytest.param(Int8Linear, 0.05, marks=needs_int8), pytest.param(Int4Linear, 0.15, marks=needs_int4)]
 
 
@@ -96,7 +97,7 @@ def test_int4_keeps_layers_its_kernel_cannot_pack():
 
 
 @pytest.mark.parametrize("scheme", [pytest.param("int8", marks=needs_int8), pytest.param("int4", marks=needs_int4),
-                                    "none"])
+                                    pytest.param("w4a8", marks=needs_w4a8), "none"])
 def test_exact_mode_reproduces_the_quantized_target(tiny_pair_dirs, scheme):
     """FLy off → the greedy output of the target as it runs (here: quantized), token for token."""
     target_dir, draft_dir = tiny_pair_dirs

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import OrderedDict
 
 import llguidance
 import llguidance.torch
@@ -33,6 +32,7 @@ from fly_llm.decoding.grammar_sandbox import (MEMORY_BYTES, TIMEOUT_S, GrammarSa
                                               build_tokenizer, compile_grammar, shared_sandbox, tokenizer_setup)
 from fly_llm.constraints import Constraint, json_lexeme
 from fly_llm.errors import BadRequest
+from fly_llm.lru import LruCache
 from fly_llm.schema_limits import SchemaCaps, check_schema
 
 COMPILED_CACHE_SIZE = 64
@@ -69,8 +69,8 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._sandbox: GrammarSandbox | None = None
         self._setup: dict | None = None
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._grammars: OrderedDict[Constraint, str] = OrderedDict()  # constraint -> its grammar
+        self._compiled: LruCache[str, llguidance.LLMatcher] = LruCache(COMPILED_CACHE_SIZE)
+        self._grammars: LruCache[Constraint, str] = LruCache(COMPILED_CACHE_SIZE)  # constraint -> its grammar
         self._lock = threading.RLock()  # the caches and the tokenizer view
         self.compile_s = 0.0
         """Seconds spent building the tokenizer view and compiling grammars so far."""
@@ -112,17 +112,7 @@ class GrammarCompiler:
 
     def grammar(self, constraint: Constraint) -> str:
         """The grammar of a constraint, remembered (a repeated JSON Schema is not walked again)."""
-        with self._lock:
-            grammar = self._grammars.get(constraint)
-            if grammar is not None:
-                self._grammars.move_to_end(constraint)
-                return grammar
-        grammar = grammar_of(constraint, self.caps)
-        with self._lock:
-            self._grammars[constraint] = grammar
-            if len(self._grammars) > COMPILED_CACHE_SIZE:
-                self._grammars.popitem(last=False)
-        return grammar
+        return self._grammars.get_or_make(constraint, lambda: grammar_of(constraint, self.caps))
 
     def for_constraint(self, constraint: Constraint | None) -> llguidance.LLMatcher | None:
         """A matcher for a constraint (None: free output).
@@ -151,11 +141,10 @@ class GrammarCompiler:
 
     def _prototype(self, grammar: str) -> llguidance.LLMatcher:
         """The compiled grammar from the cache, or compiled now (sandbox first) and cached."""
-        with self._lock:
-            prototype = self._compiled.get(grammar)
-            if prototype is not None:
-                self._compiled.move_to_end(grammar)
-                return prototype
+        return self._compiled.get_or_make(grammar, lambda: self._compile(grammar))
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        """`grammar` compiled in the sandbox first (when on), then here."""
         if self._sandbox_limits is not None:
             self.sandbox.check(grammar)
         tokenizer = self.tokenizer
@@ -163,9 +152,6 @@ class GrammarCompiler:
         prototype = big_stack_call(lambda: compile_grammar(tokenizer, grammar))
         with self._lock:
             self.compile_s += time.perf_counter() - start
-            self._compiled[grammar] = prototype
-            if len(self._compiled) > COMPILED_CACHE_SIZE:
-                self._compiled.popitem(last=False)
         return prototype
 
 

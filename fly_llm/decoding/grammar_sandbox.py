@@ -29,7 +29,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,6 +36,7 @@ from typing import Any, TypeVar
 import llguidance
 
 from fly_llm.errors import BadRequest, Internal
+from fly_llm.lru import LruCache
 
 PARSER_LIMITS = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                      step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
@@ -129,7 +129,7 @@ class GrammarSandbox:
         self.memory_bytes = memory_bytes
         self._process: subprocess.Popen | None = None
         self._lock = threading.Lock()
-        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
+        self._verdicts: LruCache[bytes, str | None] = LruCache(VERDICTS)
         self.starts = 0
         """Worker processes started so far (one more after each crash or timeout)."""
 
@@ -137,14 +137,8 @@ class GrammarSandbox:
         """Return if `grammar` compiles in the worker to a non-empty language; else BadRequest naming
         the problem (its compile error, an empty language, a crash, a timeout, the memory limit)."""
         key = hashlib.sha256(grammar.encode()).digest()
-        with self._lock:
-            if key in self._verdicts:
-                self._verdicts.move_to_end(key)
-                problem = self._verdicts[key]
-            else:
-                problem = self._verdicts[key] = self._judge(grammar)
-                if len(self._verdicts) > VERDICTS:
-                    self._verdicts.popitem(last=False)
+        with self._lock:  # one worker: grammars are judged one at a time
+            problem = self._verdicts.get_or_make(key, lambda: self._judge(grammar))
         if problem is not None:
             raise BadRequest(problem)
 

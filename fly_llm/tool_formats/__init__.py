@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from fly_llm.constraints import Constraint
 from fly_llm.errors import BadRequest
+from fly_llm.lru import LruCache
 from fly_llm.schema_limits import SchemaCaps
 from fly_llm.tool_formats.hermes import HERMES
 from fly_llm.tools import Structure, ToolCall
@@ -84,8 +83,7 @@ class Constraints:
         self.tool_format = tool_format
         self.caps = caps
         self._special_tokens = special_tokens
-        self._cache: OrderedDict[bytes, Constraint] = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache: LruCache[bytes, Constraint | None] = LruCache(CACHE_SIZE)
 
     @classmethod
     def of(cls, engine: Any) -> "Constraints":
@@ -100,19 +98,11 @@ class Constraints:
             text = structure.model_dump_json()
         except (ValueError, RecursionError) as exc:  # pydantic refuses data nested deeper than it can write
             raise BadRequest(f"the structure cannot be serialized: {exc}") from None
-        key = hashlib.sha256(text.encode()).digest()
-        with self._lock:
-            constraint = self._cache.get(key)
-            if constraint is not None:
-                self._cache.move_to_end(key)
-                return constraint
+        return self._cache.get_or_make(hashlib.sha256(text.encode()).digest(), lambda: self._make(structure))
+
+    def _make(self, structure: Structure) -> Constraint | None:
         special = self._special_tokens(self.tool_format.tags) if structure.tools else frozenset()
-        constraint = constraint_for(structure, self.tool_format, special, self.caps)
-        with self._lock:
-            self._cache[key] = constraint
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return constraint
+        return constraint_for(structure, self.tool_format, special, self.caps)
 
     def parser(self, structure: Structure | None) -> CallParser | None:
         """The call parser of a request that may call tools; None for the others."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -124,10 +125,15 @@ class Int4Linear(nn.Module):
 class W4A8Linear(nn.Module):
     """A Linear with 4-bit weights (blocks of 32 inputs, scale and minimum each) and int8 activations."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, weight: w4a8.QuantizedWeight | None = None) -> None:
+        """`weight`: the linear's weight already in 4-bit levels (e.g. a GGUF's published Q4_K
+        blocks); None rounds `linear.weight` (`w4a8.quantize_weight`)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = w4a8.pack(w4a8.quantize_weight(linear.weight))
+        if weight is not None and tuple(weight.q.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"a published weight of shape {tuple(weight.q.shape)} for a "
+                             f"{self.out_features}x{self.in_features} Linear")
+        self.packed = w4a8.pack(weight if weight is not None else w4a8.quantize_weight(linear.weight))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,8 +198,12 @@ def _unpackable(scheme: str, linear: nn.Linear) -> bool:
     return scheme == "w4a8" and linear.in_features % w4a8.BLOCK != 0
 
 
-def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "target") -> str:
+def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "target",
+             published: Mapping[str, w4a8.QuantizedWeight] | None = None) -> str:
     """Replace `model`'s Linear layers in place by quantized ones; returns the scheme applied.
+
+    `published` maps Linear names (as `model.named_modules()` gives them) to 4-bit weights taken
+    as they are under w4a8 instead of rounding the float weight again (other schemes ignore it).
 
     Every Linear is replaced, the output head included (a Linear whose input width is not a
     multiple of 32, or under int4 whose output width is not one of 16, stays as it is). A
@@ -205,15 +215,17 @@ def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "tar
     if scheme == "none":
         return scheme
     layer = _LAYERS[scheme]
+    given = published if scheme == "w4a8" and published else {}
     kept = 0
-    for parent in list(model.modules()):
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
                 continue
             if _unpackable(scheme, child):
                 kept += 1
                 continue
-            setattr(parent, name, layer(child))
+            weight = given.get(f"{parent_name}.{name}" if parent_name else name)
+            setattr(parent, name, layer(child, weight) if weight is not None else layer(child))
     if kept:
         log.info("%s: %d Linear layers kept in float (widths the %s kernel cannot pack)", role, kept, scheme)
     if role == "target" and isinstance(model, PreTrainedModel):

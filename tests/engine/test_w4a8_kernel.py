@@ -159,3 +159,17 @@ def test_a_w4a8_target_scores_a_token_the_same_however_it_is_scheduled(tiny_pair
         steps = torch.cat([target(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0]
                            for t in ids[-3:]])
     assert torch.equal(verify, full) and torch.equal(steps, full)
+
+
+
+def test_published_weights_are_taken_as_they_are_not_rounded_again():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32, bias=False))
+    published = w4a8.quantize_weight(torch.randn(32, 64))  # not a rounding of model[1]'s float weight
+    rounded = w4a8.pack(w4a8.quantize_weight(model[0].weight))
+    quantize(model, "w4a8", CPU, "draft", published={"1": published})
+    for field in ("q", "d", "m"):
+        assert torch.equal(getattr(model[1].packed, field), getattr(w4a8.pack(published), field))
+        assert torch.equal(getattr(model[0].packed, field), getattr(rounded, field))
+    with pytest.raises(ValueError, match="published weight of shape"):
+        W4A8Linear(torch.nn.Linear(64, 16), published)

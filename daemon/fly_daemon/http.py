@@ -106,6 +106,9 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
             return app.openapi()
 
     app.include_router(v1)
+    from fly_daemon.ollama_http import ollama_app  # here: it builds on this module's helpers
+
+    app.mount("/api", ollama_app(client, guard, tenant))  # Ollama's API (docs/daemon.md, "Ollama API")
     _add_error_handlers(app)
     return app
 

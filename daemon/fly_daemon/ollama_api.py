@@ -1,0 +1,331 @@
+"""Ollama's API shapes (docs/daemon.md, "Ollama API"): the bodies of /api/chat and /api/generate, their
+translation into one `fly_llm.protocol.GenerateRequest`, and answers, stream lines and model cards in
+Ollama's shape. The routes are fly_daemon.ollama_http.
+
+`options` carry Ollama's sampling options that FLy has (num_predict, temperature, top_p, seed, stop,
+num_ctx checked against the context window), FLy's own options (k, window, entropy_threshold, loose)
+and the structure options Ollama has no field for (tool_choice, parallel_tool_calls, response_format;
+`fly_llm.tools.StructureOptions`), all validated where the wire request validates them. Ollama's
+load-time options (num_gpu, num_thread, ...) change no output and are ignored; a sampler FLy does not
+have (top_k, repeat_penalty, mirostat, ...) is accepted only at the value that turns it off; any
+other option is refused, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from abc import ABC, abstractmethod
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fly_llm.client.core import build_options, checked
+from fly_llm.config import FLyOverrides
+from fly_llm.errors import BadRequest
+from fly_llm.protocol import GenerateRequest, GenerateResult
+from fly_llm.stats import FinishReason
+from fly_llm.tools import STRUCTURE_OPTIONS, ToolCall, schema_format
+
+OLLAMA_VERSION = "0.9.0"
+"""The Ollama release whose API these routes follow (GET /api/version): streamed tool calls (0.8), `think` (0.9)."""
+LOAD_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
+                          "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep"})
+"""Ollama options about loading and running a model on the hardware: accepted and ignored (they change no output)."""
+SAMPLERS_OFF = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, "tfs_z": 1.0, "repeat_penalty": 1.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, "mirostat": 0}
+"""Ollama samplers FLy does not have, each with the value that turns it off (the only one accepted)."""
+SAMPLER_SETTINGS = frozenset({"repeat_last_n", "mirostat_tau", "mirostat_eta", "penalize_newline"})
+"""Settings of those samplers: accepted and ignored (they do nothing while their sampler is off)."""
+FLY_OPTIONS: tuple[str, ...] = (*FLyOverrides.model_fields, *(n for n in STRUCTURE_OPTIONS if n != "tools"))
+"""FLy's options an Ollama request may add to `options` (`tools` is Ollama's own field)."""
+NO_LIMIT = (-1, -2)
+"""Ollama's num_predict for 'no limit' and 'fill the context'."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Options(BaseModel):
+    """An Ollama request's `options`: those FLy honours as fields, FLy's own and the ignored ones as extras."""
+
+    model_config = ConfigDict(extra="allow")
+
+    num_predict: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    num_ctx: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _known(self) -> "Options":
+        for name, value in (self.model_extra or {}).items():
+            if name in SAMPLERS_OFF:
+                if value is not None and value != SAMPLERS_OFF[name]:
+                    raise ValueError(f"{name} {value!r}: FLy has no such sampler (leave it out, or set it to "
+                                     f"{SAMPLERS_OFF[name]!r}: off)")
+            elif name not in (*LOAD_OPTIONS, *SAMPLER_SETTINGS, *FLY_OPTIONS):
+                raise ValueError(f"unknown option {name!r}; FLy's own: {', '.join(FLY_OPTIONS)}")
+        return self
+
+    def extras(self, names: tuple[str, ...]) -> dict[str, Any]:
+        """The extra options among `names` that are set."""
+        return {n: v for n, v in (self.model_extra or {}).items() if n in names and v is not None}
+
+
+class OllamaToolCall(_Strict):
+    """A call in an assistant turn, in Ollama's shape (arguments an object; `id` and `index` optional)."""
+
+    class Function(_Strict):
+        name: str
+        arguments: dict[str, Any] | str = Field(default_factory=dict)
+        index: int | None = None
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class OllamaMessage(_Strict):
+    """A chat turn in Ollama's shape. A tool result names its tool (`tool_name`) or the call it answers
+    (`tool_call_id`, as LangChain sends it); `thinking` is accepted and not sent to the model."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = ""
+    images: list[str] | None = Field(None, description="Refused unless empty: the served models read text only.")
+    thinking: str | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = None
+    tool_call_id: str | None = None
+
+    def to_protocol(self, turn: int) -> dict[str, Any]:
+        """The turn as fly_llm.protocol.ChatMessage fields; a call without an id gets `call_<turn>_<i>`."""
+        if self.images:
+            raise BadRequest("images: the served models read text only")
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id or f"call_{turn}_{i}", "type": "function",
+                                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                     for i, c in enumerate(self.tool_calls)]
+        if self.tool_name is not None:
+            message["name"] = self.tool_name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class Served(BaseModel):
+    """What a request is translated against: the served model's context window, the max_tokens that
+    Ollama's 'no limit' stands for, and whether the target has a chat template."""
+
+    context_window: int
+    no_limit_tokens: int
+    chat_template: bool
+
+
+class OllamaBody(_Strict, ABC):
+    """The fields /api/chat and /api/generate share. `keep_alive` is accepted and ignored (the models
+    stay loaded); `think` and `logprobs` are refused when asked for."""
+
+    model: str = Field(min_length=1)
+    stream: bool = True
+    format: Literal["", "json"] | dict[str, Any] | None = None
+    options: Options | None = None
+    keep_alive: float | str | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _refused(self) -> "OllamaBody":
+        if self.think not in (None, False):
+            raise ValueError("think: the served model does not think (leave it out or set it to false)")
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs: not served on the Ollama routes")
+        return self
+
+    @property
+    @abstractmethod
+    def loads_only(self) -> bool:
+        """Ollama's 'load the model' request (no prompt, no messages): answered at once, nothing generated."""
+
+    def to_generate(self, request_id: str, served: Served) -> GenerateRequest:
+        """The wire request this body asks for; BadRequest / TooLong (naming the field) if it is not valid."""
+        options = self.options or Options()
+        if options.num_ctx is not None and options.num_ctx > served.context_window:
+            raise BadRequest(f"options.num_ctx {options.num_ctx} is over the model's context window of "
+                             f"{served.context_window} tokens")
+        structure = options.extras(STRUCTURE_OPTIONS)
+        if self.format not in (None, ""):
+            if "response_format" in structure:
+                raise BadRequest("give either format or options.response_format, not both")
+            structure["response_format"] = {"type": "json_object"} if self.format == "json" else \
+                schema_format(self.format)
+        limit = options.num_predict
+        sampling, fly = build_options(
+            max_tokens=served.no_limit_tokens if limit is None or limit in NO_LIMIT else limit,
+            temperature=options.temperature, top_p=options.top_p, seed=options.seed,
+            stop=[options.stop] if isinstance(options.stop, str) else options.stop,
+            **options.extras(tuple(FLyOverrides.model_fields)))
+        with checked():
+            return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream, **structure,
+                                   **self._source(served))
+
+    @abstractmethod
+    def _source(self, served: Served) -> dict[str, Any]:
+        """The prompt or the chat messages (and tools), as GenerateRequest fields."""
+
+    @abstractmethod
+    def _payload(self, text: str, calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
+        """The answer's text (and tool calls with their index), as this route's field."""
+
+    # ---- answers ----
+
+    def head(self) -> dict[str, Any]:
+        """The fields every answer and line of one request share: the model as asked for, the time."""
+        return {"model": self.model, "created_at": datetime.now(timezone.utc).isoformat()}
+
+    def line(self, head: dict[str, Any], text: str, calls: list[tuple[int, ToolCall]] = ()) -> dict[str, Any]:
+        """One stream line: new text and the tool calls completed with it."""
+        return {**head, **self._payload(text, list(calls)), "done": False}
+
+    def final(self, head: dict[str, Any], result: GenerateResult, started_ns: int, text: str = "",
+              calls: list[tuple[int, ToolCall]] = ()) -> dict[str, Any]:
+        """The last line of a stream (no text), or with the whole `text` and `calls` the one answer of
+        `stream: false`: done, why, the counts and durations in ns, and FLy's counters as `fly_stats`."""
+        first = result.time_to_first_token_s or 0.0
+        return {**head, **self._payload(text, list(calls)), "done": True,
+                "done_reason": done_reason(result.finish_reason),
+                "total_duration": time.perf_counter_ns() - started_ns, "load_duration": 0,
+                "prompt_eval_count": result.usage.prompt_tokens, "prompt_eval_duration": _ns(first),
+                "eval_count": result.usage.completion_tokens,
+                "eval_duration": _ns(max(result.elapsed_s - first, 0.0)), "fly_stats": result.stats.model_dump()}
+
+    def whole(self, head: dict[str, Any], result: GenerateResult, started_ns: int) -> dict[str, Any]:
+        """The one answer of `stream: false`."""
+        return self.final(head, result, started_ns, result.text, list(enumerate(result.tool_calls)))
+
+    def loaded(self, head: dict[str, Any]) -> dict[str, Any]:
+        """The answer to a 'load the model' request."""
+        return {**head, **self._payload("", []), "done": True, "done_reason": "load"}
+
+
+class ChatBody(OllamaBody):
+    """POST /api/chat: the messages go through the target's chat template; `tools` as OpenAI's and Ollama's."""
+
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+    @property
+    def loads_only(self) -> bool:
+        return not self.messages
+
+    def _source(self, served: Served) -> dict[str, Any]:
+        return {"messages": [m.to_protocol(i) for i, m in enumerate(self.messages)], "tools": self.tools}
+
+    def _payload(self, text: str, calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [ollama_tool_call(call, index) for index, call in calls]
+        return {"message": message}
+
+
+class GenerateBody(OllamaBody):
+    """POST /api/generate: the prompt (with `system`) through the chat template, or as it is with `raw`
+    or when the target has no template. `suffix`, `template`, `context` and `images` are refused."""
+
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    suffix: str | None = Field(None, description="Refused unless empty: no fill-in-the-middle.")
+    template: str | None = Field(None, description="Refused unless empty: the target's chat template is used.")
+    context: list[int] | None = Field(None, description="Refused unless empty: send the conversation to /api/chat.")
+    images: list[str] | None = Field(None, description="Refused unless empty: the served models read text only.")
+
+    @model_validator(mode="after")
+    def _unserved(self) -> "GenerateBody":
+        for name, why in (("suffix", "no fill-in-the-middle"), ("template", "the target's chat template is used"),
+                          ("context", "send the conversation to /api/chat as messages"),
+                          ("images", "the served models read text only")):
+            if getattr(self, name):
+                raise ValueError(f"{name}: not served ({why})")
+        return self
+
+    @property
+    def loads_only(self) -> bool:
+        return not self.prompt
+
+    def _source(self, served: Served) -> dict[str, Any]:
+        if self.raw or not served.chat_template:
+            if self.system:
+                raise BadRequest("system needs the chat template (not with raw, nor a target without one)")
+            return {"prompt": self.prompt}
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return {"messages": [*system, {"role": "user", "content": self.prompt}]}
+
+    def _payload(self, text: str, calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
+        return {"response": text}
+
+
+class ShowBody(BaseModel):
+    """POST /api/show: the model (older clients call it `name`); other fields are accepted and not used."""
+
+    model: str | None = None
+    name: str | None = None
+
+    @property
+    def asked(self) -> str:
+        if not (self.model or self.name):
+            raise BadRequest("model: give the model's name")
+        return self.model or self.name
+
+
+def ollama_tool_call(call: ToolCall, index: int) -> dict[str, Any]:
+    """A tool call in Ollama's shape (arguments an object), with its id and index in the answer."""
+    return {"id": call.id, "function": {"index": index, "name": call.name, "arguments": call.arguments}}
+
+
+def done_reason(finish: FinishReason) -> str:
+    """Ollama's done_reason: 'length' at the token limit, else 'stop' (Ollama says 'stop' after tool calls too)."""
+    return "length" if finish == "length" else "stop"
+
+
+def same_model(asked: str, served: str) -> bool:
+    """Whether a request's model names the served one (Ollama's implicit ':latest' tag allowed)."""
+    return asked in (served, f"{served}:latest")
+
+
+def model_card(engine: Any, started: float) -> dict[str, Any]:
+    """The served target as /api/tags and /api/ps list a model: name, size in bytes, digest, details."""
+    target = engine.target
+    tensors = [*target.parameters(), *target.buffers()]
+    arch = architecture(engine)
+    return {"name": engine.target_name, "model": engine.target_name,
+            "modified_at": datetime.fromtimestamp(started, timezone.utc).isoformat(),
+            "size": sum(t.numel() * t.element_size() for t in tensors),
+            "digest": hashlib.sha256(engine.target_name.encode()).hexdigest(),
+            "details": {"parent_model": "", "format": "gguf" if engine.target_name.endswith(".gguf") else "safetensors",
+                        "family": arch, "families": [arch], "parameter_size": _size(parameter_count(engine)),
+                        "quantization_level": engine.target_quantization.upper()}}
+
+
+def architecture(engine: Any) -> str:
+    """The target's architecture (its config's model_type), Ollama's model family."""
+    return str(getattr(engine.target.config, "model_type", "") or type(engine.target).__name__)
+
+
+def parameter_count(engine: Any) -> int:
+    """The number of values in the target's parameters (packed quantized weights count as stored)."""
+    return sum(t.numel() for t in engine.target.parameters())
+
+
+def _size(count: int) -> str:
+    """A parameter count as Ollama writes it: 1.5B, 494M."""
+    return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.0f}M" if count >= 1e6 else f"{count / 1e3:.0f}K"
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)

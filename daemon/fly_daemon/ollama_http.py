@@ -1,0 +1,187 @@
+"""Ollama's API on the HTTP front: the /api routes, a FastAPI app that `fly_daemon.http.create_app` mounts
+at /api, so `fly-daemon start --http 127.0.0.1:11434` (and fly-serve) answer Ollama's clients unchanged.
+
+POST /api/chat and /api/generate stream newline-delimited JSON (one object with `"stream": false`)
+through the same scheduler as /v1 (fly_daemon.inproc); GET /api/tags, /api/ps, /api/version and
+POST /api/show describe the served target; the model-management routes (pull, push, create, copy,
+delete) and embeddings are refused. The front's API key, Host check and body limit apply as on /v1.
+Errors are Ollama's shape, `{"error": message}`, with our stable code (fly_llm.errors) as `code`; a
+failure after a stream began is its last line. Shapes and translation: fly_daemon.ollama_api.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.params import Depends
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from fly_llm.errors import BadRequest, FLyError, TooLong
+from fly_llm.protocol import GenerateResult, TokenChunk
+
+from fly_daemon.http import CLIENT_CLOSED, Replies, UnknownModel, _ClientGone, _internal, _status, _unless_disconnected
+from fly_daemon.inproc import InProcessClient
+from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaBody, Served, ShowBody,
+                                   architecture, model_card, parameter_count, same_model)
+
+MANAGEMENT = ("/pull", "/push", "/create", "/copy", "/delete", "/embed", "/embeddings")
+"""Ollama routes fly-daemon refuses: it serves the models it loaded from local files at start, and no embeddings."""
+NEVER = "2262-04-11T23:47:16Z"
+"""/api/ps's `expires_at` of a model that stays loaded (the latest time Go's time.Time in ns can hold)."""
+
+
+def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str) -> FastAPI:
+    """The /api app serving `client`'s scheduler as `tenant`; `guard`: the front's API-key dependency, if any."""
+    app = FastAPI(dependencies=guard, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post("/chat")
+    async def chat(body: ChatBody, request: Request) -> Response:
+        return await _serve(client, body, request, tenant)
+
+    @app.post("/generate")
+    async def generate(body: GenerateBody, request: Request) -> Response:
+        return await _serve(client, body, request, tenant)
+
+    @app.get("/tags")
+    async def tags() -> dict[str, Any]:
+        return {"models": [model_card(await _engine(client), client.scheduler.started)]}
+
+    @app.get("/ps")
+    async def ps() -> dict[str, Any]:
+        engine = await _engine(client)
+        card = model_card(engine, client.scheduler.started)
+        vram = card["size"] if engine.device.type == "cuda" else 0
+        return {"models": [{**card, "expires_at": NEVER, "size_vram": vram, "context_length": engine.context_window}]}
+
+    @app.post("/show")
+    async def show(body: ShowBody) -> dict[str, Any]:
+        engine = await _served(client, body.asked)
+        card = model_card(engine, client.scheduler.started)
+        arch, template = architecture(engine), getattr(engine.tokenizer, "chat_template", None) or ""
+        return {"modelfile": f"# fly-daemon serves this model from local files loaded at start\nFROM {card['name']}\n",
+                "parameters": "", "template": template if isinstance(template, str) else json.dumps(template),
+                "details": card["details"], "modified_at": card["modified_at"],
+                "model_info": {"general.architecture": arch, "general.parameter_count": parameter_count(engine),
+                               f"{arch}.context_length": engine.context_window},
+                "capabilities": ["completion", "tools"] if template else ["completion"]}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": OLLAMA_VERSION}
+
+    async def managed(request: Request) -> Response:
+        raise BadRequest(f"{request.url.path} is not served: fly-daemon serves the models it loaded from local "
+                         "files at start (--target, --draft), and no embeddings")
+
+    for path in MANAGEMENT:
+        app.add_api_route(path, managed, methods=["POST", "DELETE"], include_in_schema=False)
+    _add_error_handlers(app)
+    return app
+
+
+async def _engine(client: InProcessClient) -> Any:
+    """The serving engine once the models are loaded (NotReady if loading failed)."""
+    await client.loaded_model()
+    return client.scheduler.engine
+
+
+async def _served(client: InProcessClient, asked: str) -> Any:
+    """The engine, if `asked` names its target; else UnknownModel (404)."""
+    engine = await _engine(client)
+    if not same_model(asked, engine.target_name):
+        raise UnknownModel(f"model {asked!r} not found: fly-daemon serves {engine.target_name!r} (GET /api/tags)")
+    return engine
+
+
+async def _serve(client: InProcessClient, body: OllamaBody, request: Request, tenant: str) -> Response:
+    """Serve one chat or generate request, whole or as NDJSON lines, as `tenant` and its connection's peer."""
+    started = time.perf_counter_ns()
+    peer = request.client.host if request.client else "unknown"
+
+    async def start() -> tuple[Replies, TokenChunk | GenerateResult] | None:
+        engine = await _served(client, body.model)
+        if body.loads_only:
+            return None
+        served = Served(context_window=engine.context_window,
+                        no_limit_tokens=min(client.scheduler.limits.max_tokens_limit, engine.context_window),
+                        chat_template=bool(getattr(engine.tokenizer, "chat_template", None)))
+        replies = client.replies(body.to_generate(f"ollama-{uuid.uuid4().hex}", served), tenant=tenant,
+                                 client=f"{tenant}@{peer}")
+        return replies, await anext(replies)  # an error before the first token is a plain HTTP error
+
+    try:
+        begun = await _unless_disconnected(request, start())
+    except _ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    head = body.head()
+    if begun is None:
+        return JSONResponse(body.loaded(head))
+    replies, first = begun
+    if not body.stream:
+        await replies.aclose()
+        return JSONResponse(body.whole(head, first, started))
+    return StreamingResponse(_lines(body, head, first, replies, started), media_type="application/x-ndjson")
+
+
+async def _lines(body: OllamaBody, head: dict[str, Any], first: TokenChunk | GenerateResult, replies: Replies,
+                 started: int) -> AsyncIterator[str]:
+    """The stream's lines; an error after the first line is sent as a last `{"error", "code"}` line."""
+    try:
+        reply, calls = first, 0
+        while isinstance(reply, TokenChunk):
+            indexed = list(enumerate(reply.tool_calls, calls))
+            calls += len(indexed)
+            if reply.text or indexed:
+                yield _line(body.line(head, reply.text, indexed))
+            reply = await anext(replies)
+        yield _line(body.final(head, reply, started))
+    except FLyError as exc:
+        yield _line(ollama_error(exc))
+    except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
+        yield _line(ollama_error(_internal(exc)))
+    finally:
+        await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
+
+
+def _line(data: dict[str, Any]) -> str:
+    return json.dumps(data, separators=(",", ":")) + "\n"
+
+
+# ---- errors in Ollama's shape ----
+
+def ollama_error(error: FLyError) -> dict[str, str]:
+    """Ollama's error shape, with our stable code (fly_llm.errors) as `code`."""
+    return {"error": error.message, "code": error.code}
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(FLyError)
+    async def fly_error(_: Request, exc: FLyError) -> JSONResponse:
+        status = _status(exc)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {"Retry-After": "1"} if status == 503 else None
+        return JSONResponse(ollama_error(exc), status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if errors[0]["type"] == "json_invalid":
+            return JSONResponse(ollama_error(BadRequest(f"the body is not valid JSON: {errors[0]['ctx']['error']}")),
+                                status_code=400)
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg'].removeprefix('Value error, ')}" for e in errors[:5])
+        return JSONResponse(ollama_error(BadRequest(problems)), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method, body size
+        error = (TooLong if exc.status_code == 413 else BadRequest)(str(exc.detail))
+        return JSONResponse(ollama_error(error), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(ollama_error(_internal(exc)), status_code=500)

@@ -28,6 +28,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from fly_llm.kernels import row_attention as native
+
 ROW_ATTENTION = "fly_row_attention"
 FLOAT32_SDPA = "fly_float32_sdpa"
 
@@ -37,20 +39,43 @@ def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float32 if tensor.device.type == "cpu" else tensor.dtype
 
 
+def _allowed(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The boolean [B, q, kv] mask of which columns each query may see (None: causal, no padding)."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+    return mask.expand(query.shape[0], query.shape[2], key.shape[2])
+
+
+def _native(query: torch.Tensor) -> bool:
+    """Whether the C++ op (fly_llm.kernels.row_attention) computes this call: CPU, float32 or bfloat16."""
+    return query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and native.available()
+
+
 def row_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query [B, H, q, D], key/value [B, Hkv, kv, D], a boolean
-    mask [B, 1, q, kv] (True: may attend) or None (causal, no padding). Returns [B, q, H, D]."""
+    mask [B, 1, q, kv] (True: may attend) or None (causal, no padding). Returns [B, q, H, D].
+
+    On a CPU where it builds, one call of the C++ op per layer; elsewhere `reference_row_attention`."""
+    if not (_native(query) and key.dtype == query.dtype and value.dtype == query.dtype):
+        return reference_row_attention(module, query, key, value, attention_mask, scaling=scaling)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return native.attention(query, key, value, _allowed(query, key, attention_mask), scale), None
+
+
+def reference_row_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                            scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """`row_attention` in torch: one SDPA call per query token over its gathered columns (any device)."""
     batch, heads, q_len, _ = query.shape
     kv_len = key.shape[2]
     dtype = _compute_dtype(query)
-    if attention_mask is None:
+    allowed = _allowed(query, key, attention_mask)
+    if allowed is None:
         allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
         allowed = allowed.expand(batch, q_len, kv_len)
-    else:
-        mask = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
-        allowed = mask.expand(batch, q_len, kv_len)
     out = query.new_zeros(batch, q_len, heads, query.shape[-1], dtype=dtype)
     in_dtype, query = query.dtype, query.to(dtype)
     gqa = heads != key.shape[1]

@@ -17,8 +17,6 @@ from types import ModuleType
 
 import torch
 
-from fly_llm.model_cache import cache_root
-
 log = logging.getLogger(__name__)
 
 _FLAGS = ["-O3", "-std=c++17", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own thread pool
@@ -26,6 +24,8 @@ _FLAGS = ["-O3", "-std=c++17", "-fopenmp"]  # OpenMP: at::parallel_for runs on t
 
 def build_directory(name: str, source: Path) -> Path:
     """Where `name` built from `source` lives: keyed by the source, torch and Python."""
+    from fly_llm.model_cache import cache_root  # here, not above: model_cache imports this package's modules
+
     key = hashlib.sha256(source.read_bytes() + f"{torch.__version__}|{sys.version}|{_FLAGS}".encode())
     return cache_root() / "kernels" / f"{name}-{key.hexdigest()[:12]}"
 

@@ -1,0 +1,105 @@
+"""Where a forward's time goes: the embedded target's and draft's forward over w new tokens after a
+cached prompt, timed whole, its Linear layers alone at the same width, and a torch.profiler table of
+the rest (issue 34, "a lean step"):
+
+    python benchmarks/step_profile.py --widths 1 16 --threads 2 --out benchmarks/results/step/profile.md
+
+Linear layers (any quantized kind) are profiled as one labelled range each ("linear"), so the table
+splits a forward into its matmuls and everything else (attention, norms, rotary, KV writes, Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from benchmarks.kernel_bench import _LINEAR_TYPES, cpu_name, linears_ms
+from fly_llm.config import ModelSpec
+from fly_llm.decoding.cache import BatchKV
+from fly_llm.default_models import ensure_default_pair
+from fly_llm.models import load_models
+
+
+def forward_ms(model: nn.Module, kv: BatchKV, context: int, width: int, reps: int) -> float:
+    """Fastest of `reps` forwards over `width` new tokens after `context` cached ones, in ms."""
+    tokens = torch.arange(width)[None]
+    best = float("inf")
+    for r in range(reps + 1):
+        start = time.perf_counter()
+        kv.forward(model, tokens, logits_to_keep=width)
+        if r:
+            best = min(best, time.perf_counter() - start)
+        kv.truncate([context])
+    return best * 1000
+
+
+def label_linears(model: nn.Module) -> None:
+    """Wrap every Linear layer's forward in a profiler range named 'linear'."""
+    for layer in model.modules():
+        if isinstance(layer, _LINEAR_TYPES):
+            forward = layer.forward
+
+            def labelled(x, forward=forward):
+                with torch.profiler.record_function("linear"):
+                    return forward(x)
+
+            layer.forward = labelled
+
+
+def profile_table(model: nn.Module, kv: BatchKV, context: int, width: int, rows: int) -> str:
+    """torch.profiler's ops by self CPU time over 5 forwards (profiler overhead included)."""
+    tokens = torch.arange(width)[None]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            kv.forward(model, tokens, logits_to_keep=width)
+            kv.truncate([context])
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--widths", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rows", type=int, default=25, help="profiler table rows")
+    p.add_argument("--quantization", default="auto")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target_dir, draft_dir = ensure_default_pair(progress=False)
+    loaded = load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), dtype="auto",
+                                   target_quantization=args.quantization, draft_quantization=args.quantization),
+                         progress=False)
+    lines = [f"# Forward profile ({cpu_name()}, {args.threads} threads, torch {torch.__version__}, {loaded.dtype}, "
+             f"target {loaded.target_quantization}, draft {loaded.draft_quantization}, {args.context} cached)", "",
+             "| model | w | forward ms | Linear layers ms | rest ms | rest share |", "|---|---:|---:|---:|---:|---:|"]
+    tables = []
+    with torch.inference_mode():
+        for role, model in (("target", loaded.target), ("draft", loaded.draft)):
+            kv = BatchKV.prefill(model, list(range(args.context)), loaded.device)
+            for width in args.widths:
+                whole = forward_ms(model, kv, args.context, width, args.reps)
+                linear = linears_ms(model, width, args.reps)
+                lines.append(f"| {role} | {width} | {whole:.1f} | {linear:.1f} | {whole - linear:.1f} | "
+                             f"{(whole - linear) / whole:.0%} |")
+                print(lines[-1], flush=True)
+            label_linears(model)
+            for width in args.widths:
+                tables += ["", f"## {role}, w={width}: ops by self CPU time (5 forwards)", "", "```",
+                           profile_table(model, kv, args.context, width, args.rows), "```"]
+    text = "\n".join(lines + tables) + "\n"
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -59,8 +59,8 @@ def _fly_variants() -> list[Method]:
     ]
     ablations = [(f"fly-w{w}", f"FLy, deferred window W={w}", {"window": w}) for w in (0, 4, 6)] + [
         ("fly-no-gate", "FLy, entropy gate off", {"entropy_threshold": 0.0}),
-        ("fly-model-only", "FLy, cascade off: draft model only, no n-gram stage", {"ngram": False}),
-        ("fly-ngram-only", "FLy, n-gram stage only, no draft model", {"draft_model": False}),
+        ("fly-model-only", "FLy, cascade off: draft model only, no n-gram stage", {"stages": ("draft_model",)}),
+        ("fly-ngram-only", "FLy, n-gram stage only, no draft model", {"stages": ("ngram",)}),
         ("fly-fixed-k8", "FLy, adaptive policy off: K=8 every round", {"adaptive": False, "k": 8}),
         ("fly-fixed-k15", "FLy, adaptive policy off: K=15 every round", {"adaptive": False, "k": 15}),
         ("fly-confidence", "FLy, draft model stops at a token it gives < 0.4 (HF's default)",
@@ -163,7 +163,7 @@ class Runner:
             return None if self.target_gguf is not None else "needs the target as a .gguf file"
         if method.float_weights and self.float_target is None:
             return "the target runs unquantized already (it is method 'target')"
-        needs_draft = ("assistant_model" in method.hf_kwargs) if method.kind == "hf" else not method.fly.ngram
+        needs_draft = ("assistant_model" in method.hf_kwargs) if method.kind == "hf" else "ngram" not in method.fly.stages
         return "needs a draft model" if needs_draft and self.draft is None else None
 
     @property

@@ -10,7 +10,7 @@ from benchmarks.confidence import flips, mcnemar_p, retention_interval, wilson_i
 from benchmarks.datasets import Item
 from benchmarks.quality_run import ItemRecord, Sitting, part_path, read_records, read_sittings
 from benchmarks.report import METRIC_NAMES, REFERENCE, fmt, footer, header, merged_stats, save
-from fly_llm.decoding.drafters import common_prefix
+from fly_llm.decoding.stages import common_prefix
 
 
 def summarize_part(dataset: str, method: str, records: list[ItemRecord], reference: dict[str, ItemRecord],

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,8 +27,8 @@ from benchmarks.methods import Method, Runner
 from benchmarks.quality import score
 from benchmarks.report import REFERENCE
 from fly_llm.config import FLyConfig, SamplingParams
-from fly_llm.decoding.drafters import DraftPlan
 from fly_llm.decoding.policy import AdaptivePolicy, Costs, PolicyState
+from fly_llm.decoding.stages import DraftPlan, Stage
 from fly_llm.stats import RequestStats
 
 PLAIN = FLyConfig(loose=False, adaptive=False, ngram=False, draft_model=False)
@@ -113,14 +113,15 @@ class SingleStreamPolicy(AdaptivePolicy):
     item's drafting (and so its loose acceptances) what it is when the item runs alone.
     """
 
-    def plan(self, state: PolicyState, fly: FLyConfig, budget: int, batch_size: int, has_model: bool) -> DraftPlan:
+    def plan(self, state: PolicyState, fly: FLyConfig, budget: int, batch_size: int,
+             offered: Sequence[Stage]) -> DraftPlan:
         """AdaptivePolicy.plan with the batch size taken as 1."""
-        return super().plan(state, fly, budget, 1, has_model)
+        return super().plan(state, fly, budget, 1, offered)
 
-    def observe(self, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int, model_forwards: int = 0,
+    def observe(self, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int, forwards: int = 0,
                 *, loose: int = 0, window: int | None = None, batch_size: int = 1) -> None:
         """AdaptivePolicy.observe with the batch size taken as 1 (a round's realized cost as if alone)."""
-        super().observe(state, plan, drafted, accepted, model_forwards, loose=loose, window=window, batch_size=1)
+        super().observe(state, plan, drafted, accepted, forwards, loose=loose, window=window, batch_size=1)
 
 
 def policy_costs(out: Path, target: Any, draft: Any) -> Costs:
@@ -128,7 +129,7 @@ def policy_costs(out: Path, target: Any, draft: Any) -> Costs:
     `policy_costs.json` under `out`, so a resumed part drafts as the uninterrupted run would have."""
     path = out / "policy_costs.json"
     if path.exists():
-        return Costs(**json.loads(path.read_text(encoding="utf-8")))
+        return Costs.from_dict(json.loads(path.read_text(encoding="utf-8")))
     costs = Costs.measure(target, draft)
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(costs)) + "\n", encoding="utf-8")

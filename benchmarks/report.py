@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fly_llm.decoding.drafters import common_prefix
+from fly_llm.decoding.stages import common_prefix
 from fly_llm.stats import RequestStats
 
 REFERENCE = "target"

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 """Most stop strings one request may give (beyond: TOO_LONG)."""
 MAX_STOP_CHARS = 256
 """Longest stop string, in characters (beyond: TOO_LONG)."""
+DRAFT_STAGES: tuple[str, ...] = ("ngram", "draft_model")
+"""The draft stages, in cascade order (upstream first); fly_llm.decoding.stages registers each."""
 
 
 class _Settings(BaseModel):
@@ -31,14 +33,36 @@ class FLyConfig(_Settings):
     )
     entropy_top_k: int = Field(3, ge=1, le=1000)
     loose: bool = Field(True, description="FLy's loose acceptance on; off = exact speculative decoding.")
-    ngram: bool = Field(True, description="Run the n-gram prompt-lookup stage in the draft cascade.")
+    stages: tuple[str, ...] = Field(
+        DRAFT_STAGES, description="The draft stages to run, of DRAFT_STAGES ('draft_model' when one is loaded); "
+                                  "the cascade runs them in its own order; () is target-only decoding.")
     max_ngram: int = Field(4, ge=1, le=16)
     ngram_tokens: int = Field(6, ge=1, le=64, description="Tokens one n-gram proposal copies.")
-    draft_model: bool = Field(True, description="Use the draft model stage when one is loaded.")
     draft_confidence: float = Field(
         0.0, ge=0.0, le=1.0, description="Stop a row's draft-model drafting after a token the draft model gives "
                                          "less than this probability (0: off). Drafts only: exact mode stays exact.")
     adaptive: bool = Field(True, description="Adapt K and the stages per request from acceptance history.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stage_switches(cls, data: Any) -> Any:
+        """The older switches `ngram=False` and `draft_model=False` drop that stage from `stages`."""
+        if not isinstance(data, dict) or not {"ngram", "draft_model"} & data.keys():
+            return data
+        data = dict(data)
+        off = {name for name in ("ngram", "draft_model") if name in data and not data.pop(name)}
+        data["stages"] = tuple(s for s in data.get("stages", DRAFT_STAGES) if s not in off)
+        return data
+
+    @field_validator("stages")
+    @classmethod
+    def _known_stages(cls, stages: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = sorted(set(stages) - set(DRAFT_STAGES))
+        if unknown:
+            raise ValueError(f"unknown draft stage(s) {unknown}; the stages are {list(DRAFT_STAGES)}")
+        if len(set(stages)) < len(stages):
+            raise ValueError("a draft stage is named twice")
+        return tuple(s for s in DRAFT_STAGES if s in stages)  # cascade order
 
 
 class FLyOverrides(_Settings):

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from fly_llm.client import FLyClient, build_options, default_endpoint
-from fly_llm.config import QUANTIZATIONS, FLyConfig, ModelSpec
+from fly_llm.config import DRAFT_STAGES, QUANTIZATIONS, FLyConfig, ModelSpec
 from fly_llm.errors import BadRequest, FLyError, FLyUnavailable
 from fly_llm.protocol import GenerateResult
 from fly_llm.tools import offer_tools
@@ -139,8 +139,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     fly.add_argument("--entropy-threshold", type=float, help="entropy gate θ in nats (<= 0.01: off)")
     fly.add_argument("--no-loose", dest="loose", action="store_const", const=False,
                      help="exact speculative decoding (lossless)")
-    fly.add_argument("--no-ngram", dest="ngram", action="store_const", const=False,
-                     help="no n-gram prompt-lookup stage")
+    fly.add_argument("--stages", type=lambda names: tuple(n.strip() for n in names.split(",") if n.strip()),
+                     help=f"draft stages to run, comma-separated (default: {','.join(DRAFT_STAGES)}; '': none)")
+    fly.add_argument("--no-ngram", dest="stages", action="store_const",
+                     const=tuple(s for s in DRAFT_STAGES if s != "ngram"), help="no n-gram prompt-lookup stage")
 
 
 def _endpoint_arg(parser: argparse.ArgumentParser) -> None:

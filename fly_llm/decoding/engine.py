@@ -30,11 +30,11 @@ import torch
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.constraints import Constraint
 from fly_llm.decoding.cache import BatchKV
-from fly_llm.decoding.drafters import Cascade, ModelStage, NgramStage
-from fly_llm.decoding.grammar import GrammarCompiler, GrammarStage, apply_masks
+from fly_llm.decoding.grammar import GrammarCompiler, apply_masks
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
 from fly_llm.decoding.prefill import PromptFill
 from fly_llm.decoding.prefix_cache import PrefixCache
+from fly_llm.decoding.stages import DraftModelStage, NgramStage, RowStart, build_cascade
 from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import RowRules, RowSampling, verify
 from fly_llm.errors import BadRequest, TooLong
@@ -130,6 +130,7 @@ class FLyEngine:
         self.prefill_chunk = prefill_chunk
         self._prefix = PrefixCache(prefix_cache_bytes, prefix_block)
         self._prompt = PromptStats()
+        self._cascade = build_cascade(self.vocab_size, self.config, self.draft)
         self.reset()
 
     # -- requests ---------------------------------------------------------------------------
@@ -210,10 +211,7 @@ class FLyEngine:
         dropped = [r.id for r in self._rows + self._waiting]
         self._prefix.clear()
         self._kv = BatchKV(self.device)
-        self._cascade = Cascade(GrammarStage(self.vocab_size),
-                                NgramStage(self.config.max_ngram, self.config.ngram_tokens),
-                                ModelStage(self.draft, next(self.draft.parameters()).device)
-                                if self.draft is not None else None)
+        self._cascade.reset()
         self._rows, self._waiting = [], []
         self._row_settings: tuple[RowRules, RowSampling | None] | None = None
         return dropped
@@ -221,9 +219,10 @@ class FLyEngine:
     def check(self) -> None:
         """Assert the engine's invariants between steps (tests call this after every change).
 
-        Both caches satisfy `BatchKV.check`; every stage holds one row per running request (each
-        grammar matcher at its row's context); the target cache holds each row's context minus its
-        last token; the draft cache a prefix of it; the cached per-row settings (if any) have one
+        The target cache satisfies `BatchKV.check` and holds each row's context minus its last
+        token; every stage holds one row per running request and keeps its own invariant
+        (`Stage.check`: each grammar matcher at its row's context, the draft cache a prefix of the
+        context plus drafts); the cached per-row settings (if any) have one
         row per running request; a waiting request's prompt caches hold no more than its prompt minus
         the last token; the prefix cache keeps its budget and index (`PrefixStore.check`).
         """
@@ -232,8 +231,6 @@ class FLyEngine:
         assert self._kv.lengths == [len(r.tokens) - 1 for r in self._rows], "target cache ≠ contexts minus last token"
         self._cascade.check([r.tokens for r in self._rows])
         assert self._row_settings is None or len(self._row_settings[0].loose) == rows, "stale per-row settings"
-        if self._cascade.model is not None:
-            assert all(n <= len(r.tokens) for n, r in zip(self._cascade.model.kv.lengths, self._rows))
         for req in self._waiting:
             if req.fill is not None:
                 req.fill.check()
@@ -277,32 +274,31 @@ class FLyEngine:
         rows = self._rows
         contexts = [r.tokens for r in rows]
         budgets = [r.max_new - len(r.output) - 1 for r in rows]
-        for req, behind in zip(rows, self._cascade.draft_behind(contexts)):
-            req.policy.draft_behind = behind  # a model round's catch-up prefill, a cost the policy weighs
-        # A row's first round never runs the draft model, so its first token waits for no draft prefill.
-        plans = [self.policy.plan(r.policy, r.fly, n, len(rows), self.draft is not None and bool(r.output))
+        behind = self._cascade.behind(contexts)  # a model round's catch-up prefill, a cost the policy weighs
+        for b, req in enumerate(rows):
+            req.policy.behind = {name: lags[b] for name, lags in behind.items()}
+        plans = [self.policy.plan(r.policy, r.fly, n, len(rows), self._cascade.offered(first_round=not r.output))
                  for r, n in zip(rows, budgets)]
-        drafts = self._cascade.propose(contexts, plans, budgets, [r.fly.draft_confidence for r in rows])
+        drafts = self._cascade.propose(contexts, plans, budgets, [r.fly for r in rows])
         forced = self._cascade.forced
         accepted, tokens, native, loose = self._verify(contexts, drafts, [p.may_loosen for p in plans])
         valid = [len(c) + a for c, a in zip(contexts, accepted)]  # context + kept drafts, both caches
         self._kv.truncate(valid)
-        self._cascade.rollback(valid)
 
         outputs, finished = [], []
         for b, (req, plan, draft) in enumerate(zip(rows, plans, drafts)):
             n, a, f = len(draft), accepted[b], forced[b]
-            req.stats.record_round(n, native[b], loose[b], a, used_draft_model=plan.model and n > f and
-                                   self.draft is not None, used_ngram=plan.ngram and n > f, forced=min(f, a))
+            req.stats.record_round(n, native[b], loose[b], a, used_draft_model=plan.model and n > f,
+                                   used_ngram=NgramStage.name in plan.stages and n > f, forced=min(f, a))
             if a >= f:  # the policy sees its own drafts only: forced tokens are free and not its choice
-                self.policy.observe(req.policy, plan, n - f, a - f, self._cascade.model_forwards[b],
+                self.policy.observe(req.policy, plan, n - f, a - f, self._cascade.forwards[b],
                                     loose=sum(loose[b][f:a]), window=req.fly.window if req.fly.loose else None,
                                     batch_size=len(rows))
             outputs.append(self._emit(req, tokens[b]))
             if req.finish_reason is not None:
                 finished.append(b)
-        self._cascade.observe([r.tokens for r in rows])
-        failed = dict(self._cascade.grammar.failures())  # only these rows end: the others go on
+        self._cascade.observe(valid, [r.tokens for r in rows])
+        failed = dict(self._cascade.failures())  # only these rows end: the others go on
         for b, problem in failed.items():
             outputs[b] = self._end_for_grammar(rows[b], outputs[b], problem)
         if finished or failed:
@@ -320,7 +316,7 @@ class FLyEngine:
         input_ids = torch.tensor([[c[-1]] + d + [0] * (k - len(d)) for c, d in zip(contexts, drafts)],
                                  device=self.device)
         logits = self._kv.forward(self.target, input_ids)
-        apply_masks(logits, self._cascade.grammar.masks(drafts, k + 1))
+        apply_masks(logits, self._cascade.masks(drafts, k + 1))
         lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
         rules, sampling = self._settings_of_rows(logits.device)
         rules = replace(rules, loose=rules.loose & torch.tensor(may_loosen, device=logits.device))
@@ -350,13 +346,15 @@ class FLyEngine:
 
     def _start_fill(self, req: _Request) -> PromptFill:
         """The request's prompt caches, seeded with the longest prefix of its prompt the prefix cache has."""
-        draft_device = self._cascade.model.device if self._cascade.model is not None else None
-        target, draft = self._prefix.seed(req.prompt, self.device, draft_device, scope=req.scope)
+        draft_kv = self._cascade.kv
+        target, draft = self._prefix.seed(req.prompt, self.device, draft_kv.device if draft_kv is not None else None,
+                                          scope=req.scope)
         block = self._prefix.store.block_size
         req.cached_tokens = target.lengths[0] // block * block  # reported in whole blocks; reused in full
         self._prompt.prompt_tokens += len(req.prompt)
         self._prompt.cached_tokens += req.cached_tokens
-        return PromptFill(req.prompt[:-1], target, draft, fill_draft=req.fly.draft_model and self._draft_waits(req, draft))
+        fill_draft = DraftModelStage.name in req.fly.stages and self._draft_waits(req, draft)
+        return PromptFill(req.prompt[:-1], target, draft, fill_draft=fill_draft)
 
     def _draft_waits(self, req: _Request, draft: BatchKV | None) -> bool:
         """Whether the draft cache is filled before the request joins: only when what it lacks is more
@@ -370,7 +368,7 @@ class FLyEngine:
         fill = req.fill
         self._prefix.save(fill.tokens, fill.target, 0, fill.draft, scope=req.scope)
         self._kv.add_row(fill.target)
-        self._cascade.add_row(req.prompt, fill.draft, matcher=req.matcher)
+        self._cascade.add_row(RowStart(len(req.prompt), fill.draft, req.matcher))
         self._rows.append(req)
         self._waiting.pop(0)
         req.fill = None
@@ -421,7 +419,7 @@ class FLyEngine:
     def _remove_rows(self, indices: list[int]) -> None:
         """Drop rows from the batch, keeping their prompt + output KV in the prefix cache."""
         drop = set(indices)
-        draft_kv = self._cascade.model.kv if self._cascade.model is not None else None
+        draft_kv = self._cascade.kv
         for i in indices:
             self.stats.merge(self._rows[i].stats)
             self._prefix.save(self._rows[i].tokens, self._kv, i, draft_kv, scope=self._rows[i].scope)

@@ -1,17 +1,19 @@
 """Adaptive drafting (docs/design.md §1.4): per request and round, how many tokens to draft and with which stages.
 
 `FLyConfig.k` is an upper bound. From each request's own history the policy estimates, per
-stage, the chance α that the target agrees with the next draft token (native acceptance), and,
-for draft-model rounds (the only ones FLy loosens: `DraftPlan.may_loosen`), the chance ρ that
+stage (by name: `PolicyState.lookups`, `PolicyState.models`), the chance α that the target agrees
+with the next draft token (native acceptance), and, for model-stage rounds (the only ones FLy
+loosens: `DraftPlan.may_loosen`), the chance ρ that
 FLy's rule rescues a native mismatch at a position where the rule may act (a position with at
-least W draft tokens after it: the last W are strict); n-gram rounds are valued with ρ = 0. It
+least W draft tokens after it: the last W are strict); lookup (n-gram) rounds are valued with ρ = 0. It
 picks the plan with the highest expected tokens per unit of time:
 
     tokens(K) = 1 + Σ_{j=1..K} Π_{i<j} a_i,   a_i = α + (1-α)·ρ where i < K-W, else α
     time      = 1 + B·target_token·K  (+ draft_step·s·K when the draft model runs)
 
 in units of one plain target forward, with B the batch size (a longer verify forward delays every
-row, so a big batch speculates less) and s the request's measured draft-model forwards per drafted
+row, so a big batch speculates less), draft_step the model stage's `Costs.stages` entry (a lookup
+stage costs nothing) and s the request's measured draft-model forwards per drafted
 token (1 for the model alone, less in the n-gram → model cascade when the copies hold). With the
 loose rule off ρ = 0 and tokens(K) is the geometric 1 + α + … + α^K. So with FLy on, plans with
 K > W, where the deferred window can act, are valued by what FLy accepts; ρ starts from an
@@ -31,7 +33,7 @@ estimated over a few tokens is noisy, and choosing the model whenever the estima
 its lucky streaks: on general prose the model rounds so chosen emitted 2.2 tokens in the time of
 2.8 plain steps (measured, embedded pair, int8, bf16, 2 threads), each of them a loss.
 
-A model round first feeds the draft cache what it lacks of the context (`PolicyState.draft_behind`:
+A model round first feeds the draft cache what it lacks of the context (`PolicyState.behind`:
 the whole prompt in a request's first model round unless the prefix cache or a chunked prefill gave
 it, then the tokens of the rounds since the model last ran). That catch-up costs
 `draft_prefill · draft_behind` once, so a model plan other than a probe is valued over the tokens the
@@ -60,25 +62,35 @@ With `FLyConfig.adaptive = False` every round drafts k tokens with the configure
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from fly_llm.config import FLyConfig
 from fly_llm.decoding.cache import BatchKV
-from fly_llm.decoding.drafters import DraftPlan
+from fly_llm.decoding.stages import DraftModelStage, DraftPlan, Stage
 
-PLAIN = DraftPlan(k=0, ngram=False, model=False)
+PLAIN = DraftPlan(k=0)
 _FIRST_PROBE = 8
-_OPTIMISTIC_ALPHA = 0.9  # the draft model is only probed if it could win at this acceptance
+_OPTIMISTIC_ALPHA = 0.9  # a model stage is only probed if it could win at this acceptance
 _PREFILL_WIDTH = 128  # tokens of the timed catch-up forward (the daemon's default prefill chunk)
 _PRIOR_TOKENS = 64  # what a request is expected to emit before its history says more
 _PROBE_CATCH_UP_SHARE = 0.25  # a probe's catch-up may take this share of the request's expected remaining time
 
 
 @dataclass(frozen=True)
+class StageCost:
+    """What one drafter costs, in target forwards over one token: per forward it takes (`step`) and per
+    token of backlog it catches up on first (`prefill`). A lookup stage costs nothing."""
+
+    step: float = 0.0
+    prefill: float = 0.0
+
+
+@dataclass(frozen=True)
 class Costs:
-    """Relative costs, in units of one target forward over one token.
+    """Relative costs, in units of one target forward over one token, per drafter by name.
 
     Defaults measured on CPU with a 1.5B target / 0.5B draft in bf16: a target forward over 16
     tokens costs ≈ 1.1× one token; a draft-model forward ≈ 1/2.4 of a target forward. The draft
@@ -87,11 +99,29 @@ class Costs:
     """
 
     target_token: float = 0.007
-    draft_step: float = 0.42
-    draft_prefill: float = 0.05  # per token the draft cache lacks (a catch-up forward over many tokens)
+    stages: Mapping[str, StageCost] = field(
+        default_factory=lambda: {DraftModelStage.name: StageCost(step=0.42, prefill=0.05)})
+
+    def of(self, stage: str) -> StageCost:
+        """The cost of a drafter (nothing for one not listed)."""
+        return self.stages.get(stage, StageCost())
+
+    def with_stage(self, stage: str, **cost: float) -> Costs:
+        """These costs with some fields of one drafter's cost replaced."""
+        return replace(self, stages={**self.stages, stage: replace(self.of(stage), **cost)})
 
     @classmethod
-    def measure(cls, target, draft=None, context: int = 64, repeats: int = 5) -> "Costs":
+    def from_dict(cls, data: Mapping) -> Costs:
+        """Costs from `dataclasses.asdict` of Costs, or from the flat form that results directories keep
+        (`target_token`, `draft_step`, `draft_prefill`: the draft-model stage's step and prefill)."""
+        if "stages" in data:
+            return cls(data["target_token"], {name: StageCost(**cost) for name, cost in data["stages"].items()})
+        default = cls().of(DraftModelStage.name)
+        cost = StageCost(data.get("draft_step", default.step), data.get("draft_prefill", default.prefill))
+        return cls(data.get("target_token", cls.target_token), {DraftModelStage.name: cost})
+
+    @classmethod
+    def measure(cls, target, draft=None, context: int = 64, repeats: int = 5) -> Costs:
         """Time the models here (a few forwards on dummy tokens) instead of using the defaults.
 
         The draft is timed over 4 new tokens, a typical cascade forward (its own token plus a
@@ -104,7 +134,8 @@ class Costs:
         if draft is None:
             return cls(target_token=target_token)
         step, prefill = _forward_seconds(draft, context, (4, _PREFILL_WIDTH), repeats)
-        return cls(target_token=target_token, draft_step=step / one, draft_prefill=prefill / _PREFILL_WIDTH / one)
+        cost = StageCost(step=step / one, prefill=prefill / _PREFILL_WIDTH / one)
+        return cls(target_token=target_token, stages={DraftModelStage.name: cost})
 
 
 @dataclass
@@ -128,31 +159,55 @@ class _Rate:
 
 
 @dataclass
-class PolicyState:
-    """One request's acceptance history, and how far its draft cache lags its context.
+class LookupHistory:
+    """One request's history with a lookup stage: acceptance α and the decayed share of lookups that
+    found a proposal."""
 
-    `draft_behind` is set by the engine before each plan: the context tokens the draft-model cache
-    lacks besides the last one (which every round feeds), i.e. what a model round must prefill first.
-    """
+    alpha: _Rate = field(default_factory=lambda: _Rate(1.0, 1.0))
+    hit: float = 0.5
 
-    ngram: _Rate = field(default_factory=lambda: _Rate(1.0, 1.0))
-    model: _Rate = field(default_factory=lambda: _Rate(1.5, 1.0))
-    rescue: _Rate = field(default_factory=lambda: _Rate(0.5, 0.5))  # optimistic: try K > W early
-    ngram_hit: float = 0.5  # decayed share of n-gram lookups that found a proposal
-    model_steps: float = 1.0  # decayed draft-model forwards per drafted token (< 1 when n-grams help)
-    since_model: int = _FIRST_PROBE  # rounds since the draft model last ran (a new request probes it at once;
-    # the engine offers no draft model in a request's first round, so that is its second)
-    model_probe_every: int = _FIRST_PROBE
-    probing: bool = False  # the current model round is a probe
-    model_tokens: float = 0.0  # tokens emitted by draft-model rounds, decayed per model round
-    model_time: float = 0.0  # their decayed time, in plain target forwards (0: the model never ran)
-    emitted: int = 0  # tokens its rounds emitted so far (forced grammar tokens aside)
-    draft_behind: int = 0
+
+@dataclass
+class ModelHistory:
+    """One request's history with a model stage."""
+
+    alpha: _Rate = field(default_factory=lambda: _Rate(1.5, 1.0))
+    steps: float = 1.0  # decayed model forwards per drafted token (< 1 when upstream proposals help)
+    since: int = _FIRST_PROBE  # rounds since it last ran (a new request probes it at once; the engine
+    # offers no model stage in a request's first round, so that is its second)
+    probe_every: int = _FIRST_PROBE
+    probing: bool = False  # the current round is a probe
+    tokens: float = 0.0  # tokens emitted by its rounds, decayed per round it ran
+    time: float = 0.0  # their decayed time, in plain target forwards (0: it never ran)
 
     @property
-    def model_realized(self) -> float | None:
-        """Tokens per unit of time that draft-model rounds really yielded (None before the first)."""
-        return self.model_tokens / self.model_time if self.model_time else None
+    def realized(self) -> float | None:
+        """Tokens per unit of time that its rounds really yielded (None before the first)."""
+        return self.tokens / self.time if self.time else None
+
+
+@dataclass
+class PolicyState:
+    """One request's history per stage (by name), FLy's rescue rate, and how far each model stage's
+    cache lags its context.
+
+    `behind` is set by the engine before each plan: per model stage, the context tokens its cache
+    lacks besides the last one (which every round feeds), i.e. what its round must prefill first.
+    """
+
+    lookups: dict[str, LookupHistory] = field(default_factory=dict)
+    models: dict[str, ModelHistory] = field(default_factory=dict)
+    rescue: _Rate = field(default_factory=lambda: _Rate(0.5, 0.5))  # optimistic: try K > W early
+    emitted: int = 0  # tokens its rounds emitted so far (forced grammar tokens aside)
+    behind: dict[str, int] = field(default_factory=dict)
+
+    def lookup(self, stage: str) -> LookupHistory:
+        """The history with a lookup stage (fresh the first time)."""
+        return self.lookups.setdefault(stage, LookupHistory())
+
+    def model(self, stage: str) -> ModelHistory:
+        """The history with a model stage (fresh the first time)."""
+        return self.models.setdefault(stage, ModelHistory())
 
 
 class AdaptivePolicy:
@@ -164,70 +219,97 @@ class AdaptivePolicy:
         self.max_probe_every = max_probe_every
 
     def plan(self, state: PolicyState, fly: FLyConfig, budget: int, batch_size: int,
-             has_model: bool) -> DraftPlan:
-        """The plan for one round; `budget` caps k (tokens the request may still draft)."""
-        can_ngram, can_model = fly.ngram, fly.draft_model and has_model
+             offered: Sequence[Stage]) -> DraftPlan:
+        """The plan for one round among the `offered` drafters (in cascade order) that `fly.stages`
+        enables; `budget` caps k (tokens the request may still draft)."""
+        stages = [s for s in offered if s.name in fly.stages]
         k_max = min(fly.k, budget)
-        if k_max <= 0 or not (can_ngram or can_model):
+        if k_max <= 0 or not stages:
             return PLAIN
+        lookups = tuple(s.name for s in stages if not s.runs_model)
+        models = [s.name for s in stages if s.runs_model]
         if not fly.adaptive:
-            return DraftPlan(k=k_max, ngram=can_ngram, model=can_model)
+            return DraftPlan(k=k_max, stages=tuple(s.name for s in stages), model=stages[-1].runs_model)
         per_token = self.costs.target_token * batch_size
-        loose = _Loose(state.rescue.value, fly.window) if fly.loose else _Loose()
         best, best_speed = PLAIN, 1.0
-        if can_ngram:
-            k, gain = _best_k(state.ngram.value, k_max, per_token)  # n-gram rounds are verified exactly
-            speed = (1 + state.ngram_hit * gain) / (1 + per_token * k)  # a miss is a plain round
+        for name in lookups:
+            history = state.lookup(name)
+            k, gain = _best_k(history.alpha.value, k_max, per_token)  # lookup rounds are verified exactly
+            speed = (1 + history.hit * gain) / (1 + per_token * k)  # a miss is a plain round
             if speed > best_speed:
-                best, best_speed = DraftPlan(k=k, ngram=True, model=False), speed
-        if can_model:
-            model_cost = per_token + self.costs.draft_step * state.model_steps
-            expected = min(budget + 1, max(state.emitted, _PRIOR_TOKENS))
-            catch_up = _CatchUp(self.costs.draft_prefill * state.draft_behind, expected)
-            realized = state.model_realized
-            paid = realized is None or realized > best_speed
-            if paid and catch_up.over(_speed(state.model.value, k_max, model_cost, loose)) > best_speed:
-                k, _ = _best_k(state.model.value, k_max, model_cost, loose)
-                return DraftPlan(k=k, ngram=can_ngram, model=True)
-            could_win = _speed(_OPTIMISTIC_ALPHA, k_max, model_cost, loose) > best_speed
-            could_win = could_win and catch_up.cost <= _PROBE_CATCH_UP_SHARE * catch_up.tokens / best_speed
-            if could_win and state.since_model >= state.model_probe_every:
-                state.probing = True
-                return DraftPlan(k=min(4, k_max), ngram=can_ngram, model=True)
+                best, best_speed = DraftPlan(k=k, stages=(name,)), speed
+        round_ = _Round(k_max, budget, per_token, _Loose(state.rescue.value, fly.window) if fly.loose else _Loose())
+        for name in models:
+            plan = self._model_plan(state, name, lookups, round_, best_speed)
+            if plan is not None:
+                return plan
         return best
 
+    def _model_plan(self, state: PolicyState, name: str, upstream: tuple[str, ...], round_: _Round,
+                    best_speed: float) -> DraftPlan | None:
+        """A round of model stage `name` (with the lookups upstream) if it beats `best_speed` or is due a
+        probe, else None."""
+        history, cost, k_max = state.model(name), self.costs.of(name), round_.k_max
+        model_cost = round_.per_token + cost.step * history.steps
+        expected = min(round_.budget + 1, max(state.emitted, _PRIOR_TOKENS))
+        catch_up = _CatchUp(cost.prefill * state.behind.get(name, 0), expected)
+        realized = history.realized
+        paid = realized is None or realized > best_speed
+        if paid and catch_up.over(_speed(history.alpha.value, k_max, model_cost, round_.loose)) > best_speed:
+            k, _ = _best_k(history.alpha.value, k_max, model_cost, round_.loose)
+            return DraftPlan(k=k, stages=(*upstream, name), model=True)
+        could_win = _speed(_OPTIMISTIC_ALPHA, k_max, model_cost, round_.loose) > best_speed
+        could_win = could_win and catch_up.cost <= _PROBE_CATCH_UP_SHARE * catch_up.tokens / best_speed
+        if could_win and history.since >= history.probe_every:
+            history.probing = True
+            return DraftPlan(k=min(4, k_max), stages=(*upstream, name), model=True)
+        return None
+
     def observe(self, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int,
-                model_forwards: int = 0, *, loose: int = 0, window: int | None = None,
+                forwards: int = 0, *, loose: int = 0, window: int | None = None,
                 batch_size: int = 1) -> None:
         """Learn from one round's outcome.
 
         `accepted` counts every kept draft token, `loose` those FLy's rule kept although the target
         disagreed; `window` is the round's W when the loose rule was on (None: off, so the round
-        says nothing about ρ, nor does a round that may not loosen: an n-gram round);
-        `model_forwards` is how many draft-model forwards the round took, in a batch of `batch_size`.
+        says nothing about ρ, nor does a round that may not loosen: a lookup round);
+        `forwards` is how many model forwards the round took, in a batch of `batch_size`.
         """
         if window is not None and drafted and plan.may_loosen:
             rejected_where_eligible = accepted < drafted - window
             state.rescue.update(loose, rejected_where_eligible, self.decay)
         native, misses = accepted - loose, loose + (accepted < drafted)
         state.emitted += accepted + 1
+        for name, history in state.models.items():
+            if not (plan.model and name == plan.drafter):
+                history.since += 1
         if plan.model:
-            state.model.update(native, misses, self.decay)
-            round_time = 1 + self.costs.target_token * batch_size * drafted + self.costs.draft_step * model_forwards
-            state.model_tokens = state.model_tokens * self.decay + accepted + 1
-            state.model_time = state.model_time * self.decay + round_time
+            history = state.model(plan.drafter)
+            history.alpha.update(native, misses, self.decay)
+            step = self.costs.of(plan.drafter).step
+            round_time = 1 + self.costs.target_token * batch_size * drafted + step * forwards
+            history.tokens = history.tokens * self.decay + accepted + 1
+            history.time = history.time * self.decay + round_time
             if drafted:
-                steps = model_forwards / drafted
-                state.model_steps = state.model_steps * self.decay + (1 - self.decay) * steps
-            state.model_probe_every = (min(2 * state.model_probe_every, self.max_probe_every)
-                                       if state.probing else _FIRST_PROBE)
-            state.probing, state.since_model = False, 0
-        else:
-            state.since_model += 1
-            if plan.ngram:
-                state.ngram_hit = state.ngram_hit * self.decay + (1 - self.decay) * (drafted > 0)
-                if drafted:
-                    state.ngram.update(native, misses, self.decay)
+                history.steps = history.steps * self.decay + (1 - self.decay) * forwards / drafted
+            history.probe_every = (min(2 * history.probe_every, self.max_probe_every)
+                                   if history.probing else _FIRST_PROBE)
+            history.probing, history.since = False, 0
+        elif plan.drafter is not None:
+            history = state.lookup(plan.drafter)
+            history.hit = history.hit * self.decay + (1 - self.decay) * (drafted > 0)
+            if drafted:
+                history.alpha.update(native, misses, self.decay)
+
+
+@dataclass(frozen=True)
+class _Round:
+    """What every plan of one round is bounded and valued by."""
+
+    k_max: int
+    budget: int
+    per_token: float  # a draft token's share of the verify forward, for the whole batch
+    loose: _Loose
 
 
 @dataclass(frozen=True)

@@ -64,20 +64,23 @@ def test_the_quality_policy_plans_as_if_each_row_ran_alone():
     from fly_llm.config import FLyConfig
     from fly_llm.decoding.policy import AdaptivePolicy, Costs, PolicyState
 
-    costs = Costs(target_token=0.2, draft_step=0.3)  # a round's cost grows fast with the batch
-    fly = FLyConfig()
-    alone = AdaptivePolicy(costs).plan(PolicyState(), fly, 100, 1, True)
-    assert alone.k > 0 and AdaptivePolicy(costs).plan(PolicyState(), fly, 100, 8, True).k == 0
-    assert SingleStreamPolicy(costs).plan(PolicyState(), fly, 100, 8, True) == alone
+    from fly_llm.decoding.stages import DraftModelStage, NgramStage
+
+    costs = Costs(target_token=0.2).with_stage(DraftModelStage.name, step=0.3)  # grows fast with the batch
+    fly, offered = FLyConfig(), (NgramStage, DraftModelStage)
+    alone = AdaptivePolicy(costs).plan(PolicyState(), fly, 100, 1, offered)
+    assert alone.k > 0 and AdaptivePolicy(costs).plan(PolicyState(), fly, 100, 8, offered).k == 0
+    assert SingleStreamPolicy(costs).plan(PolicyState(), fly, 100, 8, offered) == alone
 
 
 def test_the_quality_policy_learns_from_a_round_as_if_its_row_ran_alone():
     """A batched round's realized cost must not count the batch: else a batched quality run stops
     drafting where the same item alone drafts (as a GSM8K part at --batch 4 did: MAT 1.14)."""
-    from fly_llm.decoding.drafters import DraftPlan
     from fly_llm.decoding.policy import AdaptivePolicy, Costs, PolicyState
+    from fly_llm.decoding.stages import DraftModelStage, DraftPlan
 
-    costs, plan = Costs(target_token=0.2, draft_step=0.3), DraftPlan(k=8, ngram=False, model=True)
+    costs = Costs(target_token=0.2).with_stage(DraftModelStage.name, step=0.3)
+    plan = DraftPlan(k=8, stages=(DraftModelStage.name,), model=True)
     alone, batched = PolicyState(), PolicyState()
     AdaptivePolicy(costs).observe(alone, plan, 8, 3, 8, batch_size=1)
     SingleStreamPolicy(costs).observe(batched, plan, 8, 3, 8, batch_size=4)

@@ -45,8 +45,8 @@ def _check_lossless(gens, reference, eos):
         assert gen.completion_tokens == len(gen.token_ids)
 
 
-STAGES = {"ngram": dict(ngram=True, draft_model=False), "model": dict(ngram=False, draft_model=True),
-          "cascade": dict(ngram=True, draft_model=True)}
+STAGES = {"ngram": dict(stages=("ngram",)), "model": dict(stages=("draft_model",)),
+          "cascade": dict(stages=("ngram", "draft_model"))}
 
 
 @pytest.mark.parametrize("k", [1, 4, 15])

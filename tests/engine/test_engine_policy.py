@@ -6,71 +6,74 @@ import pytest
 import torch
 
 from fly_llm.config import FLyConfig, SamplingParams
-from fly_llm.decoding.drafters import DraftPlan
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.decoding.policy import PLAIN, AdaptivePolicy, Costs, PolicyState, _Rate
+from fly_llm.decoding.policy import PLAIN, AdaptivePolicy, Costs, ModelHistory, PolicyState, _Rate
+from fly_llm.decoding.stages import DraftModelStage, DraftPlan, NgramStage
 from support.tiny_models import make_pair
 
 torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
 
 FLY = FLyConfig()
+NGRAM, MODEL = NgramStage.name, DraftModelStage.name
+BOTH, NGRAM_ONLY = (NgramStage, DraftModelStage), (NgramStage,)  # the drafters an engine offers
+CASCADE, LOOKUP, ALONE = (NGRAM, MODEL), (NGRAM,), (MODEL,)  # a plan's stages
 
 
 def _feed(policy: AdaptivePolicy, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int, n: int,
-          loose: int = 0, window: int | None = FLY.window, model_forwards: int = 0):
+          loose: int = 0, window: int | None = FLY.window, forwards: int = 0):
     """n rounds with this outcome; window=None: the loose rule was off (as the engine reports it)."""
     for _ in range(n):
-        policy.observe(state, plan, drafted, accepted, model_forwards, loose=loose, window=window)
+        policy.observe(state, plan, drafted, accepted, forwards, loose=loose, window=window)
 
 
 def test_fixed_mode_uses_configured_stages_and_caps_k_by_budget():
     policy = AdaptivePolicy()
     fixed = FLyConfig(k=9, adaptive=False)
-    assert policy.plan(PolicyState(), fixed, budget=100, batch_size=4, has_model=True) == DraftPlan(9, True, True)
-    assert policy.plan(PolicyState(), fixed, budget=3, batch_size=1, has_model=True).k == 3
-    assert policy.plan(PolicyState(), fixed, budget=0, batch_size=1, has_model=True) == PLAIN
-    assert policy.plan(PolicyState(), fixed, budget=9, batch_size=1, has_model=False) == DraftPlan(9, True, False)
-    none = FLyConfig(ngram=False, draft_model=False)
-    assert policy.plan(PolicyState(), none, budget=9, batch_size=1, has_model=True) == PLAIN
+    assert policy.plan(PolicyState(), fixed, budget=100, batch_size=4, offered=BOTH) == DraftPlan(9, CASCADE, True)
+    assert policy.plan(PolicyState(), fixed, budget=3, batch_size=1, offered=BOTH).k == 3
+    assert policy.plan(PolicyState(), fixed, budget=0, batch_size=1, offered=BOTH) == PLAIN
+    assert policy.plan(PolicyState(), fixed, budget=9, batch_size=1, offered=NGRAM_ONLY) == DraftPlan(9, LOOKUP)
+    none = FLyConfig(stages=())
+    assert policy.plan(PolicyState(), none, budget=9, batch_size=1, offered=BOTH) == PLAIN
 
 
 def test_reliable_ngrams_skip_the_draft_model_with_long_drafts():
     policy, state = AdaptivePolicy(), PolicyState()
-    ngram_plan = DraftPlan(15, True, False)
+    ngram_plan = DraftPlan(15, LOOKUP)
     _feed(policy, state, ngram_plan, drafted=12, accepted=12, n=20)
-    plan = policy.plan(state, FLY, budget=100, batch_size=1, has_model=True)
-    assert plan.ngram and not plan.model and plan.k >= 10
+    plan = policy.plan(state, FLY, budget=100, batch_size=1, offered=BOTH)
+    assert plan.stages == LOOKUP and plan.k >= 10
 
 
 def test_failing_ngrams_and_draft_fall_back_to_plain_decoding_then_probe():
     policy, state = AdaptivePolicy(), PolicyState()
-    _feed(policy, state, DraftPlan(6, True, False), drafted=6, accepted=0, n=10)
-    _feed(policy, state, DraftPlan(4, True, True), drafted=4, accepted=0, n=5)
+    _feed(policy, state, DraftPlan(6, LOOKUP), drafted=6, accepted=0, n=10)
+    _feed(policy, state, DraftPlan(4, CASCADE, True), drafted=4, accepted=0, n=5)
     plans = []
     for _ in range(300):
-        plan = policy.plan(state, FLY, budget=100, batch_size=1, has_model=True)
+        plan = policy.plan(state, FLY, budget=100, batch_size=1, offered=BOTH)
         plans.append(plan)
         policy.observe(state, plan, plan.k if plan.k else 0, 0, window=FLY.window)
     model_rounds = [i for i, p in enumerate(plans) if p.model]
-    assert PLAIN in plans or all(p.k <= 2 for p in plans if p.ngram and not p.model)
+    assert PLAIN in plans or all(p.k <= 2 for p in plans if p.stages == LOOKUP)
     assert 0 < len(model_rounds) < 10  # probes, spaced further and further apart
     gaps = [b - a for a, b in zip(model_rounds, model_rounds[1:])]
     assert gaps == sorted(gaps)
 
 
 def test_good_draft_model_is_used_when_ngrams_miss():
-    policy, state = AdaptivePolicy(Costs(target_token=0.007, draft_step=0.2)), PolicyState()
-    _feed(policy, state, DraftPlan(6, True, False), drafted=0, accepted=0, n=20)  # lookups find nothing
-    _feed(policy, state, DraftPlan(8, True, True), drafted=8, accepted=8, n=10)
-    plan = policy.plan(state, FLY, budget=100, batch_size=1, has_model=True)
+    policy, state = AdaptivePolicy(Costs(target_token=0.007).with_stage(MODEL, step=0.2)), PolicyState()
+    _feed(policy, state, DraftPlan(6, LOOKUP), drafted=0, accepted=0, n=20)  # lookups find nothing
+    _feed(policy, state, DraftPlan(8, CASCADE, True), drafted=8, accepted=8, n=10)
+    plan = policy.plan(state, FLY, budget=100, batch_size=1, offered=BOTH)
     assert plan.model and plan.k >= 4
 
 
 def test_bigger_batches_speculate_less():
     policy, state = AdaptivePolicy(), PolicyState()
-    _feed(policy, state, DraftPlan(15, True, False), drafted=10, accepted=7, n=20, window=None)
+    _feed(policy, state, DraftPlan(15, LOOKUP), drafted=10, accepted=7, n=20, window=None)
     exact = FLyConfig(loose=False)  # with FLy on, these rounds say nothing about rescues (none was possible)
-    ks = [policy.plan(state, exact, budget=100, batch_size=b, has_model=False).k for b in (1, 8, 64)]
+    ks = [policy.plan(state, exact, budget=100, batch_size=b, offered=NGRAM_ONLY).k for b in (1, 8, 64)]
     assert ks[0] > ks[1] > ks[2]
 
 
@@ -81,7 +84,7 @@ def test_engine_records_policy_choices_and_stays_lossless():
     ref = target.generate(torch.tensor([ids], device=target.device),
                           attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=target.device),
                           max_new_tokens=40, do_sample=False)[0, len(ids):].tolist()
-    engine = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False), policy=AdaptivePolicy(Costs(draft_step=5.0)))
+    engine = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False), policy=AdaptivePolicy(Costs().with_stage(MODEL, step=5.0)))
     gen = engine.generate(prompt, SamplingParams(max_tokens=40))[0]
     assert gen.token_ids == ref[:len(gen.token_ids)]
     stats = gen.stats
@@ -94,7 +97,7 @@ def test_engine_records_policy_choices_and_stays_lossless():
 def test_costs_can_be_measured():
     target, draft, _ = make_pair("llama")
     costs = Costs.measure(target, draft, context=16, repeats=1)
-    assert costs.target_token >= 0 and costs.draft_step > 0
+    assert costs.target_token >= 0 and costs.of(MODEL).step > 0
 
 
 def test_cheap_cascade_rounds_make_the_draft_model_pay():
@@ -103,70 +106,70 @@ def test_cheap_cascade_rounds_make_the_draft_model_pay():
     plans = {}
     for steps_per_token in (1.0, 0.25):
         state = PolicyState()
-        _feed(policy, state, DraftPlan(6, True, False), drafted=0, accepted=0, n=20)  # lookups miss alone
+        _feed(policy, state, DraftPlan(6, LOOKUP), drafted=0, accepted=0, n=20)  # lookups miss alone
         for _ in range(20):
-            policy.observe(state, DraftPlan(8, True, True), 8, 6, model_forwards=int(8 * steps_per_token),
+            policy.observe(state, DraftPlan(8, CASCADE, True), 8, 6, forwards=int(8 * steps_per_token),
                            window=FLY.window)
-        plans[steps_per_token] = policy.plan(state, FLY, budget=100, batch_size=1, has_model=True)
+        plans[steps_per_token] = policy.plan(state, FLY, budget=100, batch_size=1, offered=BOTH)
     assert plans[1.0].model and plans[0.25].model
     assert plans[0.25].k > plans[1.0].k
 
 
-CHEAP_DRAFT = Costs(target_token=0.007, draft_step=0.1)
+CHEAP_DRAFT = Costs(target_token=0.007).with_stage(MODEL, step=0.1)
 
 
 def test_fly_aware_policy_drafts_beyond_the_window_where_fly_rescues_mismatches():
     """Native acceptance alone buys K <= W, where FLy's window cannot act; with the rescues FLy
     makes counted, the policy drafts past W. With the loose rule off, the old choice holds."""
-    policy, model = AdaptivePolicy(CHEAP_DRAFT), DraftPlan(15, False, True)
+    policy, model = AdaptivePolicy(CHEAP_DRAFT), DraftPlan(15, ALONE, True)
     fly_on, fly_off = PolicyState(), PolicyState()
     # FLy on: 10 drafted, 8 kept of which 2 loosely (rescued mismatches), then a rejection: α = 6/9.
-    _feed(policy, fly_on, model, drafted=10, accepted=8, n=30, loose=2, model_forwards=10)
+    _feed(policy, fly_on, model, drafted=10, accepted=8, n=30, loose=2, forwards=10)
     # FLy off, the same native acceptance: 2 kept, then a rejection: α = 2/3.
-    _feed(policy, fly_off, model, drafted=10, accepted=2, n=30, window=None, model_forwards=10)
-    only_model = FLyConfig(ngram=False)
-    plan_on = policy.plan(fly_on, only_model, budget=100, batch_size=1, has_model=True)
-    plan_off = policy.plan(fly_off, FLyConfig(ngram=False, loose=False), budget=100, batch_size=1, has_model=True)
+    _feed(policy, fly_off, model, drafted=10, accepted=2, n=30, window=None, forwards=10)
+    only_model = FLyConfig(stages=ALONE)
+    plan_on = policy.plan(fly_on, only_model, budget=100, batch_size=1, offered=BOTH)
+    plan_off = policy.plan(fly_off, FLyConfig(stages=ALONE, loose=False), budget=100, batch_size=1, offered=BOTH)
     assert plan_on.model and plan_on.k > FLY.window
     assert plan_off.model and plan_off.k <= FLY.window
-    assert fly_on.rescue.value > 0.5 and fly_on.model.value == pytest.approx(fly_off.model.value, abs=0.01)
+    assert fly_on.rescue.value > 0.5 and fly_on.model(MODEL).alpha.value == pytest.approx(fly_off.model(MODEL).alpha.value, abs=0.01)
 
 
 def test_without_history_fly_tries_k_beyond_the_window_and_learns_when_it_does_not_pay():
     policy, state = AdaptivePolicy(CHEAP_DRAFT), PolicyState()
-    only_model, exact = FLyConfig(ngram=False), FLyConfig(ngram=False, loose=False)
-    assert policy.plan(state, only_model, budget=100, batch_size=1, has_model=True).k > FLY.window
-    assert policy.plan(PolicyState(), exact, budget=100, batch_size=1, has_model=True).k <= FLY.window
+    only_model, exact = FLyConfig(stages=ALONE), FLyConfig(stages=ALONE, loose=False)
+    assert policy.plan(state, only_model, budget=100, batch_size=1, offered=BOTH).k > FLY.window
+    assert policy.plan(PolicyState(), exact, budget=100, batch_size=1, offered=BOTH).k <= FLY.window
     for _ in range(30):  # FLy never rescues anything: the first mismatch ends every round
-        plan = policy.plan(state, only_model, budget=100, batch_size=1, has_model=True)
+        plan = policy.plan(state, only_model, budget=100, batch_size=1, offered=BOTH)
         policy.observe(state, plan, plan.k, min(plan.k, 2), plan.k, loose=0, window=FLY.window)
     assert state.rescue.value < 0.3  # from the prior 0.5; rounds with K <= W then tell nothing more
-    assert policy.plan(state, only_model, budget=100, batch_size=1, has_model=True).k <= FLY.window
+    assert policy.plan(state, only_model, budget=100, batch_size=1, offered=BOTH).k <= FLY.window
 
 
 def test_rescue_counts_only_mismatches_where_the_rule_could_act():
     policy, state = AdaptivePolicy(), PolicyState()
     before = (state.rescue.hits, state.rescue.misses)
-    policy.observe(state, DraftPlan(8, False, True), 8, 3, loose=0, window=6)  # rejected at 3 >= 8-6: strict
+    policy.observe(state, DraftPlan(8, ALONE, True), 8, 3, loose=0, window=6)  # rejected at 3 >= 8-6: strict
     assert (state.rescue.hits, state.rescue.misses) == pytest.approx((before[0] * 0.9, before[1] * 0.9))
-    policy.observe(state, DraftPlan(8, False, True), 8, 1, loose=0, window=6)  # rejected at 1 < 2: a miss
+    policy.observe(state, DraftPlan(8, ALONE, True), 8, 1, loose=0, window=6)  # rejected at 1 < 2: a miss
     assert state.rescue.misses == pytest.approx(before[1] * 0.81 + 1)
-    policy.observe(state, DraftPlan(8, False, True), 8, 8, loose=1, window=6)  # one rescue, nothing rejected
+    policy.observe(state, DraftPlan(8, ALONE, True), 8, 8, loose=1, window=6)  # one rescue, nothing rejected
     assert state.rescue.hits == pytest.approx(before[0] * 0.729 + 1)
 
 
 def test_ngram_rounds_are_valued_and_learned_as_exact():
     """n-gram rounds are verified exactly (DraftPlan.may_loosen): a high rescue rate does not
     lengthen them, and they tell the policy nothing about FLy's rescues."""
-    policy, ngram = AdaptivePolicy(), DraftPlan(15, True, False)
+    policy, ngram = AdaptivePolicy(), DraftPlan(15, LOOKUP)
     rescuing, exact = PolicyState(), PolicyState()
-    _feed(policy, rescuing, DraftPlan(15, False, True), drafted=10, accepted=8, n=30, loose=2, model_forwards=10)
+    _feed(policy, rescuing, DraftPlan(15, ALONE, True), drafted=10, accepted=8, n=30, loose=2, forwards=10)
     assert rescuing.rescue.value > 0.5
     for state in (rescuing, exact):
         _feed(policy, state, ngram, drafted=6, accepted=3, n=30)
-    only_ngram = FLyConfig(draft_model=False)
-    assert (policy.plan(rescuing, only_ngram, budget=100, batch_size=1, has_model=False)
-            == policy.plan(exact, FLyConfig(draft_model=False, loose=False), budget=100, batch_size=1, has_model=False))
+    only_ngram = FLyConfig(stages=LOOKUP)
+    assert (policy.plan(rescuing, only_ngram, budget=100, batch_size=1, offered=NGRAM_ONLY)
+            == policy.plan(exact, FLyConfig(stages=LOOKUP, loose=False), budget=100, batch_size=1, offered=NGRAM_ONLY))
     before = (rescuing.rescue.hits, rescuing.rescue.misses)
     policy.observe(rescuing, ngram, 8, 1, loose=0, window=6)  # a mismatch where a model round could be rescued
     assert (rescuing.rescue.hits, rescuing.rescue.misses) == before
@@ -176,16 +179,16 @@ def test_a_draft_model_whose_rounds_did_not_pay_is_only_probed_however_good_its_
     """Choosing the model whenever its acceptance estimate is high picks its lucky streaks: once it
     has run, it is chosen only while its rounds really yielded more tokens per unit of time."""
     policy = AdaptivePolicy(CHEAP_DRAFT)
-    exact = FLyConfig(ngram=False, loose=False)
-    looks_good = PolicyState(model=_Rate(20.0, 1.0), since_model=0)
-    assert policy.plan(looks_good, exact, budget=100, batch_size=1, has_model=True).model  # never ran: trusted
-    policy.observe(looks_good, DraftPlan(4, False, True), 4, 0, model_forwards=12)  # 1 token in 1 + 0.028 + 1.2
-    assert looks_good.model_realized == pytest.approx(1 / (1 + 4 * CHEAP_DRAFT.target_token + 12 * 0.1))
-    looks_good.model = _Rate(20.0, 1.0)
-    assert policy.plan(looks_good, exact, budget=100, batch_size=1, has_model=True) == PLAIN
-    policy.observe(looks_good, DraftPlan(8, False, True), 8, 8, model_forwards=8)  # 9 tokens in 1.856
-    assert looks_good.model_realized > 1
-    assert policy.plan(looks_good, exact, budget=100, batch_size=1, has_model=True).model
+    exact = FLyConfig(stages=ALONE, loose=False)
+    looks_good = PolicyState(models={MODEL: ModelHistory(alpha=_Rate(20.0, 1.0), since=0)})
+    assert policy.plan(looks_good, exact, budget=100, batch_size=1, offered=BOTH).model  # never ran: trusted
+    policy.observe(looks_good, DraftPlan(4, ALONE, True), 4, 0, forwards=12)  # 1 token in 1 + 0.028 + 1.2
+    assert looks_good.model(MODEL).realized == pytest.approx(1 / (1 + 4 * CHEAP_DRAFT.target_token + 12 * 0.1))
+    looks_good.model(MODEL).alpha = _Rate(20.0, 1.0)
+    assert policy.plan(looks_good, exact, budget=100, batch_size=1, offered=BOTH) == PLAIN
+    policy.observe(looks_good, DraftPlan(8, ALONE, True), 8, 8, forwards=8)  # 9 tokens in 1.856
+    assert looks_good.model(MODEL).realized > 1
+    assert policy.plan(looks_good, exact, budget=100, batch_size=1, offered=BOTH).model
 
 
 def _probe_rounds(policy: AdaptivePolicy, state: PolicyState, budget: int, draft_behind: int) -> list[DraftPlan]:
@@ -193,8 +196,8 @@ def _probe_rounds(policy: AdaptivePolicy, state: PolicyState, budget: int, draft
     the draft cache lags by `draft_behind` tokens (it does not move while the model does not run)."""
     plans = []
     for left in range(budget, 0, -1):
-        state.draft_behind = draft_behind
-        plan = policy.plan(state, FLY, budget=left, batch_size=1, has_model=True)
+        state.behind = {MODEL: draft_behind}
+        plan = policy.plan(state, FLY, budget=left, batch_size=1, offered=BOTH)
         plans.append(plan)
         if plan.model:
             break
@@ -227,11 +230,11 @@ def test_a_learned_good_draft_model_is_not_caught_up_for_the_last_tokens():
     fed for a long rest of the answer, not for its last few tokens."""
     policy = AdaptivePolicy(CHEAP_DRAFT)
     state = PolicyState()
-    _feed(policy, state, DraftPlan(6, True, False), drafted=0, accepted=0, n=20)  # 20 tokens emitted so far
-    _feed(policy, state, DraftPlan(8, False, True), drafted=8, accepted=8, n=10, model_forwards=8)
+    _feed(policy, state, DraftPlan(6, LOOKUP), drafted=0, accepted=0, n=20)  # 20 tokens emitted so far
+    _feed(policy, state, DraftPlan(8, ALONE, True), drafted=8, accepted=8, n=10, forwards=8)
     for behind, budget, wanted in ((0, 4, True), (400, 4, False), (400, 200, True)):
-        state.draft_behind = behind
-        assert policy.plan(state, FLY, budget=budget, batch_size=1, has_model=True).model == wanted
+        state.behind = {MODEL: behind}
+        assert policy.plan(state, FLY, budget=budget, batch_size=1, offered=BOTH).model == wanted
 
 
 def test_the_engine_tells_the_policy_how_far_the_draft_lags():
@@ -247,8 +250,8 @@ def test_the_engine_tells_the_policy_how_far_the_draft_lags():
     hook = draft.register_forward_hook(lambda *_: calls.append(1))
     try:
         for chunk in (0, 64):  # 0: the draft waits for its first model round; 64: filled at admission
-            engine = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False, ngram=False), prefill_chunk=chunk,
-                               policy=AdaptivePolicy(Costs(draft_step=0.1, draft_prefill=0.03)))
+            engine = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False, stages=ALONE), prefill_chunk=chunk,
+                               policy=AdaptivePolicy(Costs().with_stage(MODEL, step=0.1, prefill=0.03)))
             calls.clear()
             gen = engine.generate(text, SamplingParams(max_tokens=12))[0]
             assert gen.token_ids == ref[:len(gen.token_ids)] and len(gen.token_ids) == 12

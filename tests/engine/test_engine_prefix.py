@@ -16,6 +16,7 @@ import torch
 from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.policy import AdaptivePolicy, Costs
+from fly_llm.decoding.stages import DraftModelStage
 from support.tiny_models import make_pair
 
 torch.set_num_threads(1)
@@ -181,7 +182,7 @@ def test_a_first_token_waits_for_no_draft_prefill(chunk):
     draft-model forward; the draft catches up in a later round, and the output stays exact. (The
     catch-up is made free here: at the default cost the policy rightly never pays it for 16 tokens.)"""
     eng = engine(cache_bytes=0, chunk=chunk)
-    eng.policy = AdaptivePolicy(Costs(draft_prefill=0.0))
+    eng.policy = AdaptivePolicy(Costs().with_stage(DraftModelStage.name, prefill=0.0))
     prompt = SYSTEM + QUESTIONS[2]
     calls: list[int] = []
     hook = DRAFT.register_forward_hook(lambda *_: calls.append(1))

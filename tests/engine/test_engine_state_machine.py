@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.config import DRAFT_STAGES, FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.grammar import grammar_of
 from fly_llm.tool_formats import constraint_for
@@ -101,10 +101,10 @@ class EngineMachine(RuleBasedStateMachine):
                                 prefix_block=BLOCK, prefill_chunk=chunk)
 
     @rule(prompt=prompts(), related=related(), max_tokens=st.integers(1, MAX_NEW), k=st.integers(1, 15),
-          adaptive=st.booleans(), ngram=st.booleans(), draft_model=st.booleans(), loose=st.booleans(),
+          adaptive=st.booleans(), stages=st.lists(st.sampled_from(DRAFT_STAGES), unique=True), loose=st.booleans(),
           seed=st.one_of(st.none(), st.integers(0, 2**31)), confidence=st.sampled_from([0.0, 0.0, 0.5, 0.9]),
           constraint=st.sampled_from(CONSTRAINTS))
-    def add(self, prompt, related, max_tokens, k, adaptive, ngram, draft_model, loose, seed, confidence, constraint):
+    def add(self, prompt, related, max_tokens, k, adaptive, stages, loose, seed, confidence, constraint):
         if related is not None and self.contexts:
             which, cut, more = related
             prompt = (self.contexts[which % len(self.contexts)][:cut] + more)[:MAX_RELATED]
@@ -112,7 +112,7 @@ class EngineMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0 if seed is None else 0.8, seed=seed)
-        fly = FLyConfig(k=k, adaptive=adaptive, ngram=ngram, draft_model=draft_model, loose=loose,
+        fly = FLyConfig(k=k, adaptive=adaptive, stages=stages, loose=loose,
                         draft_confidence=confidence)
         self.engine.add_request(rid, prompt, sampling, fly, constraint)
         grammar = grammar_of(constraint) if constraint is not None else None

@@ -1,0 +1,113 @@
+"""The grammar stage (docs/design.md §1.5): forced tokens as free drafts, cuts and masks for constrained rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.torch
+import torch
+
+from fly_llm.config import FLyConfig
+from fly_llm.decoding.stages.base import Proposal, RowStart, Stage
+
+
+class GrammarStage(Stage):
+    """Per-row grammar matchers (None: a free row), kept at each row's committed tokens between rounds.
+
+    It proposes the tokens the grammar forces (free drafts), cuts a draft at its first forbidden
+    token, and gives the allowed-token masks for the target's logits at every verified position;
+    `observe` feeds it each round's emitted tokens. A row whose matcher fails (the grammar allows
+    no continuation, a parser limit) is reported by `failures`, for the engine to end that request
+    with an error. The cascade runs it first for every row, whatever the row's plan.
+    """
+
+    name = "grammar"
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.rows: list[llguidance.LLMatcher | None] = []
+        self.consumed: list[int] = []  # context tokens each row's matcher has seen (prompt included)
+
+    def add_row(self, start: RowStart) -> None:
+        """Append a row whose matcher (`start.matcher`, if any) is at the start of its output."""
+        self.rows.append(start.matcher)
+        self.consumed.append(start.prompt_length)
+
+    def remove_rows(self, keep: list[int]) -> None:
+        """Keep only the rows at these indices."""
+        self.rows = [self.rows[i] for i in keep]
+        self.consumed = [self.consumed[i] for i in keep]
+
+    def propose(self, contexts: list[list[int]], ks: list[int], upstreams: list[Sequence[Stage]],
+                configs: list[FLyConfig]) -> Proposal:
+        """The tokens each row's grammar forces next (at most ks[b]): free drafts, nearly always accepted."""
+        return Proposal([self._forced(b, k) for b, k in enumerate(ks)], [0] * len(ks))
+
+    def _forced(self, row: int, budget: int) -> list[int]:
+        matcher = self.rows[row]
+        if matcher is None or budget <= 0 or matcher.is_stopped():
+            return []
+        return matcher.compute_ff_tokens()[:budget]
+
+    def cut(self, row: int, draft: list[int]) -> list[int]:
+        """The longest prefix of `draft` that the grammar allows."""
+        matcher = self.rows[row]
+        if matcher is None or not draft:
+            return draft
+        return draft[:matcher.validate_tokens(draft)]
+
+    def masks(self, drafts: list[list[int]], width: int) -> tuple[list[int], torch.Tensor] | None:
+        """Allowed tokens at each verified position of the constrained rows: (rows, bool [R, width, V]).
+
+        Position j of row b is the state after its first j draft tokens (all of which the grammar
+        allows, see `cut`); positions past len(draft) are left all-allowed (never used).
+        """
+        rows = [b for b, m in enumerate(self.rows) if m is not None]
+        if not rows:
+            return None
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(rows) * width, words), -1, dtype=torch.int32)
+        for i, b in enumerate(rows):
+            matcher, draft = self.rows[b], drafts[b]
+            consumed = 0
+            for j in range(len(draft) + 1):
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i * width + j)
+                # stopped: only EOS can follow (or the matcher failed: `failures` reports it after the round)
+                if j < len(draft) and not matcher.is_stopped() and matcher.consume_token(draft[j]):
+                    consumed += 1
+            matcher.rollback(consumed)
+        bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.view(len(rows), width, words * 32)[..., :self.vocab_size].bool()
+        return rows, allowed
+
+    def observe(self, valid: list[int], contexts: list[list[int]]) -> None:
+        """Feed each constrained row the tokens its context gained this round."""
+        for b, (matcher, context) in enumerate(zip(self.rows, contexts)):
+            new = context[self.consumed[b]:]
+            self.consumed[b] = len(context)
+            for token in new if matcher is not None else ():
+                if matcher.is_stopped() or not matcher.consume_token(token):  # refused: the matcher failed
+                    break
+
+    def failures(self) -> list[tuple[int, str]]:
+        """`(row, the grammar problem)` for each row whose matcher failed: the output so far has no
+        continuation in the grammar's language, or the grammar hit a parser limit. The engine ends
+        those requests with that error (the other rows go on)."""
+        return [(b, _problem(m)) for b, m in enumerate(self.rows) if m is not None and m.is_error()]
+
+    def check(self, contexts: list[list[int]]) -> None:
+        """Assert one entry per row, every matcher at its row's committed context and none in error."""
+        assert len(self.rows) == len(self.consumed) == len(contexts), (len(self.rows), len(contexts))
+        assert self.consumed == [len(c) for c in contexts], "grammar matchers behind their rows"
+        assert not any(m is not None and m.is_error() for m in self.rows), "a grammar matcher is in error"
+
+
+def _problem(matcher: llguidance.LLMatcher) -> str:
+    """What a failed matcher's grammar did wrong, in words."""
+    detail = (matcher.get_error() or "no detail").splitlines()[0]
+    if detail in ("NoExtension", "NoExtensionBias"):
+        return f"the grammar allows no continuation of the output so far: its language is empty from there ({detail})"
+    if detail in ("ParserTooComplex", "LexerTooComplex"):
+        return f"the grammar is too complex for the parser's limits while decoding ({detail})"
+    return f"the grammar failed while decoding: {detail}"

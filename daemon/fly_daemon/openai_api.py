@@ -200,8 +200,8 @@ class ChatCompletionRequest(GenerationBody, StructureOptions):
             delta: dict[str, Any] = {}
         elif text is None:
             delta = {"role": "assistant", "content": ""}
-        else:
-            delta = {"content": text}
+        else:  # as OpenAI streams a call: no content beside it unless there is text
+            delta = {"content": text} if text or not calls else {}
             if calls:
                 delta["tool_calls"] = [openai_tool_call(call, index) for index, call in calls]
         return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}

@@ -38,9 +38,10 @@ from fly_llm.protocol import (
     ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest, Usage,
 )
 from fly_llm.stats import PromptStats, RequestStats
-from fly_llm.tool_formats import CallParser, Constraints
+from fly_llm.tool_formats import Constraints
 from fly_llm.tools import ToolCall
 
+from fly_daemon.call_text import CallText
 from fly_daemon.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class Job:
     first_token_at: float | None = None
     last_token_at: float | None = None
     kill: FLyError | None = None
-    tool_calls: CallParser | None = None  # set when the request may call tools: splits calls from text
+    tool_calls: CallText | None = None  # set when the request may call tools: splits calls from text
     calls: list[ToolCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)  # text outside tool calls
 
@@ -382,7 +383,8 @@ class Scheduler:
             raise TooLong(f"prompt of {job.prompt_tokens} tokens exceeds the limit of {cap}")
         job.constraint = self._constraints.constraint(request.structure)
         job.matcher = self.engine.compile_constraint(job.constraint)
-        job.tool_calls = self._constraints.parser(request.structure)
+        parser = self._constraints.parser(request.structure)
+        job.tool_calls = None if parser is None else CallText(parser)
 
     def _token_cap(self) -> int:
         return self.limits.max_prompt_tokens or self.engine.context_window - 1
@@ -588,10 +590,7 @@ class Scheduler:
         job.unsent_ids += out.new_token_ids
         text, calls = out.new_text, []
         if job.tool_calls is not None:
-            text, calls = job.tool_calls.feed(text)
-            if out.finished:
-                rest, last = job.tool_calls.finish()
-                text, calls = text + rest, calls + last
+            text, calls = job.tool_calls.feed(text, out.finished)
             job.calls += calls
         job.content.append(text)
         rid = job.request.id
@@ -602,8 +601,8 @@ class Scheduler:
             return
         content = "".join(job.content)
         reason = out.finish_reason or "stop"
-        if job.calls:
-            content, reason = content.strip(), ("tool_calls" if reason == "stop" else reason)
+        if job.calls and reason == "stop":
+            reason = "tool_calls"
         result = GenerateResult(
             id=rid, text=content, token_ids=job.token_ids, finish_reason=reason, tool_calls=job.calls,
             usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=len(job.token_ids),

@@ -48,8 +48,8 @@ class DraftPlan:
 
     @property
     def drafter(self) -> str | None:
-        """The stage that drafts this round (None: plain decoding)."""
-        return self.stages[-1] if self.stages and self.k else None
+        """The stage that drafts (the last one; None: no stage, plain decoding)."""
+        return self.stages[-1] if self.stages else None
 
     @property
     def may_loosen(self) -> bool:

@@ -26,7 +26,7 @@ from fly_llm.config import FLyOverrides
 from fly_llm.errors import BadRequest
 from fly_llm.protocol import GenerateRequest, GenerateResult
 from fly_llm.stats import FinishReason
-from fly_llm.tools import STRUCTURE_OPTIONS, ToolCall, schema_format
+from fly_llm.tools import STRUCTURE_OPTIONS, ToolCall, closed_tool, schema_format
 
 OLLAMA_VERSION = "0.9.0"
 """The Ollama release whose API these routes follow (GET /api/version): streamed tool calls (0.8), `think` (0.9)."""
@@ -214,7 +214,8 @@ class OllamaBody(_Strict, ABC):
 
 
 class ChatBody(OllamaBody):
-    """POST /api/chat: the messages go through the target's chat template; `tools` as OpenAI's and Ollama's."""
+    """POST /api/chat: the messages go through the target's chat template; `tools` as OpenAI's and Ollama's,
+    their parameters closed as `format`'s schema is (`fly_llm.tools.closed_schema`: no keys beyond those listed)."""
 
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
@@ -224,7 +225,8 @@ class ChatBody(OllamaBody):
         return not self.messages
 
     def _source(self, served: Served) -> dict[str, Any]:
-        return {"messages": [m.to_protocol(i) for i, m in enumerate(self.messages)], "tools": self.tools}
+        return {"messages": [m.to_protocol(i) for i, m in enumerate(self.messages)],
+                "tools": None if self.tools is None else [closed_tool(t) for t in self.tools]}
 
     def _payload(self, text: str, calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}

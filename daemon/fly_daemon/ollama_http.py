@@ -15,22 +15,23 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from fly_llm.errors import BadRequest, FLyError, TooLong
-from fly_llm.protocol import GenerateResult, TokenChunk
+from fly_llm.protocol import GenerateResult, TokenChunk, invalid
 
 from fly_daemon.http import CLIENT_CLOSED, Replies, UnknownModel, _ClientGone, _internal, _status, _unless_disconnected
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaBody, Served, ShowBody,
                                    architecture, model_card, parameter_count, same_model)
 
+B = TypeVar("B", bound=BaseModel)
 MANAGEMENT = ("/pull", "/push", "/create", "/copy", "/delete", "/embed", "/embeddings")
 """Ollama routes fly-daemon refuses: it serves the models it loaded from local files at start, and no embeddings."""
 NEVER = "2262-04-11T23:47:16Z"
@@ -42,12 +43,12 @@ def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str) -> Fa
     app = FastAPI(dependencies=guard, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.post("/chat")
-    async def chat(body: ChatBody, request: Request) -> Response:
-        return await _serve(client, body, request, tenant)
+    async def chat(request: Request) -> Response:
+        return await _serve(client, await _parsed(request, ChatBody), request, tenant)
 
     @app.post("/generate")
-    async def generate(body: GenerateBody, request: Request) -> Response:
-        return await _serve(client, body, request, tenant)
+    async def generate(request: Request) -> Response:
+        return await _serve(client, await _parsed(request, GenerateBody), request, tenant)
 
     @app.get("/tags")
     async def tags() -> dict[str, Any]:
@@ -61,8 +62,8 @@ def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str) -> Fa
         return {"models": [{**card, "expires_at": NEVER, "size_vram": vram, "context_length": engine.context_window}]}
 
     @app.post("/show")
-    async def show(body: ShowBody) -> dict[str, Any]:
-        engine = await _served(client, body.asked)
+    async def show(request: Request) -> dict[str, Any]:
+        engine = await _served(client, (await _parsed(request, ShowBody)).asked)
         card = model_card(engine, client.scheduler.started)
         arch, template = architecture(engine), getattr(engine.tokenizer, "chat_template", None) or ""
         return {"modelfile": f"# fly-daemon serves this model from local files loaded at start\nFROM {card['name']}\n",
@@ -84,6 +85,18 @@ def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str) -> Fa
         app.add_api_route(path, managed, methods=["POST", "DELETE"], include_in_schema=False)
     _add_error_handlers(app)
     return app
+
+
+async def _parsed(request: Request, model: type[B]) -> B:
+    """The body as `model`, whatever its Content-Type says (curl -d sends a form's); BadRequest (TooLong for
+    a size cap) naming the field if it is not valid."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            raise BadRequest(f"the body is not valid JSON: {first['ctx']['error']}") from None
+        raise invalid(exc) from None
 
 
 async def _engine(client: InProcessClient) -> Any:
@@ -167,15 +180,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         status = _status(exc)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {"Retry-After": "1"} if status == 503 else None
         return JSONResponse(ollama_error(exc), status_code=status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        if errors[0]["type"] == "json_invalid":
-            return JSONResponse(ollama_error(BadRequest(f"the body is not valid JSON: {errors[0]['ctx']['error']}")),
-                                status_code=400)
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg'].removeprefix('Value error, ')}" for e in errors[:5])
-        return JSONResponse(ollama_error(BadRequest(problems)), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method, body size

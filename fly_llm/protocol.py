@@ -208,18 +208,22 @@ class StatusRequest(_Message):
 
 class TokenizeRequest(_Message):
     """Count/encode text (or chat messages and the tools offered, through the chat template) with the
-    daemon's tokenizer: the prompt a GenerateRequest with the same messages and tools would have."""
+    daemon's tokenizer: the prompt a GenerateRequest with the same messages and tools would have.
+    Or decode `token_ids` back to text (the reply's `text`)."""
 
     kind: Literal["tokenize"] = "tokenize"
     text: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     tools: list[ToolSpec] | None = None
+    token_ids: list[int] | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    add_special: bool = True
+    """With `text`: add the tokenizer's special tokens (BOS where it has one), as a prompt gets them."""
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         _check_tools(self.tools)
-        if (self.text is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'text' or 'messages'")
+        if sum(x is not None for x in (self.text, self.messages, self.token_ids)) != 1:
+            raise ValueError("give exactly one of 'text', 'messages' or 'token_ids'")
         if self.tools and self.messages is None:
             raise ValueError("tools need chat messages (the chat template renders them)")
         _check_messages(self.messages)
@@ -329,6 +333,8 @@ class TokenizeReply(_Message):
     kind: Literal["tokenize"] = "tokenize"
     token_ids: list[int]
     count: int
+    text: str | None = None
+    """The decoded text, when the request gave `token_ids`."""
 
 
 Reply = Annotated[

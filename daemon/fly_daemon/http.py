@@ -3,10 +3,11 @@
 Requests go to the scheduler of a serving core (fly_daemon.core, which builds this front from the
 settings) through its `InProcessClient` (the engine knows nothing of HTTP). Routes: POST
 /v1/chat/completions, POST /v1/completions (server-sent events with `"stream": true`), GET
-/v1/models, GET /health. Errors are OpenAI's error shape with our stable codes (fly_llm.errors) as
-`code`; a client that disconnects, while waiting or mid-stream, cancels its request. A non-loopback
-bind needs an API key (Bearer), as a non-loopback ZeroMQ bind needs CURVE. With a key, every route
-but /health needs it (/docs and /redoc are off, /openapi.json needs the key). A front on loopback
+/v1/models, GET /health; POST /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
+(Prometheus). Errors are OpenAI's error shape with our stable codes (fly_llm.errors) as `code`; a
+client that disconnects, while waiting or mid-stream, cancels its request. A non-loopback bind
+needs an API key (Bearer), as a non-loopback ZeroMQ bind needs CURVE. With a key, every route but
+/health needs it (/docs and /redoc are off, /openapi.json needs the key). A front on loopback
 answers only requests whose Host header is a loopback name, its bound host or an allowed host (a
 web page reaching it by DNS rebinding names its own host). An unexpected failure answers INTERNAL
 with a request id that the log's traceback carries, never the exception's text.
@@ -27,6 +28,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from typing import Any, TypeVar
 
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -40,7 +42,9 @@ from fly_llm.errors import BadRequest, FLyError, Internal, TooLong, Unauthorized
 from fly_llm.protocol import MAX_FRAME_BYTES, GenerateResult, TokenChunk
 
 from fly_daemon.inproc import InProcessClient
-from fly_daemon.openai_api import ChatCompletionRequest, CompletionRequest, GenerationBody, error_body
+from fly_daemon.openai_api import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeBody, GenerationBody, TokenizeBody, error_body,
+)
 from fly_daemon.runtime import host_port, is_loopback_host
 
 log = logging.getLogger("fly_daemon")
@@ -93,6 +97,20 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": client.served_model(), "object": "model",
                                             "created": int(client.scheduler.started), "owned_by": "fly-llm"}]}
+
+    @app.post("/tokenize", dependencies=guard)
+    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
+        reply = await client.tokenize(text=body.content, add_special=body.add_special)
+        return {"tokens": reply.token_ids}
+
+    @app.post("/detokenize", dependencies=guard)
+    async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
+        return {"content": (await client.tokenize(token_ids=body.tokens)).text}
+
+    @app.get("/metrics", dependencies=guard)
+    async def metrics() -> Response:
+        """The daemon's Prometheus metrics (fly_daemon.metrics), as on --metrics-port."""
+        return Response(generate_latest(client.scheduler.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -1,21 +1,26 @@
 """An asyncio client of the scheduler inside the daemon's process: no socket, no serialisation.
 
-The HTTP front (fly_daemon.http) submits through it. Requests go to `Scheduler.submit` with the
-LOCAL envelope; the model thread's replies come back through `deliver` (the serving core's emit,
-fly_daemon.core, routes LOCAL replies here), which hands each to the event loop of the coroutine
-waiting for it. A request whose consumer stops waiting (an exception, a cancelled task, a closed
-generator) is cancelled in the scheduler, so its batch slot is freed.
+The HTTP front (fly_daemon.http) submits through it. Requests go to `Scheduler.submit` (tokenize
+requests to `Scheduler.tokenize`) with the LOCAL envelope; the model thread's replies come back
+through `deliver` (the serving core's emit, fly_daemon.core, routes LOCAL replies here), which
+hands each to the event loop of the coroutine waiting for it. A request whose consumer stops
+waiting (an exception, a cancelled task, a closed generator) is cancelled in the scheduler, so its
+batch slot is freed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 
 from pydantic import BaseModel
 
+from fly_llm.client.core import checked
 from fly_llm.errors import BadRequest, NotReady, error_from_code
-from fly_llm.protocol import ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk
+from fly_llm.protocol import (
+    ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest,
+)
 
 from fly_daemon.scheduler import LOCAL, Envelope, Scheduler
 
@@ -60,6 +65,22 @@ class InProcessClient:
             loop.call_soon_threadsafe(queue.put_nowait, message)
         except RuntimeError:  # the loop has closed: nobody waits any more
             pass
+
+    async def tokenize(self, **fields: object) -> TokenizeReply:
+        """A tokenize request of `fields` (fly_llm.protocol.TokenizeRequest's: text or token_ids, ...),
+        answered by the scheduler's preparation pool; its error (BAD_REQUEST, TOO_LONG, BUSY, ...) is raised."""
+        with checked():
+            request = TokenizeRequest(id=f"tokenize-{uuid.uuid4().hex}", **fields)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._waiting[request.id] = (asyncio.get_running_loop(), queue)
+        try:
+            self.scheduler.tokenize(LOCAL, request)
+            reply = await queue.get()
+        finally:
+            del self._waiting[request.id]
+        if isinstance(reply, ErrorReply):
+            raise error_from_code(reply.code, reply.message)
+        return reply
 
     async def replies(self, request: GenerateRequest, *, tenant: str = "local",
                       client: str | None = None) -> AsyncIterator[TokenChunk | GenerateResult]:

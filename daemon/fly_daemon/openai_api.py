@@ -232,6 +232,19 @@ class CompletionRequest(GenerationBody, FormatOptions):
         return {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
 
 
+class TokenizeBody(_Strict):
+    """POST /tokenize, as llama.cpp's server has it: the text's token ids (`add_special`: with BOS and the like)."""
+
+    content: str
+    add_special: bool = False
+
+
+class DetokenizeBody(_Strict):
+    """POST /detokenize, as llama.cpp's server has it: the text of token ids."""
+
+    tokens: list[int]
+
+
 def error_body(error: FLyError, error_type: str, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape, with our stable code (fly_llm.errors) as `code`."""
     return {"error": {"message": error.message, "type": error_type, "param": param, "code": error.code}}

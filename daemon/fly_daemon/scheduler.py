@@ -396,8 +396,9 @@ class Scheduler:
         if chars > cap:
             raise TooLong(f"prompt of {chars} characters exceeds the limit of {cap}")
         text = request.prompt if isinstance(request, GenerateRequest) else request.text
+        special = isinstance(request, GenerateRequest) or request.add_special
         try:
-            return self.engine.encode(text, *_template_inputs(request))
+            return self.engine.encode(text, *_template_inputs(request), add_special=special)
         except FLyError:
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects these messages
@@ -405,8 +406,11 @@ class Scheduler:
 
     def _answer_tokenize(self, envelope: Envelope, request: TokenizeRequest) -> None:
         try:
-            ids = self._tokens_of(request)
-            reply: BaseModel = TokenizeReply(id=request.id, token_ids=ids, count=len(ids))
+            if request.token_ids is not None:
+                reply: BaseModel = self._decode(request)
+            else:
+                ids = self._tokens_of(request)
+                reply = TokenizeReply(id=request.id, token_ids=ids, count=len(ids))
         except Exception as exc:  # noqa: BLE001 - a failed tokenize request fails only itself
             error = _error_of(exc, f"tokenize request {request.id} failed")
             reply = ErrorReply(id=request.id, code=error.code, message=error.message)
@@ -414,6 +418,13 @@ class Scheduler:
             with self._lock:
                 self._tokenize_pending -= 1
         self._emit(envelope, reply)
+
+    def _decode(self, request: TokenizeRequest) -> TokenizeReply:
+        """The text of a tokenize request's token ids (no more of them than a prompt may have)."""
+        ids, cap = request.token_ids, self._token_cap()
+        if len(ids) > cap:
+            raise TooLong(f"{len(ids)} token ids exceed the limit of {cap}")
+        return TokenizeReply(id=request.id, token_ids=ids, count=len(ids), text=self.engine.decode(ids))
 
     # ---- the model thread ----
 

@@ -136,8 +136,9 @@ class FLyEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
-               tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a prompt, or of chat messages (and the tools offered) through the chat template."""
+               tools: list[dict] | None = None, add_special: bool = True) -> list[int]:
+        """Token ids of a prompt (with the tokenizer's special tokens unless not `add_special`), or of chat
+        messages (and the tools offered) through the chat template."""
         if (prompt is None) == (messages is None):
             raise BadRequest("give exactly one of prompt or messages")
         if tools and messages is None:
@@ -149,7 +150,14 @@ class FLyEngine:
             except (ValueError, KeyError, TypeError) as exc:
                 raise BadRequest(f"cannot apply the chat template: {exc}") from exc
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return list(self.tokenizer.encode(prompt))
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens included; BadRequest for an id outside the vocabulary."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def compile_constraint(self, constraint: Constraint | None):
         """The grammar matcher for a constraint (fly_llm.constraints), None when the output is free;

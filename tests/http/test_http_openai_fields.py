@@ -6,30 +6,46 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
 from support.daemon_process import free_port, start_daemon
+from fly_llm.client import FLyClient
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"key": {"enum": ["fox", "dog"]}}, "required": ["key"],
     "additionalProperties": False}}}]
 ASK = [{"role": "user", "content": "Which animal?"}]
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def front_url(tiny_pair_dirs, tmp_path_factory):
-    """Base URL (no /v1) of the HTTP front of a daemon serving the tiny pair in float32."""
+def daemon(tiny_pair_dirs, tmp_path_factory):
+    """(ipc endpoint, base URL without /v1) of a daemon serving the tiny pair in float32, its HTTP front keyed."""
     port = free_port()
-    daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("fields"), "f", "--http", f"127.0.0.1:{port}")
-    yield f"http://127.0.0.1:{port}"
-    assert daemon.stop() == 0
-    assert "Traceback" not in daemon.output()
+    process = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("fields"), "f", "--http", f"127.0.0.1:{port}",
+                           "--api-key", KEY)
+    yield process.endpoint, f"http://127.0.0.1:{port}"
+    assert process.stop() == 0
+    assert "Traceback" not in process.output()
+
+
+@pytest.fixture(scope="module")
+def front_url(daemon) -> str:
+    return daemon[1]
+
+
+@pytest.fixture(scope="module")
+def http(front_url):
+    with httpx.Client(base_url=front_url, headers=AUTH, timeout=60) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def client(front_url):
-    with openai.OpenAI(base_url=f"{front_url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with openai.OpenAI(base_url=f"{front_url}/v1", api_key=KEY, max_retries=0, timeout=60) as c:
         yield c
 
 
@@ -52,3 +68,37 @@ def test_streamed_tool_calls_carry_no_whitespace_content(client, model):
         assert calls and all(d.content is None for d in calls), seed
         assert [c.index for d in calls for c in d.tool_calls] == list(range(sum(len(d.tool_calls) for d in calls)))
         assert json.loads(calls[0].tool_calls[0].function.arguments)["key"] in ("fox", "dog")
+
+
+def test_tokenize_and_detokenize_as_llama_cpp_has_them(daemon, http):
+    text = "The quick brown fox"
+    with FLyClient(daemon[0], timeout=60) as zmq:
+        prompt_ids = zmq.tokenize(text).token_ids
+    plain = http.post("/tokenize", json={"content": text}).json()["tokens"]
+    special = http.post("/tokenize", json={"content": text, "add_special": True}).json()["tokens"]
+    assert special == prompt_ids and plain == prompt_ids[len(prompt_ids) - len(plain):]  # BOS only with add_special
+    assert http.post("/detokenize", json={"tokens": plain}).json() == {"content": text}
+    assert http.post("/detokenize", json={"tokens": []}).json() == {"content": ""}
+
+
+@pytest.mark.parametrize(("path", "body", "status", "code"), [
+    ("/detokenize", {"tokens": [10 ** 9]}, 400, "BAD_REQUEST"),  # outside the vocabulary
+    ("/detokenize", {"tokens": [-1]}, 400, "BAD_REQUEST"),
+    ("/detokenize", {"tokens": [1] * 600}, 400, "TOO_LONG"),  # more than a prompt may have (511)
+    ("/detokenize", {"tokens": "1 2"}, 400, "BAD_REQUEST"),
+    ("/tokenize", {"content": "x " * 20_000}, 400, "TOO_LONG"),  # over the prompt's character limit
+    ("/tokenize", {"text": "x"}, 400, "BAD_REQUEST"),  # not llama.cpp's field
+])
+def test_tokenize_bad_input_gets_a_stable_code(http, path, body, status, code):
+    answer = http.post(path, json=body)
+    assert (answer.status_code, answer.json()["error"]["code"]) == (status, code)
+    assert http.post("/tokenize", json={"content": "still serving"}).status_code == 200
+
+
+def test_metrics_on_the_http_port_behind_the_key(http, front_url, client, model):
+    client.completions.create(model=model, prompt="a b", max_tokens=2)
+    for path in ("/metrics", "/tokenize", "/detokenize"):
+        assert httpx.request("POST" if path != "/metrics" else "GET", front_url + path, json={}).status_code == 401
+    metrics = http.get("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    assert 'fly_requests_total{outcome="ok"}' in metrics.text and "fly_completion_tokens_total" in metrics.text

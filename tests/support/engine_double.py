@@ -74,7 +74,7 @@ class CountingEngine:
         self.rows: dict[str, list[int]] = {}
         self.scopes: dict[str, str] = {}  # request id -> the cache_scope it was added with
 
-    def encode(self, prompt=None, messages=None, tools=None) -> list[int]:
+    def encode(self, prompt=None, messages=None, tools=None, add_special=True) -> list[int]:
         text = prompt if prompt is not None else " ".join(m["content"] for m in messages)
         return [1] * len(text.split())
 

@@ -145,13 +145,11 @@ def test_confidence_stopping_cuts_a_row_at_its_first_unsure_token_and_no_other_r
     assert stopped[1] == full[1]  # the row without a threshold is untouched
 
 
-class RepeatStage(Stage):
-    """A tests-only drafter: proposes one fixed token k times."""
+class _FixedStage(Stage):
+    """A tests-only drafter over fixed tokens: proposes k copies of tokens[0], offers tokens upstream."""
 
-    name = "repeat"
-
-    def __init__(self, token: int) -> None:
-        self.token = token
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
         self.rows = 0
 
     def add_row(self, start: RowStart) -> None:
@@ -161,10 +159,21 @@ class RepeatStage(Stage):
         self.rows = len(keep)
 
     def propose(self, contexts, ks, upstreams, configs) -> Proposal:
-        return Proposal([[self.token] * k for k in ks], [0] * len(ks))
+        return Proposal([self.tokens[:1] * k for k in ks], [0] * len(ks))
+
+    def continuation(self, row: int, context: list[int], drafted: list[int], room: int) -> list[int]:
+        return self.tokens[len(drafted):len(drafted) + room]
 
     def check(self, contexts: list[list[int]]) -> None:
         assert self.rows == len(contexts)
+
+
+class RepeatStage(_FixedStage):
+    name = "repeat"
+
+
+class OracleStage(_FixedStage):
+    name = "oracle"  # given what the draft model would choose
 
 
 @pytest.mark.parametrize("stages,adaptive", [(("repeat",), False), (("ngram", "draft_model", "repeat"), True),
@@ -177,7 +186,7 @@ def test_a_new_drafter_is_a_stage_class_plus_its_registration(monkeypatch, stage
     ref = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                           max_new_tokens=30, do_sample=False)[0, len(ids):].tolist()
     token = max(set(ref), key=ref.count)  # often right, so some of its drafts are accepted
-    monkeypatch.setitem(STAGES, RepeatStage.name, lambda config, draft: RepeatStage(token))
+    monkeypatch.setitem(STAGES, RepeatStage.name, lambda config, draft: RepeatStage([token]))
     monkeypatch.setattr(config_module, "DRAFT_STAGES", (*config_module.DRAFT_STAGES, RepeatStage.name))
     engine = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False, k=4, adaptive=adaptive, stages=stages))
     engine.add_request("r", ids, SamplingParams(max_tokens=30))
@@ -200,3 +209,20 @@ def test_stages_are_named_once_and_the_older_switches_still_drop_them():
         FLyConfig(stages=["ngram", "suffix"])
     with pytest.raises(ValueError, match="named twice"):
         FLyConfig(stages=["ngram", "ngram"])
+
+
+def test_upstream_proposals_that_the_draft_model_agrees_with_save_its_forwards(draft_model):
+    """A plan's stages before its drafter are upstream of it: the model checks their proposal in the
+    forward that drafts its own next token, so a right proposal of k-1 tokens drafts k in one forward."""
+    context = [5, 9, 17, 4, 22, 8]
+    greedy = _greedy(draft_model, context, 8)
+    drafts, forwards = {}, {}
+    for stages in (("oracle", "draft_model"), ("draft_model",)):
+        cascade = Cascade(GrammarStage(draft_model.config.vocab_size),
+                          [OracleStage(greedy), DraftModelStage(draft_model, draft_model.device)])
+        cascade.add_row(RowStart(len(context), BatchKV.prefill(draft_model, context[:-1], draft_model.device)))
+        with torch.inference_mode():
+            drafts[stages], = cascade.propose([context], [DraftPlan(8, stages, True)], [64], [FLY])
+        forwards[stages], = cascade.forwards
+    assert drafts[("oracle", "draft_model")] == drafts[("draft_model",)] == greedy
+    assert forwards == {("oracle", "draft_model"): 1, ("draft_model",): 8}

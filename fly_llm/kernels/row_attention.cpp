@@ -6,10 +6,11 @@
 // 0 .. kv - q + i). Output [B, q, H, D] in the inputs' dtype. For one query and head:
 //   s_t = scale * (q . k_t)   over its allowed columns t (ascending), dot products in one fixed order
 //   p_t = exp(s_t - max s), Z = sum p_t (ascending), out = (sum p_t v_t) / Z (ascending)
-// A query that may see nothing outputs zeros. Threads (at::parallel_for) split (batch row, kv head,
-// query) units, each unit does the heads sharing one kv head; a unit's arithmetic depends on its own
-// query, its allowed columns and their keys and values only, so a query's output is the same bit for
-// bit alone, in a 16-token verify, a 128-token prefill chunk or any batch, at any thread count.
+// A query that may see nothing outputs zeros. Threads (at::parallel_for) split units of (batch row,
+// kv head, up to 8 queries), each unit does the heads sharing its kv head; a query's arithmetic
+// depends on that query, its allowed columns and their keys and values only (never on the lanes or
+// positions they land in), so its output is the same bit for bit alone, in a 16-token verify, a
+// 128-token prefill chunk or any batch, at any thread count.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -77,25 +78,62 @@ inline __m512 exp_avx512(__m512 x) {  // the same steps as exp_scalar, 16 lanes 
   return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), shifted));
 }
 
-template <typename T>
-void widen(const T* in, float* out, int64_t d) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(out, in, d * sizeof(float));
-  } else {
-    for (int64_t i = 0; i < d; ++i) out[i] = static_cast<float>(in[i]);  // exact
+// d values as float32 (a bfloat16 is the upper half of a float32: exact).
+__attribute__((target("avx2")))
+void widen(const at::BFloat16* in, float* out, int64_t d) {
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)));
   }
+  for (; i < d; ++i) out[i] = static_cast<float>(in[i]);
 }
 
+void widen(const float* in, float* out, int64_t d) { std::memcpy(out, in, d * sizeof(float)); }
+
 // The three inner loops, on AVX-512 (d a multiple of 16) or AVX2: one path per process.
+// scores: out[t] = scale * (q . keys[own[t]]); values: acc += sum_t p[t] * values[own[t]], t ascending;
+// exp_sum: s_t <- exp(s_t - top), returns their sum, t ascending.
 struct Avx512 {
+  // Four dot products; each key's 16 lanes are summed in the same tree whatever slot it takes.
   __attribute__((target("avx512f")))
-  static float dot(const float* a, const float* b, int64_t d) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-    for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
+  static __m128 dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3,
+                     int64_t d) {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k0));
+    __m512 b = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k1));
+    __m512 c = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k2));
+    __m512 e = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k3));
+    for (int64_t i = 16; i < d; i += 16) {
+      const __m512 x = _mm512_loadu_ps(q + i);
+      a = _mm512_fmadd_ps(x, _mm512_loadu_ps(k0 + i), a);
+      b = _mm512_fmadd_ps(x, _mm512_loadu_ps(k1 + i), b);
+      c = _mm512_fmadd_ps(x, _mm512_loadu_ps(k2 + i), c);
+      e = _mm512_fmadd_ps(x, _mm512_loadu_ps(k3 + i), e);
+    }
+    // lanes i + (i + 8): [a 0-7 | b 0-7] and [c 0-7 | e 0-7]
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 ce = _mm512_add_ps(_mm512_shuffle_f32x4(c, e, 0x44), _mm512_shuffle_f32x4(c, e, 0xEE));
+    // then i + (i + 4): [a 0-3 | b 0-3 | c 0-3 | e 0-3]
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, ce, 0x88), _mm512_shuffle_f32x4(ab, ce, 0xDD));
+    // then i + (i + 2), then i + (i + 1): lane 0 of each 128-bit quarter
+    const __m512 y = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+    const __m512 z = _mm512_add_ps(y, _mm512_permute_ps(y, 0xB1));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                          0, 0, 0, 0), z));
   }
   __attribute__((target("avx512f")))
-  static float exp_sum(float* s, int64_t n, float top) {  // s_t <- exp(s_t - top); returns the sum, ascending
+  static void scores(const float* q, const float* keys, const int32_t* own, int64_t n, int64_t d, float scale,
+                     float* out) {
+    for (int64_t t = 0; t < n; t += 4) {
+      const float* k[4];
+      for (int j = 0; j < 4; ++j) k[j] = keys + own[std::min(t + j, n - 1)] * d;
+      alignas(16) float four[4];
+      _mm_store_ps(four, _mm_mul_ps(dot4(q, k[0], k[1], k[2], k[3], d), _mm_set1_ps(scale)));
+      for (int j = 0; j < 4 && t + j < n; ++j) out[t + j] = four[j];
+    }
+  }
+  __attribute__((target("avx512f")))
+  static float exp_sum(float* s, int64_t n, float top) {
     const __m512 t = _mm512_set1_ps(top);
     float total = 0.f;
     for (int64_t i = 0; i < n; i += 16) {
@@ -109,24 +147,36 @@ struct Avx512 {
     return total;
   }
   __attribute__((target("avx512f")))
-  static void axpy(float* acc, float p, const float* v, int64_t d) {
-    const __m512 w = _mm512_set1_ps(p);
-    for (int64_t i = 0; i < d; i += 16)
-      _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(w, _mm512_loadu_ps(v + i), _mm512_loadu_ps(acc + i)));
+  static void values(const float* p, const float* values, const int32_t* own, int64_t n, int64_t d, float* acc) {
+    for (int64_t c = 0; c < d; c += 128) {  // 8 registers of 16 accumulators
+      const int64_t lanes = std::min<int64_t>(8, (d - c) / 16);
+      __m512 sum[8];
+      for (int j = 0; j < lanes; ++j) sum[j] = _mm512_loadu_ps(acc + c + 16 * j);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 w = _mm512_set1_ps(p[t]);
+        const float* v = values + own[t] * d + c;
+        for (int j = 0; j < lanes; ++j) sum[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * j), sum[j]);
+      }
+      for (int j = 0; j < lanes; ++j) _mm512_storeu_ps(acc + c + 16 * j, sum[j]);
+    }
   }
 };
 
 struct Avx2 {  // plain loops the compiler vectorizes for AVX2 (any head size)
   __attribute__((target("avx2,fma")))
-  static float dot(const float* a, const float* b, int64_t d) {
-    float lanes[16] = {};
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16)
-      for (int l = 0; l < 16; ++l) lanes[l] = std::fma(a[i + l], b[i + l], lanes[l]);
-    for (int l = 0; i + l < d; ++l) lanes[l] = std::fma(a[i + l], b[i + l], lanes[l]);
-    float total = 0.f;
-    for (float lane : lanes) total += lane;
-    return total;
+  static void scores(const float* q, const float* keys, const int32_t* own, int64_t n, int64_t d, float scale,
+                     float* out) {
+    for (int64_t t = 0; t < n; ++t) {
+      const float* k = keys + own[t] * d;
+      float lanes[16] = {};
+      int64_t i = 0;
+      for (; i + 16 <= d; i += 16)
+        for (int l = 0; l < 16; ++l) lanes[l] = std::fma(q[i + l], k[i + l], lanes[l]);
+      for (int l = 0; i + l < d; ++l) lanes[l] = std::fma(q[i + l], k[i + l], lanes[l]);
+      float total = 0.f;
+      for (float lane : lanes) total += lane;
+      out[t] = total * scale;
+    }
   }
   __attribute__((target("avx2,fma")))
   static float exp_sum(float* s, int64_t n, float top) {
@@ -135,8 +185,11 @@ struct Avx2 {  // plain loops the compiler vectorizes for AVX2 (any head size)
     return total;
   }
   __attribute__((target("avx2,fma")))
-  static void axpy(float* acc, float p, const float* v, int64_t d) {
-    for (int64_t i = 0; i < d; ++i) acc[i] = std::fma(p, v[i], acc[i]);
+  static void values(const float* p, const float* values, const int32_t* own, int64_t n, int64_t d, float* acc) {
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = values + own[t] * d;
+      for (int64_t i = 0; i < d; ++i) acc[i] = std::fma(p[t], v[i], acc[i]);
+    }
   }
 };
 
@@ -145,64 +198,113 @@ struct Shape {
   int64_t qs[4], ks[4], vs[4];  // strides of query, key, value
 };
 
-// One unit: batch row b, kv head g, query i, its `group` heads h = g * group + r.
+constexpr int64_t kQueries = 8;  // queries per unit: they share the unit's widened keys and values
+
+constexpr int64_t kColumns = 256;  // columns per pass over the unit's rows: their keys/values stay in L2
+
+// Per-thread scratch of a unit.
+struct Scratch {
+  std::vector<uint8_t> seen;       // [kv]: a column some query of the unit may see
+  std::vector<int32_t> columns;    // the unit's columns (those seen), ascending
+  std::vector<int32_t> own;        // per query, its positions in `columns`, ascending (at `start`)
+  std::vector<int64_t> start, at;  // per query: where its positions begin; the next one to process
+  std::vector<float> keys, values, queries, scores, acc;
+};
+
+// Whether query i of row b may see column j.
+inline bool allowed(const bool* mask, const Shape& s, int64_t b, int64_t i, int64_t j) {
+  return mask ? mask[(b * s.q_len + i) * s.kv_len + j] : j <= s.kv_len - s.q_len + i;
+}
+
+// One unit: batch row b, kv head g, queries [i0, i1), each with the `group` heads sharing kv head g.
+// The keys and values of the columns any of its queries may see are widened once. Each (query,
+// head) row takes its own columns in ascending order, in two passes (scores, then values) over
+// blocks of kColumns unit columns, every row of the unit per block (its data stays in cache):
+// the blocks only interleave different rows' work, each row's arithmetic stays in column order.
 template <typename Ops, typename T>
 void unit(const T* query, const T* key, const T* value, const bool* mask, T* out, const Shape& s, float scale,
-          int64_t b, int64_t g, int64_t i, std::vector<int32_t>& columns, std::vector<float>& scores,
-          std::vector<float>& buffer) {
-  const int64_t group = s.heads / s.kv_heads, d = s.dim;
-  columns.clear();
-  if (mask) {
-    const bool* allowed = mask + (b * s.q_len + i) * s.kv_len;
-    for (int64_t j = 0; j < s.kv_len; ++j)
-      if (allowed[j]) columns.push_back(static_cast<int32_t>(j));
-  } else {
-    for (int64_t j = 0; j <= s.kv_len - s.q_len + i; ++j) columns.push_back(static_cast<int32_t>(j));
+          int64_t b, int64_t g, int64_t i0, int64_t i1, Scratch& x) {
+  const int64_t d = s.dim, group = s.heads / s.kv_heads, nq = i1 - i0;
+  x.seen.assign(s.kv_len, 0);
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t j = 0; j < s.kv_len; ++j) x.seen[j] |= allowed(mask, s, b, i, j);
+  x.columns.clear();
+  for (int64_t j = 0; j < s.kv_len; ++j)
+    if (x.seen[j]) x.columns.push_back(static_cast<int32_t>(j));
+  const int64_t m = static_cast<int64_t>(x.columns.size());
+  x.keys.resize(m * d);
+  x.values.resize(m * d);
+  for (int64_t t = 0; t < m; ++t) {
+    widen(key + b * s.ks[0] + g * s.ks[1] + x.columns[t] * s.ks[2], x.keys.data() + t * d, d);
+    widen(value + b * s.vs[0] + g * s.vs[1] + x.columns[t] * s.vs[2], x.values.data() + t * d, d);
   }
-  const int64_t n = static_cast<int64_t>(columns.size());
-  T* dst = out + ((b * s.q_len + i) * s.heads + g * group) * d;  // out [B, q, H, D], contiguous
-  if (n == 0) {
-    for (int64_t e = 0; e < group * d; ++e) dst[e] = static_cast<T>(0.f);
-    return;
+  x.own.clear();
+  x.start.assign(nq + 1, 0);
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t t = 0; t < m; ++t)
+      if (allowed(mask, s, b, i0 + i, x.columns[t])) x.own.push_back(static_cast<int32_t>(t));
+    x.start[i + 1] = static_cast<int64_t>(x.own.size());
   }
-  scores.resize(group * n);
-  buffer.resize((2 * group + 1) * d);
-  float* q = buffer.data();              // [group, d]: the heads' queries, widened
-  float* acc = q + group * d;            // [group, d]
-  float* row = acc + group * d;          // [d]: one key or value, widened
-  for (int64_t r = 0; r < group; ++r)
-    widen(query + b * s.qs[0] + (g * group + r) * s.qs[1] + i * s.qs[2], q + r * d, d);
-  for (int64_t t = 0; t < n; ++t) {
-    widen(key + b * s.ks[0] + g * s.ks[1] + columns[t] * s.ks[2], row, d);
-    for (int64_t r = 0; r < group; ++r) scores[r * n + t] = Ops::dot(q + r * d, row, d) * scale;
+  x.queries.resize(nq * group * d);
+  x.scores.resize(x.own.size() * group);  // row (i, r): group * start[i] + r * n_i
+  x.acc.assign(nq * group * d, 0.f);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t r = 0; r < group; ++r)
+      widen(query + b * s.qs[0] + (g * group + r) * s.qs[1] + (i0 + i) * s.qs[2], x.queries.data() + (i * group + r) * d, d);
+  auto row_scores = [&](int64_t i, int64_t r) {
+    return x.scores.data() + group * x.start[i] + r * (x.start[i + 1] - x.start[i]);
+  };
+  for (int pass = 0; pass < 2; ++pass) {  // 0: scores, 1: values
+    x.at.assign(x.start.begin(), x.start.end() - 1);
+    for (int64_t c0 = 0; c0 < m; c0 += kColumns) {
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t from = x.at[i];
+        int64_t to = from;
+        while (to < x.start[i + 1] && x.own[to] < c0 + kColumns) ++to;
+        x.at[i] = to;
+        if (to == from) continue;
+        const int32_t* own = x.own.data() + from;
+        const int64_t offset = from - x.start[i];
+        for (int64_t r = 0; r < group; ++r) {
+          if (pass == 0)
+            Ops::scores(x.queries.data() + (i * group + r) * d, x.keys.data(), own, to - from, d, scale,
+                        row_scores(i, r) + offset);
+          else
+            Ops::values(row_scores(i, r) + offset, x.values.data(), own, to - from, d,
+                        x.acc.data() + (i * group + r) * d);
+        }
+      }
+    }
+    if (pass == 1) break;
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t n = x.start[i + 1] - x.start[i];
+      for (int64_t r = 0; r < group && n; ++r) {
+        float* row = row_scores(i, r);
+        const float top = *std::max_element(row, row + n);
+        x.queries[(i * group + r) * d] = Ops::exp_sum(row, n, top);  // the query is no longer needed: its sum
+      }
+    }
   }
-  float total[64];
-  for (int64_t r = 0; r < group; ++r) {
-    float* sr = scores.data() + r * n;
-    float top = sr[0];
-    for (int64_t t = 1; t < n; ++t) top = std::max(top, sr[t]);
-    total[r] = Ops::exp_sum(sr, n, top);
-  }
-  std::fill(acc, acc + group * d, 0.f);
-  for (int64_t t = 0; t < n; ++t) {
-    widen(value + b * s.vs[0] + g * s.vs[1] + columns[t] * s.vs[2], row, d);
-    for (int64_t r = 0; r < group; ++r) Ops::axpy(acc + r * d, scores[r * n + t], row, d);
-  }
-  for (int64_t r = 0; r < group; ++r) {
-    const float inverse = 1.f / total[r];
-    for (int64_t e = 0; e < d; ++e) dst[r * d + e] = static_cast<T>(acc[r * d + e] * inverse);
+  for (int64_t i = 0; i < nq; ++i) {
+    T* dst = out + ((b * s.q_len + i0 + i) * s.heads + g * group) * d;  // out [B, q, H, D], contiguous
+    const bool empty = x.start[i + 1] == x.start[i];  // a query that may see nothing: zeros
+    for (int64_t r = 0; r < group; ++r) {
+      const float inverse = empty ? 0.f : 1.f / x.queries[(i * group + r) * d];
+      const float* acc = x.acc.data() + (i * group + r) * d;
+      for (int64_t e = 0; e < d; ++e) dst[r * d + e] = static_cast<T>(acc[e] * inverse);
+    }
   }
 }
 
 template <typename Ops, typename T>
 void run(const T* query, const T* key, const T* value, const bool* mask, T* out, const Shape& s, float scale) {
-  const int64_t units = s.batch * s.kv_heads * s.q_len;
+  const int64_t blocks = (s.q_len + kQueries - 1) / kQueries, units = s.batch * s.kv_heads * blocks;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> columns;
-    std::vector<float> scores, buffer;
+    Scratch x;
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t i = u % s.q_len, g = (u / s.q_len) % s.kv_heads, b = u / (s.q_len * s.kv_heads);
-      unit<Ops>(query, key, value, mask, out, s, scale, b, g, i, columns, scores, buffer);
+      const int64_t block = u % blocks, g = (u / blocks) % s.kv_heads, b = u / (blocks * s.kv_heads);
+      const int64_t i0 = block * kQueries, i1 = std::min(s.q_len, i0 + kQueries);
+      unit<Ops>(query, key, value, mask, out, s, scale, b, g, i0, i1, x);
     }
   });
 }

@@ -1,11 +1,13 @@
 """A safetensors cache of GGUF models: convert once (slow), load fast afterwards.
 
 Layout: `<root>/<key>/` is an ordinary Hugging Face model directory (config, generation config,
-bfloat16 safetensors, tokenizer) plus `fly-manifest.json`. It is built in `<root>/.tmp-<key>-*`
-and renamed into place only when complete, so a crash leaves nothing that loads. The manifest
-(written last) records every file's size and sha256 — of the whole file below 64 MiB, of its
-first and last MiB above — and is checked on every load: a few MiB of reading, so a truncated,
-half-copied or overwritten cache is rebuilt instead of loaded.
+bfloat16 safetensors, tokenizer) plus `fly-published.safetensors` (the GGUF's Q4_K Linear weights as
+published, raw, for the w4a8 kernel: fly_llm.kernels.gguf_q4k) and `fly-manifest.json`. It is built
+in `<root>/.tmp-<key>-*` and renamed into place only when complete, so a crash leaves nothing that
+loads. The manifest (written last, atomically) records every file's size and sha256 — of the whole
+file below 64 MiB, of its first and last MiB above — and is checked on every load: a few MiB of
+reading, so a truncated, half-copied or overwritten cache is rebuilt instead of loaded. A cache
+built before the published weights were kept gets them added from the GGUF (the float weights stay).
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ import platformdirs
 import torch
 from filelock import FileLock
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.utils import logging as hf_logging
 
 from fly_llm.errors import ModelError
+from fly_llm.kernels.gguf_q4k import PublishedWeights, published_blocks, save_published
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "fly-manifest.json"
+PUBLISHED = "fly-published.safetensors"
 MANIFEST_FORMAT = 1
 CACHE_DTYPE = torch.bfloat16  # the Qwen checkpoints' own dtype; far finer than the Q4_K_M quantisation
 _FULL_HASH_BELOW = 64 << 20
@@ -64,13 +68,19 @@ def write_manifest(model_dir: Path, source: dict) -> None:
         size = path.stat().st_size
         files[path.relative_to(model_dir).as_posix()] = {"size": size, "sha256": _file_digest(path, size)}
     manifest = {"format": MANIFEST_FORMAT, "source": source, "files": files}
-    (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    staged = model_dir / f".{MANIFEST}.tmp"
+    staged.write_text(json.dumps(manifest, indent=1))
+    os.replace(staged, model_dir / MANIFEST)  # a reader sees the old manifest or the new one, never half
+
+
+def _manifest(model_dir: Path) -> dict:
+    return json.loads((model_dir / MANIFEST).read_text())
 
 
 def cache_problem(model_dir: Path) -> str | None:
     """Why `model_dir` is not a usable cache (None if it is): missing, unfinished or corrupted."""
     try:
-        manifest = json.loads((model_dir / MANIFEST).read_text())
+        manifest = _manifest(model_dir)
     except FileNotFoundError:
         return "no manifest (never finished)" if model_dir.exists() else "not built yet"
     except (OSError, ValueError) as exc:
@@ -90,6 +100,27 @@ def cache_problem(model_dir: Path) -> str | None:
     return None
 
 
+def has_published(model_dir: Path) -> bool:
+    """Whether a checked cache's manifest lists its published weights (caches built before them do not)."""
+    return PUBLISHED in _manifest(model_dir)["files"]
+
+
+def published_weights(model_dir: Path | str) -> PublishedWeights | None:
+    """The published Q4_K Linear weights of a model cache directory (as its manifest lists them);
+    None for any other model directory or id."""
+    model_dir = Path(model_dir)
+    if not (model_dir / MANIFEST).is_file() or cache_problem(model_dir) or not has_published(model_dir):
+        return None
+    return PublishedWeights(model_dir / PUBLISHED)
+
+
+def write_published(gguf: Path, model_dir: Path, path: Path) -> None:
+    """Save to `path` the GGUF's Q4_K Linear weights, named as in the model converted to `model_dir`."""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    save_published(published_blocks(gguf, skeleton), path)
+
+
 @contextmanager
 def hf_progress(enabled: bool) -> Iterator[None]:
     """Show or hide transformers' own progress bars for the duration."""
@@ -103,7 +134,8 @@ def hf_progress(enabled: bool) -> Iterator[None]:
 
 def convert_gguf(gguf: Path, out: Path, *, name: str, progress: bool = True,
                  before_save: Callable[[], None] | None = None) -> None:
-    """Dequantise a GGUF file and save it to `out` as a safetensors model directory.
+    """Dequantise a GGUF file and save it to `out` as a safetensors model directory, with its
+    published Q4_K Linear weights beside (`PUBLISHED`).
 
     transformers 5 refuses `save_pretrained` on a GGUF-loaded model, so the weights are moved
     (not copied) into a plain model built from the same config and saved from there.
@@ -120,20 +152,22 @@ def convert_gguf(gguf: Path, out: Path, *, name: str, progress: bool = True,
                                                       quantization_config=GgufConfig(dequantize=True),
                                                       use_kernels=False)  # no Hub kernels (fly_llm.models)
         steps.update()
-    if before_save is not None:
-        before_save()
-    steps.set_postfix_str("saving")
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = CACHE_DTYPE
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(config, dtype=CACHE_DTYPE)
+    published = published_blocks(gguf, plain)
+    if before_save is not None:
+        before_save()
+    steps.set_postfix_str("saving")
     plain.load_state_dict(loaded.state_dict(), assign=True, strict=True)
     plain.generation_config = loaded.generation_config
     del loaded
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    save_published(published, out / PUBLISHED)
     steps.update()
     steps.close()
 
@@ -147,32 +181,40 @@ def cached_conversion(root: Path, key: str, make_gguf: Callable[[Path], Path], *
     One process builds a given key at a time (file lock); the others wait and reuse it.
     """
     final = root / key
-    if cache_problem(final) is None:
+    if cache_problem(final) is None and has_published(final):
         return final
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f".{key}.lock")):
         problem = cache_problem(final)
-        if problem is None:  # another process built it while we waited
+        if problem is None and has_published(final):  # another process built it while we waited
             return final
         for stale in root.glob(f".tmp-{key}-*"):  # left by a crashed build (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():
+        if problem is not None and final.exists():
             log.warning("rebuilding the model cache %s: %s", final, problem)
             shutil.rmtree(final)
         workdir = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
         try:
             gguf = make_gguf(workdir)
-            intermediate = workdir in gguf.parents
             staged = workdir / "model"
             try:
-                convert_gguf(gguf, staged, name=key, progress=progress,
-                             before_save=(lambda: gguf.unlink()) if intermediate else None)
+                if problem is None:  # a cache from before the published weights: add them, keep the rest
+                    log.info("adding the GGUF's published Q4_K weights to the model cache %s", final)
+                    staged.mkdir()
+                    write_published(gguf, final, staged / PUBLISHED)
+                    os.replace(staged / PUBLISHED, final / PUBLISHED)
+                else:
+                    convert_gguf(gguf, staged, name=key, progress=progress,
+                                 before_save=(lambda: gguf.unlink()) if workdir in gguf.parents else None)
             except ModelError:
                 raise
             except Exception as exc:
                 raise ModelError(f"could not convert the GGUF model {key}: {exc}") from exc
-            write_manifest(staged, source or {"key": key})
-            os.replace(staged, final)
+            if problem is None:
+                write_manifest(final, _manifest(final)["source"])
+            else:
+                write_manifest(staged, source or {"key": key})
+                os.replace(staged, final)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     return final

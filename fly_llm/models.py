@@ -3,6 +3,8 @@
 A source is a Hugging Face model id (resolved through the normal HF cache, so it works offline
 once cached), a local model directory, or a `.gguf` file (converted once to the safetensors
 cache, fly_llm.model_cache). No target means the embedded default pair (fly_llm.default_models).
+Under w4a8 a GGUF's Q4_K Linear weights are taken as published (fly_llm.kernels.gguf_q4k), the
+others rounded from their float weights.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from fly_llm.config import ModelSpec
 from fly_llm.default_models import DRAFT, TARGET, ensure_default_pair
 from fly_llm.errors import ModelError
 from fly_llm.kernels.cpu import cpu_flags
-from fly_llm.model_cache import cache_root, cached_conversion, hf_progress
+from fly_llm.model_cache import cache_root, cached_conversion, hf_progress, published_weights
 from fly_llm.quantization import quantize
 
 log = logging.getLogger(__name__)
@@ -165,7 +167,7 @@ def load_models(spec: ModelSpec, progress: bool = True) -> LoadedModels:
         tokenizer = _load_tokenizer(target_path, target_name)
         target = _load_model(target_path, target_name, dtype, device, spec.device_map)
         device = target.get_input_embeddings().weight.device  # the first device under a device_map
-        target_scheme = quantize(target, spec.target_quantization, device, "target")
+        target_scheme = quantize(target, spec.target_quantization, device, "target", published_weights(target_path))
         draft = draft_name = None
         draft_scheme = "none"
         if draft_ref is not None:
@@ -173,7 +175,7 @@ def load_models(spec: ModelSpec, progress: bool = True) -> LoadedModels:
             draft_tokenizer = _load_tokenizer(draft_path, draft_name)
             draft = _load_model(draft_path, draft_name, dtype, device, None)
             check_shared_vocab(tokenizer, draft_tokenizer, draft, target_name, draft_name)
-            draft_scheme = quantize(draft, spec.draft_quantization, device, "draft")
+            draft_scheme = quantize(draft, spec.draft_quantization, device, "draft", published_weights(draft_path))
     log.info("loaded target %s (%s weights), draft %s (%s weights); %s on %s", target_name, target_scheme,
              draft_name or "none", draft_scheme, dtype, device)
     return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=target_name,

@@ -103,8 +103,11 @@ def _permute_for_gguf(w: torch.Tensor, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).numpy()
 
 
-def write_tiny_gguf(path: Path, model, tokenizer) -> Path:
-    """Write a tiny Llama with its byte-level BPE tokenizer as a float32 GGUF file transformers reads."""
+def write_tiny_gguf(path: Path, model, tokenizer, raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]
+                    | None = None) -> Path:
+    """Write a tiny Llama with its byte-level BPE tokenizer as a float32 GGUF file transformers reads.
+
+    `raw` maps GGUF tensor names to quantized blocks (in GGUF's own row order) written instead of those weights."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
@@ -137,7 +140,10 @@ def write_tiny_gguf(path: Path, model, tokenizer) -> Path:
             array = _permute_for_gguf(data, cfg.num_key_value_heads)
         else:
             array = data.numpy()
-        writer.add_tensor(name, np.ascontiguousarray(array))
+        if name in (raw or {}):
+            writer.add_tensor(name, raw[name][0], raw_dtype=raw[name][1])
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

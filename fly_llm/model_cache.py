@@ -64,11 +64,11 @@ def _file_digest(path: Path, size: int) -> str:
 def write_manifest(model_dir: Path, source: dict) -> None:
     """Record size and digest of every file in `model_dir` (call last, when the dir is complete)."""
     files = {}
-    for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+    staged = model_dir / f".{MANIFEST}.tmp"
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name not in (MANIFEST, staged.name)):
         size = path.stat().st_size
         files[path.relative_to(model_dir).as_posix()] = {"size": size, "sha256": _file_digest(path, size)}
     manifest = {"format": MANIFEST_FORMAT, "source": source, "files": files}
-    staged = model_dir / f".{MANIFEST}.tmp"
     staged.write_text(json.dumps(manifest, indent=1))
     os.replace(staged, model_dir / MANIFEST)  # a reader sees the old manifest or the new one, never half
 

@@ -142,3 +142,11 @@ def test_a_cache_from_before_gets_its_published_weights_added(q4k_gguf, tmp_path
         f.seek(200)
         f.write(b"\xff" * 8)
     assert "changed" in cache_problem(built) and published_weights(built) is None
+
+
+def test_a_manifest_left_half_written_is_not_listed_in_the_next(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"w" * 100)
+    (tmp_path / f".{MANIFEST}.tmp").write_text("{")  # a crash between writing the manifest and renaming it
+    write_manifest(tmp_path, {"key": "x"})
+    assert cache_problem(tmp_path) is None
+    assert list(json.loads((tmp_path / MANIFEST).read_text())["files"]) == ["weights.bin"]

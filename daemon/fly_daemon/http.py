@@ -180,48 +180,93 @@ def _bearer(api_key: str) -> Callable[..., Awaitable[None]]:
 # ---- generation ----
 
 async def _generate(client: InProcessClient, body: GenerationBody, request: Request, tenant: str) -> Response:
-    """Serve one chat or text completion, whole or as server-sent events, as `tenant` and its connection's peer."""
+    """Serve one chat or text completion (its `n` choices submitted together), whole or as server-sent
+    events, as `tenant` and its connection's peer."""
     peer = request.client.host if request.client else "unknown"
 
-    async def start() -> tuple[dict[str, Any], Replies, TokenChunk | GenerateResult]:
+    async def start() -> tuple[dict[str, Any], list[Replies], list[TokenChunk | GenerateResult]]:
         model = await client.loaded_model()
         if body.model != model:
             raise UnknownModel(f"model {body.model!r} is not served here; GET /v1/models lists {model!r}")
         head = body.head(model)
-        replies = client.replies(body.to_generate(head["id"]), tenant=tenant, client=f"{tenant}@{peer}")
-        return head, replies, await anext(replies)  # an error before the first token is a plain HTTP error
+        streams = [client.replies(r, tenant=tenant, client=f"{tenant}@{peer}") for r in body.choice_requests(head["id"])]
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        failed = [f for f in firsts if isinstance(f, BaseException)]
+        if failed:  # an error before the first token is a plain HTTP error (the other choices are cancelled)
+            await asyncio.gather(*(s.aclose() for s in streams))
+            raise failed[0]
+        return head, streams, firsts
 
     try:
-        head, replies, first = await _unless_disconnected(request, start())
+        head, streams, firsts = await _unless_disconnected(request, start())
     except _ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     if not body.stream:
-        return JSONResponse(body.response(head, first))
-    return StreamingResponse(_events(body, head, first, replies), media_type="text/event-stream")
+        return JSONResponse(body.response(head, firsts))
+    return StreamingResponse(_events(body, head, firsts, streams), media_type="text/event-stream")
 
 
-async def _events(body: GenerationBody, head: dict[str, Any], first: TokenChunk | GenerateResult,
-                  replies: Replies) -> AsyncIterator[str]:
-    """The stream's server-sent events; an error after the first event is sent as an `error` event."""
+async def _events(body: GenerationBody, head: dict[str, Any], firsts: list[TokenChunk | GenerateResult],
+                  streams: list[Replies]) -> AsyncIterator[str]:
+    """The stream's server-sent events, the choices' chunks as they come; an error after the first event is
+    sent as an `error` event."""
+    results: list[GenerateResult | None] = [None] * len(streams)
+    calls = [0] * len(streams)
     try:
         if body.opens_with_role:
-            yield _event(body.chunk(head))
-        reply, calls = first, 0
-        while isinstance(reply, TokenChunk):
-            indexed = list(enumerate(reply.tool_calls, calls))
-            calls += len(indexed)
-            yield _event(body.chunk(head, reply.text, calls=indexed))
-            reply = await anext(replies)
-        yield _event(body.chunk(head, final=reply))
+            for index in range(len(streams)):
+                yield _event(body.chunk(head, index))
+        async for index, reply in _merged(firsts, streams):
+            if isinstance(reply, TokenChunk):
+                indexed = list(enumerate(reply.tool_calls, calls[index]))
+                calls[index] += len(indexed)
+                yield _event(body.chunk(head, index, reply.text, calls=indexed))
+                continue
+            results[index] = reply
+            done = None if None in results else results
+            yield _event(body.chunk(head, index, final=reply, usage=done))
         if body.include_usage:
-            yield _event(body.usage_chunk(head, reply))
+            yield _event(body.usage_chunk(head, results))
         yield "data: [DONE]\n\n"
     except FLyError as exc:
         yield _event(error_body(exc, _error_type(_status(exc))))
     except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
         yield _event(error_body(_internal(exc), _error_type(500)))
     finally:
-        await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
+        for stream in streams:
+            await stream.aclose()  # cancels the request if the stream ends early (the client disconnected)
+
+
+async def _merged(firsts: list[TokenChunk | GenerateResult],
+                  streams: list[Replies]) -> AsyncIterator[tuple[int, TokenChunk | GenerateResult]]:
+    """(choice index, reply) of all choices' streams, in the order they arrive, until each has its result;
+    a choice's error is raised."""
+    queue: asyncio.Queue[tuple[int, TokenChunk | GenerateResult | BaseException]] = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        reply: TokenChunk | GenerateResult | BaseException = firsts[index]
+        queue.put_nowait((index, reply))
+        try:
+            while isinstance(reply, TokenChunk):
+                reply = await anext(streams[index])
+                queue.put_nowait((index, reply))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+
+    pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    try:
+        for _ in streams:  # until each choice has its result
+            while True:
+                index, reply = await queue.get()
+                if isinstance(reply, BaseException):
+                    raise reply
+                yield index, reply
+                if not isinstance(reply, TokenChunk):
+                    break
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 def _event(data: dict[str, Any]) -> str:

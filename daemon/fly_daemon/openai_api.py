@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fly_llm.client.core import build_options, checked
 from fly_llm.errors import FLyError
-from fly_llm.protocol import GenerateRequest, GenerateResult, MessageToolCall, Usage
-from fly_llm.stats import FinishReason
+from fly_llm.protocol import GenerateRequest, GenerateResult, MessageToolCall
+from fly_llm.stats import FinishReason, RequestStats
 from fly_llm.tools import FormatOptions, StructureOptions, ToolCall, structure_options
 
 
@@ -63,6 +63,10 @@ class Message(_Strict):
         return turn
 
 
+MAX_CHOICES = 16
+"""Most choices (`n`) one request may ask for."""
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -85,7 +89,7 @@ class GenerationBody(_Strict, ABC):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: Literal[1] = Field(1, description="One choice per request.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices: sampled requests decoded together in the batch.")
     user: str | None = Field(None, description="OpenAI's end-user id: accepted, not used.")
     k: int | None = Field(None, description="FLy: upper bound on draft tokens per round.")
     window: int | None = Field(None, description="FLy: deferred window W.")
@@ -118,54 +122,77 @@ class GenerationBody(_Strict, ABC):
             return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream,
                                    **structure_options(self), **self._source())
 
+    def choice_requests(self, request_id: str) -> list[GenerateRequest]:
+        """One wire request per choice (`n`): ids `request_id` (n = 1) or `request_id-i`, seeds `seed + i`."""
+        first = self.to_generate(request_id)
+        if self.n == 1:
+            return [first]
+        seeds = [None if self.seed is None else (self.seed + i) % 2**63 for i in range(self.n)]
+        return [first.model_copy(update={"id": f"{request_id}-{i}",
+                                         "sampling": first.sampling.model_copy(update={"seed": seed})})
+                for i, seed in enumerate(seeds)]
+
     @abstractmethod
     def _source(self) -> dict[str, Any]:
         """The prompt or the chat messages, as GenerateRequest fields."""
 
     @abstractmethod
-    def _choice(self, result: GenerateResult) -> dict[str, Any]:
-        """The one choice of a whole response."""
+    def _choice(self, index: int, result: GenerateResult) -> dict[str, Any]:
+        """Choice `index` of a whole response."""
 
     @abstractmethod
-    def _delta(self, text: str | None, finish_reason: FinishReason | None,
+    def _delta(self, index: int, text: str | None, finish_reason: FinishReason | None,
                calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
-        """The one choice of a stream chunk: new text (None: the opening chunk) and (index, call) pairs,
+        """Choice `index` of a stream chunk: new text (None: the opening chunk) and (index, call) pairs,
         or the finish reason."""
 
     # ---- responses ----
 
-    def response(self, head: dict[str, Any], result: GenerateResult) -> dict[str, Any]:
-        """The whole (non-streamed) response."""
-        return {**head, "object": self.object_name, "choices": [self._choice(result)],
-                "usage": openai_usage(result.usage), "fly_stats": result.stats.model_dump()}
+    def response(self, head: dict[str, Any], results: list[GenerateResult]) -> dict[str, Any]:
+        """The whole (non-streamed) response: one choice per result, their usage and speculation summed."""
+        return {**head, "object": self.object_name, "choices": [self._choice(i, r) for i, r in enumerate(results)],
+                "usage": openai_usage(results), "fly_stats": merged_stats(results).model_dump()}
 
-    def chunk(self, head: dict[str, Any], text: str | None = None, final: GenerateResult | None = None,
-              calls: list[tuple[int, ToolCall]] = ()) -> dict[str, Any]:
-        """A stream chunk: the opening one (no text, see opens_with_role), new text and tool calls
-        (with their index in the response), or the `final` one.
+    def chunk(self, head: dict[str, Any], index: int = 0, text: str | None = None,
+              final: GenerateResult | None = None, calls: list[tuple[int, ToolCall]] = (),
+              usage: list[GenerateResult] | None = None) -> dict[str, Any]:
+        """A stream chunk of choice `index`: the opening one (no text, see opens_with_role), new text and
+        tool calls (with their index in the choice), or its `final` one.
 
-        The final chunk carries `usage` too, unless the client asked for OpenAI's separate usage chunk
-        (`stream_options.include_usage`, see `usage_chunk`): every stream reports its usage exactly once.
+        The final chunk of the last choice to finish carries the `usage` of all of them, unless the client
+        asked for OpenAI's separate usage chunk (`stream_options.include_usage`, see `usage_chunk`): every
+        stream reports its usage exactly once.
         """
         body = {**head, "object": self.chunk_object_name,
-                "choices": [self._delta(text, final.finish_reason if final else None, list(calls))]}
+                "choices": [self._delta(index, text, final.finish_reason if final else None, list(calls))]}
         if final is not None:
             body["fly_stats"] = final.stats.model_dump()
-            if not self.include_usage:
-                body["usage"] = openai_usage(final.usage)
+            if usage is not None and not self.include_usage:
+                body["usage"] = openai_usage(usage)
         elif self.include_usage:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, head: dict[str, Any], result: GenerateResult) -> dict[str, Any]:
+    def usage_chunk(self, head: dict[str, Any], results: list[GenerateResult]) -> dict[str, Any]:
         """OpenAI's last chunk with `stream_options.include_usage`: no choices, the usage."""
-        return {**head, "object": self.chunk_object_name, "choices": [], "usage": openai_usage(result.usage)}
+        return {**head, "object": self.chunk_object_name, "choices": [], "usage": openai_usage(results)}
 
 
-def openai_usage(usage: Usage) -> dict[str, Any]:
-    """Our Usage in OpenAI's shape: cached prompt tokens under prompt_tokens_details."""
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+def openai_usage(results: list[GenerateResult]) -> dict[str, Any]:
+    """The usage of one request's choices in OpenAI's shape: the prompt once (and its cached tokens, under
+    prompt_tokens_details), the completion tokens of all choices."""
+    prompt, cached = results[0].usage.prompt_tokens, results[0].usage.cached_tokens
+    completion = sum(r.usage.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def merged_stats(results: list[GenerateResult]) -> RequestStats:
+    """The speculation counters of one request's choices, summed."""
+    total = RequestStats()
+    for result in results:
+        total.merge(result.stats)
+    return total
 
 
 def openai_tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
@@ -187,14 +214,14 @@ class ChatCompletionRequest(GenerationBody, StructureOptions):
     def _source(self) -> dict[str, Any]:
         return {"messages": [m.to_protocol() for m in self.messages]}
 
-    def _choice(self, result: GenerateResult) -> dict[str, Any]:
+    def _choice(self, index: int, result: GenerateResult) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
         if result.tool_calls:
             message["content"] = result.text or None
             message["tool_calls"] = [openai_tool_call(c) for c in result.tool_calls]
-        return {"index": 0, "message": message, "finish_reason": result.finish_reason, "logprobs": None}
+        return {"index": index, "message": message, "finish_reason": result.finish_reason, "logprobs": None}
 
-    def _delta(self, text: str | None, finish_reason: FinishReason | None,
+    def _delta(self, index: int, text: str | None, finish_reason: FinishReason | None,
                calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
         if finish_reason is not None:
             delta: dict[str, Any] = {}
@@ -203,8 +230,8 @@ class ChatCompletionRequest(GenerationBody, StructureOptions):
         else:  # as OpenAI streams a call: no content beside it unless there is text
             delta = {"content": text} if text or not calls else {}
             if calls:
-                delta["tool_calls"] = [openai_tool_call(call, index) for index, call in calls]
-        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+                delta["tool_calls"] = [openai_tool_call(call, i) for i, call in calls]
+        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
 
 
 class CompletionRequest(GenerationBody, FormatOptions):
@@ -218,18 +245,18 @@ class CompletionRequest(GenerationBody, FormatOptions):
     @model_validator(mode="after")
     def _one_prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ValueError("prompt: give one string (one choice per request)")
+            raise ValueError("prompt: give one string (several choices of it: n)")
         return self
 
     def _source(self) -> dict[str, Any]:
         return {"prompt": self.prompt if isinstance(self.prompt, str) else self.prompt[0]}
 
-    def _choice(self, result: GenerateResult) -> dict[str, Any]:
-        return {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+    def _choice(self, index: int, result: GenerateResult) -> dict[str, Any]:
+        return {"index": index, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
 
-    def _delta(self, text: str | None, finish_reason: FinishReason | None,
+    def _delta(self, index: int, text: str | None, finish_reason: FinishReason | None,
                calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
-        return {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        return {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
 
 
 class TokenizeBody(_Strict):

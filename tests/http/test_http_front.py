@@ -116,7 +116,7 @@ def test_bad_input_gets_4xx_in_openai_shape_while_others_are_served(tmp_path):
             (client.post(post, json={**CHAT, "max_tokens": "many"}), 400, "BAD_REQUEST", "max_tokens", "integer"),
             (client.post(post, json={"model": MODEL, "messages": "hi"}), 400, "BAD_REQUEST", "messages", "list"),
             (client.post(post, json={**CHAT, "logprobs": True}), 400, "BAD_REQUEST", "logprobs", "Extra inputs"),
-            (client.post(post, json={**CHAT, "n": 2}), 400, "BAD_REQUEST", "n", "1"),
+            (client.post(post, json={**CHAT, "n": 17}), 400, "BAD_REQUEST", "n", "16"),
             (client.post(post, json={**CHAT, "model": "gpt-4o"}), 404, "BAD_REQUEST", "model", "gpt-4o"),
             (client.post(post, json={**CHAT, "temperature": -1}), 400, "BAD_REQUEST", None, "temperature"),
             (client.post(post, json={**CHAT, "k": 0}), 400, "BAD_REQUEST", None, "k"),

@@ -102,3 +102,33 @@ def test_metrics_on_the_http_port_behind_the_key(http, front_url, client, model)
     metrics = http.get("/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     assert 'fly_requests_total{outcome="ok"}' in metrics.text and "fly_completion_tokens_total" in metrics.text
+
+
+def test_n_choices_are_sampled_together_with_derived_seeds(client, model):
+    ask = {"model": model, "messages": ASK, "max_tokens": 12, "temperature": 1.0, "extra_body": {"loose": False}}
+    three = client.chat.completions.create(n=3, seed=7, **ask)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    alone = [client.chat.completions.create(seed=7 + i, **ask) for i in range(3)]
+    assert [c.message.content for c in three.choices] == [a.choices[0].message.content for a in alone]
+    assert three.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert three.usage.prompt_tokens == alone[0].usage.prompt_tokens
+
+    chunks = list(client.chat.completions.create(n=3, seed=7, stream=True, stream_options={"include_usage": True},
+                                                 **ask))
+    texts = ["", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    counts = {"prompt_tokens", "completion_tokens", "total_tokens"}  # cached tokens differ: the prompt is cached now
+    assert texts == [c.message.content for c in three.choices]
+    assert chunks[-1].usage.model_dump(include=counts) == three.usage.model_dump(include=counts)
+    assert sum(1 for c in chunks for choice in c.choices if choice.finish_reason) == 3
+
+    greedy = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=8, n=2, temperature=0)
+    assert greedy.choices[0].text == greedy.choices[1].text and [c.index for c in greedy.choices] == [0, 1]
+
+
+def test_n_over_the_cap_is_a_clear_400(client, model):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model, messages=ASK, n=17)
+    assert error.value.code == "BAD_REQUEST" and error.value.param == "n" and "16" in error.value.message

@@ -37,7 +37,9 @@ from transformers import PreTrainedModel
 
 from fly_llm.config import QUANTIZATIONS
 from fly_llm.errors import ModelError
+from fly_llm.fused_layers import fuse
 from fly_llm.attention import use_row_attention
+from fly_llm.kernels import row_attention as native_attention
 from fly_llm.kernels import w4a8
 from fly_llm.kernels.cpu import cpu_flags
 
@@ -208,7 +210,8 @@ def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "tar
     Every Linear is replaced, the output head included (a Linear whose input width is not a
     multiple of 32, or under int4 whose output width is not one of 16, stays as it is). A
     transformers target is switched to `row_attention`, so that each token's result is independent
-    of the forward it is in (a draft only proposes and keeps its attention). Embeddings, norms and
+    of the forward it is in; a draft too where its C++ op runs (cheaper than SDPA over one new token,
+    and a draft's proposals then do not depend on the batch either). Embeddings, norms and
     attention keep the model's dtype.
     """
     scheme = resolve_quantization(mode, device, role)
@@ -228,8 +231,10 @@ def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "tar
             setattr(parent, name, layer(child, weight) if weight is not None else layer(child))
     if kept:
         log.info("%s: %d Linear layers kept in float (widths the %s kernel cannot pack)", role, kept, scheme)
-    if role == "target" and isinstance(model, PreTrainedModel):
-        use_row_attention(model)  # exact mode needs it; a draft only proposes
+    if scheme == "w4a8":
+        fuse(model)  # q/k/v and gate/up as one matmul each: the same outputs, bit for bit
+    if isinstance(model, PreTrainedModel) and (role == "target" or native_attention.available()):
+        use_row_attention(model)  # exact mode needs it; a draft gains batch invariance where it is native
     return scheme
 
 

@@ -99,7 +99,7 @@ def test_llamacpp_decodes_the_targets_gguf(tiny_pair_dirs, tmp_path):
     gguf_path = write_tiny_gguf(tmp_path / "target.gguf", AutoModelForCausalLM.from_pretrained(target_dir),
                                 AutoTokenizer.from_pretrained(target_dir))
     data = _bench((gguf_path, draft_dir), tmp_path / "out", "--dataset", "humaneval", "--limit", "2",
-                  "--max-tokens", "16", "--methods", "llamacpp")
+                  "--max-tokens", "16", "--methods", "llamacpp", "--target-quantization", "none")
     assert data["settings"]["methods"] == ["target", "llamacpp"]
     llama = next(s for s in data["results"] if s["method"] == "llamacpp")
     assert llama["tokens"] > 0 and llama["tokens_per_s"] > 0 and llama["mat"] == 1.0

@@ -28,13 +28,14 @@ from torch import nn
 from fly_llm.config import ModelSpec
 from fly_llm.decoding.policy import _forward_seconds
 from fly_llm.default_models import ensure_default_pair
+from fly_llm.fused_layers import FusedW4A8
 from fly_llm.kernels import w4a8
 from fly_llm.models import load_models
 from fly_llm.quantization import Int4Linear, Int8Linear, W4A8Linear
 
 ROWS = (1, 2, 4, 8, 16)
 WIDTHS = (1, 2, 4, 8, 16)
-_LINEAR_TYPES = (nn.Linear, Int8Linear, Int4Linear, W4A8Linear)
+_LINEAR_TYPES = (nn.Linear, Int8Linear, Int4Linear, W4A8Linear, FusedW4A8)  # fused: q/k/v, gate/up as one
 
 
 def cpu_name() -> str:

@@ -11,13 +11,15 @@ A float model tolerates the last-bit differences between attending from a 1-toke
 a 9-token verify forward and a 300-token prefill. A model with int8 activations does not: a value
 that lands on the other side of a rounding boundary moves by a whole quantization step, and 28
 layers amplify that into logit differences of ~1 (measured: up to 2.5 on the embedded target),
-enough to change greedy tokens. With this attention each query row is one SDPA call over exactly
-the key/value columns it may see, gathered in order, whatever else the forward holds (other
-queries, other requests' rows, padding, the engine's masked-out "holes"). Together with
-`Int8Linear`, which is row-independent too, a quantized target then gives bit-identical results
-for a token however it is scheduled, and exact mode reproduces its greedy output token for token.
+enough to change greedy tokens. With this attention each query row attends over exactly the
+key/value columns it may see, in order, whatever else the forward holds (other queries, other
+requests' rows, padding, the engine's masked-out "holes"). Together with the quantized Linear
+layers, which are row-independent too, a quantized target then gives bit-identical results for a
+token however it is scheduled, and exact mode reproduces its greedy output token for token.
 
-It costs one SDPA call per query token and layer (float32 on CPU: ~0.05 ms each at 512 keys).
+On an x86 CPU it is one call per layer of a C++ op (fly_llm.kernels.row_attention: a fixed-order
+float32 loop per query, head and allowed column); elsewhere `reference_row_attention`, one SDPA
+call per query token and layer.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ REFERENCE = "llamacpp"
 """The server every ratio is taken against."""
 KINDS = (("code", "humaneval", 3), ("chat", "prose", 3), ("rag", "rag", 2))
 """(kind, dataset, items spread evenly over it)."""
+MIN_DECODE_TOKENS = 8
 METRICS = ("ttft_s", "decode_tokens_per_s", "e2e_s")
 WARMUP = [{"role": "user", "content": "Say hello."}]
 
@@ -91,9 +92,10 @@ def load_prompts() -> list[Prompt]:
 
 
 def decode_rate(tokens: int, ttft_s: float, e2e_s: float) -> float | None:
-    """Tokens after the first over the seconds after the first token (None without a second token)."""
+    """Tokens after the first over the seconds after the first token; None for an answer too short to time
+    (fewer than MIN_DECODE_TOKENS after the first: a RAG answer of two words is mostly HTTP round trip)."""
     after = e2e_s - ttft_s
-    return (tokens - 1) / after if tokens > 1 and after > 0 else None
+    return (tokens - 1) / after if tokens - 1 >= MIN_DECODE_TOKENS and after > 0 else None
 
 
 def stream_chat(client, model: str, messages: list[dict[str, str]], max_tokens: int,
@@ -132,10 +134,12 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def _medians(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Per metric: the median over prompts of each prompt's median over rounds."""
+    """Per metric: the median over prompts of each prompt's median over rounds (decode rates taken again
+    from each row's tokens and times by decode_rate)."""
     by_prompt: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        by_prompt.setdefault(r["prompt_id"], []).append(r)
+        rate = decode_rate(r["completion_tokens"], r["ttft_s"], r["e2e_s"])
+        by_prompt.setdefault(r["prompt_id"], []).append(r | {"decode_tokens_per_s": rate})
     return {m: _median([_median([r[m] for r in group]) for group in by_prompt.values()]) for m in METRICS}
 
 

@@ -26,6 +26,8 @@ MAX_PROMPT_CHARS = 1024 * 1024
 """Most characters in a prompt, a tokenize text, or all chat messages' contents together (beyond: TOO_LONG)."""
 MAX_MESSAGES = 1024
 """Most chat messages in one request (beyond: TOO_LONG)."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a request may ask log-probabilities of (OpenAI's cap)."""
 
 RequestId = Annotated[str, Field(min_length=1, max_length=128)]
 UNKNOWN_ID = "-"
@@ -155,10 +157,15 @@ class GenerateRequest(_Message, StructureOptions):
     fly: FLyOverrides = Field(default_factory=FLyOverrides)
     stream: bool = False
     timeout_s: float | None = Field(None, gt=0, le=86_400, description="Deadline from admission.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "Report the target's log-probability of each emitted token and of this many top alternatives."))
+    prompt_logprobs: bool = Field(False, description="With logprobs: report those of the prompt's tokens too.")
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
         _check_tools(self.tools)
+        if self.prompt_logprobs and self.logprobs is None:
+            raise ValueError("prompt_logprobs needs logprobs (how many alternatives per token)")
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         if self.prompt is not None and not self.prompt:
@@ -246,6 +253,22 @@ class Usage(BaseModel):
     """Prompt tokens served from the daemon's prefix cache instead of being prefilled (OpenAI's meaning)."""
 
 
+class TopLogprob(BaseModel):
+    """A token and the target's log-probability of it at a position (log-softmax of the raw logits:
+    temperature 1, before any sampling filter or grammar mask)."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    """None only for a prompt's first token (nothing precedes it)."""
+
+
+class TokenLogprob(TopLogprob):
+    """An emitted (or prompt) token's log-probability, with the most likely tokens at its position."""
+
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
 class TokenChunk(_Message):
     """New text of a streamed request (stop strings already held back / removed)."""
 
@@ -254,6 +277,8 @@ class TokenChunk(_Message):
     token_ids: list[int] = Field(default_factory=list)
     tool_calls: list[ToolCall] = Field(default_factory=list)
     """Calls completed in this chunk (each arrives whole, once its closing tag is decoded)."""
+    logprobs: list[TokenLogprob] | None = None
+    """Of `token_ids`, when the request asked for logprobs."""
 
 
 class GenerateResult(_Message):
@@ -270,6 +295,10 @@ class GenerateResult(_Message):
     model: str = ""
     time_to_first_token_s: float | None = None
     elapsed_s: float = 0.0
+    logprobs: list[TokenLogprob] | None = None
+    """Of `token_ids`, when the request asked for logprobs."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """Of every prompt token (the first with logprob None), when the request asked for prompt_logprobs."""
 
 
 class ErrorReply(_Message):

@@ -220,7 +220,7 @@ async def _events(body: GenerationBody, head: dict[str, Any], firsts: list[Token
             if isinstance(reply, TokenChunk):
                 indexed = list(enumerate(reply.tool_calls, calls[index]))
                 calls[index] += len(indexed)
-                yield _event(body.chunk(head, index, reply.text, calls=indexed))
+                yield _event(body.chunk(head, index, reply.text, calls=indexed, logprobs=reply.logprobs))
                 continue
             results[index] = reply
             done = None if None in results else results

@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fly_llm.client.core import build_options, checked
 from fly_llm.errors import FLyError
-from fly_llm.protocol import GenerateRequest, GenerateResult, MessageToolCall
+from fly_llm.protocol import (
+    MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, MessageToolCall, TokenLogprob, TopLogprob,
+)
 from fly_llm.stats import FinishReason, RequestStats
 from fly_llm.tools import FormatOptions, StructureOptions, ToolCall, structure_options
 
@@ -111,16 +113,30 @@ class GenerationBody(_Strict, ABC):
         return {"id": f"{self.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
                 "system_fingerprint": None}
 
+    scores_only: ClassVar[bool] = False
+    """Overridden where a body may ask for the prompt's scores and no completion (then no completion tokens)."""
+
+    @property
+    def asked_max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
     def to_generate(self, request_id: str) -> GenerateRequest:
         """The wire request this body asks for; BadRequest / TooLong (naming the field) if it is not valid."""
         sampling, fly = build_options(
-            max_tokens=self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens,
+            max_tokens=self._wire_max_tokens(),
             temperature=self.temperature, top_p=self.top_p, seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop,
             k=self.k, window=self.window, entropy_threshold=self.entropy_threshold, loose=self.loose)
         with checked():
             return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream,
-                                   **structure_options(self), **self._source())
+                                   **structure_options(self), **self._source(), **self._logprob_fields())
+
+    def _wire_max_tokens(self) -> int | None:
+        return self.asked_max_tokens
+
+    @abstractmethod
+    def _logprob_fields(self) -> dict[str, Any]:
+        """GenerateRequest's logprobs and prompt_logprobs, as this body asks for them."""
 
     def choice_requests(self, request_id: str) -> list[GenerateRequest]:
         """One wire request per choice (`n`): ids `request_id` (n = 1) or `request_id-i`, seeds `seed + i`."""
@@ -142,20 +158,21 @@ class GenerationBody(_Strict, ABC):
 
     @abstractmethod
     def _delta(self, index: int, text: str | None, finish_reason: FinishReason | None,
-               calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
-        """Choice `index` of a stream chunk: new text (None: the opening chunk) and (index, call) pairs,
-        or the finish reason."""
+               calls: list[tuple[int, ToolCall]], logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        """Choice `index` of a stream chunk: new text (None: the opening chunk), (index, call) pairs and
+        the new tokens' log-probabilities, or the finish reason."""
 
     # ---- responses ----
 
     def response(self, head: dict[str, Any], results: list[GenerateResult]) -> dict[str, Any]:
         """The whole (non-streamed) response: one choice per result, their usage and speculation summed."""
         return {**head, "object": self.object_name, "choices": [self._choice(i, r) for i, r in enumerate(results)],
-                "usage": openai_usage(results), "fly_stats": merged_stats(results).model_dump()}
+                "usage": openai_usage(results, completed=not self.scores_only),
+                "fly_stats": merged_stats(results).model_dump()}
 
     def chunk(self, head: dict[str, Any], index: int = 0, text: str | None = None,
               final: GenerateResult | None = None, calls: list[tuple[int, ToolCall]] = (),
-              usage: list[GenerateResult] | None = None) -> dict[str, Any]:
+              usage: list[GenerateResult] | None = None, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         """A stream chunk of choice `index`: the opening one (no text, see opens_with_role), new text and
         tool calls (with their index in the choice), or its `final` one.
 
@@ -164,7 +181,7 @@ class GenerationBody(_Strict, ABC):
         stream reports its usage exactly once.
         """
         body = {**head, "object": self.chunk_object_name,
-                "choices": [self._delta(index, text, final.finish_reason if final else None, list(calls))]}
+                "choices": [self._delta(index, text, final.finish_reason if final else None, list(calls), logprobs)]}
         if final is not None:
             body["fly_stats"] = final.stats.model_dump()
             if usage is not None and not self.include_usage:
@@ -178,11 +195,11 @@ class GenerationBody(_Strict, ABC):
         return {**head, "object": self.chunk_object_name, "choices": [], "usage": openai_usage(results)}
 
 
-def openai_usage(results: list[GenerateResult]) -> dict[str, Any]:
+def openai_usage(results: list[GenerateResult], completed: bool = True) -> dict[str, Any]:
     """The usage of one request's choices in OpenAI's shape: the prompt once (and its cached tokens, under
-    prompt_tokens_details), the completion tokens of all choices."""
+    prompt_tokens_details), the completion tokens of all choices (none unless `completed`)."""
     prompt, cached = results[0].usage.prompt_tokens, results[0].usage.cached_tokens
-    completion = sum(r.usage.completion_tokens for r in results)
+    completion = sum(r.usage.completion_tokens for r in results) if completed else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -210,19 +227,40 @@ class ChatCompletionRequest(GenerationBody, StructureOptions):
     opens_with_role = True
 
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool = Field(False, description="Report the target's log-probability of each emitted token.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: alternatives per token.")
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def _source(self) -> dict[str, Any]:
         return {"messages": [m.to_protocol() for m in self.messages]}
+
+    def _logprob_fields(self) -> dict[str, Any]:
+        return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
+
+    @staticmethod
+    def _logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """OpenAI's chat logprobs: {content: [{token, logprob, bytes, top_logprobs}]}."""
+        if entries is None:
+            return None
+        def one(e: TopLogprob) -> dict[str, Any]:
+            return {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode())}
+        return {"content": [{**one(e), "top_logprobs": [one(t) for t in e.top]} for e in entries], "refusal": None}
 
     def _choice(self, index: int, result: GenerateResult) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
         if result.tool_calls:
             message["content"] = result.text or None
             message["tool_calls"] = [openai_tool_call(c) for c in result.tool_calls]
-        return {"index": index, "message": message, "finish_reason": result.finish_reason, "logprobs": None}
+        return {"index": index, "message": message, "finish_reason": result.finish_reason,
+                "logprobs": self._logprobs(result.logprobs)}
 
     def _delta(self, index: int, text: str | None, finish_reason: FinishReason | None,
-               calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
+               calls: list[tuple[int, ToolCall]], logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         if finish_reason is not None:
             delta: dict[str, Any] = {}
         elif text is None:
@@ -231,7 +269,7 @@ class ChatCompletionRequest(GenerationBody, StructureOptions):
             delta = {"content": text} if text or not calls else {}
             if calls:
                 delta["tool_calls"] = [openai_tool_call(call, i) for i, call in calls]
-        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": self._logprobs(logprobs)}
 
 
 class CompletionRequest(GenerationBody, FormatOptions):
@@ -241,22 +279,65 @@ class CompletionRequest(GenerationBody, FormatOptions):
     id_prefix = "cmpl"
 
     prompt: str | list[str] = Field(description="A string, or a list holding one string.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="Report each token's log-probability and this many alternatives.")
+    echo: bool = Field(False, description="The prompt before the completion (with logprobs: its tokens' too).")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             raise ValueError("prompt: give one string (several choices of it: n)")
+        if self.echo and self.stream:
+            raise ValueError("echo is served without stream")
+        if self.asked_max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo (it scores the prompt)")
         return self
 
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    @property
+    def scores_only(self) -> bool:  # type: ignore[override]
+        """max_tokens 0 with echo: the prompt (and its log-probabilities), no completion."""
+        return self.asked_max_tokens == 0
+
+    def _wire_max_tokens(self) -> int | None:
+        return 1 if self.scores_only else self.asked_max_tokens  # one token is decoded, and dropped
+
+    def _logprob_fields(self) -> dict[str, Any]:
+        if self.logprobs is None:
+            return {}
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.echo}
+
+    def _logprobs(self, entries: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
+        """OpenAI's completion logprobs: {tokens, token_logprobs, top_logprobs, text_offset}."""
+        if entries is None:
+            return None
+        offsets = []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [None if e.logprob is None else {t.token: t.logprob for t in e.top} for e in entries],
+                "text_offset": offsets}
+
     def _source(self) -> dict[str, Any]:
-        return {"prompt": self.prompt if isinstance(self.prompt, str) else self.prompt[0]}
+        return {"prompt": self.text}
 
     def _choice(self, index: int, result: GenerateResult) -> dict[str, Any]:
-        return {"index": index, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+        text, logprobs = ("", []) if self.scores_only else (result.text, result.logprobs)
+        if self.echo:
+            text = self.text + text
+            logprobs = None if logprobs is None else (result.prompt_logprobs or []) + logprobs
+        offset = 0 if self.echo else len(self.text)
+        return {"index": index, "text": text, "finish_reason": "length" if self.scores_only else result.finish_reason,
+                "logprobs": self._logprobs(logprobs, offset)}
 
     def _delta(self, index: int, text: str | None, finish_reason: FinishReason | None,
-               calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
-        return {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+               calls: list[tuple[int, ToolCall]], logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        return {"index": index, "text": text or "", "finish_reason": finish_reason,
+                "logprobs": self._logprobs(logprobs, 0)}
 
 
 class TokenizeBody(_Strict):

@@ -35,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from fly_llm.constraints import Constraint
 from fly_llm.errors import BadRequest, Busy, Cancelled, FLyError, Internal, NotReady, Timeout, TooLong
 from fly_llm.protocol import (
-    ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest, Usage,
+    ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest, TokenLogprob,
+    TopLogprob, Usage,
 )
 from fly_llm.stats import PromptStats, RequestStats
 from fly_llm.tool_formats import Constraints
@@ -116,6 +117,9 @@ class Job:
     tool_calls: CallText | None = None  # set when the request may call tools: splits calls from text
     calls: list[ToolCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)  # text outside tool calls
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, when the request asks
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def key(self) -> tuple[Envelope, str]:
@@ -530,11 +534,14 @@ class Scheduler:
                 self.engine.add_request(job.engine_id, job.prompt_ids, job.request.sampling,
                                         job.request.fly.apply(self.engine.config), job.constraint,
                                         matcher=job.matcher,
-                                        cache_scope="" if self.limits.share_prefix_cache else job.tenant)
+                                        cache_scope="" if self.limits.share_prefix_cache else job.tenant,
+                                        logprobs=job.request.logprobs, prompt_logprobs=job.request.prompt_logprobs)
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the model thread
                 self._end(job, _error_of(exc, f"admitting request {job.request.id} failed"))
                 continue
-            job.prompt_ids, job.constraint, job.matcher = [], None, None
+            job.constraint, job.matcher = None, None
+            if not job.request.prompt_logprobs:  # else kept: its prompt's log-probabilities name them
+                job.prompt_ids = []
 
     def _joinable(self) -> Job | None:
         """The first prepared job if the batch has room for it (the lock is held)."""
@@ -599,6 +606,13 @@ class Scheduler:
             self.metrics.completion_tokens.inc(len(out.new_token_ids))
         job.token_ids += out.new_token_ids
         job.unsent_ids += out.new_token_ids
+        if out.logprobs is not None:
+            logprobs = self._named(out.new_token_ids, out.logprobs)
+            job.logprobs += logprobs
+            job.unsent_logprobs += logprobs
+        if out.prompt_logprobs is not None:
+            first = TokenLogprob(token_id=job.prompt_ids[0], token=self.engine.decode(job.prompt_ids[:1]), logprob=None)
+            job.prompt_logprobs = [first, *self._named(job.prompt_ids[1:], out.prompt_logprobs)]
         text, calls = out.new_text, []
         if job.tool_calls is not None:
             text, calls = job.tool_calls.feed(text, out.finished)
@@ -606,8 +620,10 @@ class Scheduler:
         job.content.append(text)
         rid = job.request.id
         if job.request.stream and (text or calls):
-            self._emit(job.envelope, TokenChunk(id=rid, text=text, token_ids=job.unsent_ids, tool_calls=calls))
-            job.unsent_ids = []
+            asked = job.request.logprobs is not None
+            self._emit(job.envelope, TokenChunk(id=rid, text=text, token_ids=job.unsent_ids, tool_calls=calls,
+                                                logprobs=job.unsent_logprobs if asked else None))
+            job.unsent_ids, job.unsent_logprobs = [], []
         if not out.finished:
             return
         content = "".join(job.content)
@@ -620,12 +636,21 @@ class Scheduler:
                         total_tokens=out.prompt_tokens + len(job.token_ids), cached_tokens=out.cached_tokens),
             stats=out.stats, model=self.engine.target_name,
             time_to_first_token_s=None if job.first_token_at is None else job.first_token_at - job.submitted,
-            elapsed_s=now - job.submitted)
+            elapsed_s=now - job.submitted, logprobs=job.logprobs if job.request.logprobs is not None else None,
+            prompt_logprobs=job.prompt_logprobs)
         with self._lock:
             self._detach(job)
             self.requests_total += 1
         self.metrics.finished("ok", out.prompt_tokens, out.stats)
         self._emit(job.envelope, result)
+
+    def _named(self, token_ids: list[int], logprobs: list) -> list[TokenLogprob]:
+        """The engine's log-probabilities of `token_ids` (fly_llm.decoding.logprobs) with each token's text."""
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            return TopLogprob(token_id=token_id, token=self.engine.decode([token_id]), logprob=logprob)
+
+        return [TokenLogprob(**top(t, lp).model_dump(), top=[top(i, v) for i, v in alternatives])
+                for t, (lp, alternatives) in zip(token_ids, logprobs)]
 
     def _fail_all(self, error: FLyError, only_without_engine: bool = False) -> None:
         """Answer every request the scheduler holds (queued, running, tokenize) with `error`.

@@ -31,6 +31,7 @@ from fly_llm.config import FLyConfig, SamplingParams
 from fly_llm.constraints import Constraint
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.grammar import GrammarCompiler, apply_masks
+from fly_llm.decoding.logprobs import Logprob, token_logprobs
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
 from fly_llm.decoding.prefill import PromptFill
 from fly_llm.decoding.prefix_cache import PrefixCache
@@ -55,6 +56,8 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, in whole blocks
     error: str | None = None  # set (with finished) when the request's grammar failed mid-output
+    logprobs: list[Logprob] | None = None  # of new_token_ids, when the request asked (fly_llm.decoding.logprobs)
+    prompt_logprobs: list[Logprob] | None = None  # of its prompt tokens but the first, in its first output
 
 
 @dataclass
@@ -90,6 +93,8 @@ class _Request:
     fill: PromptFill | None = None  # its prompt's caches while it waits to join
     cached_tokens: int = 0  # whole prefix-cache blocks only: a partial block would tell a prompt token by token
     scope: str = ""  # the prefix-cache scope (tenant) it reads and writes
+    logprobs: int | None = None  # top alternatives per token when it asks for log-probabilities, else None
+    prompt_logprobs: list[Logprob] | bool = False  # asked for: True until its prefill scored the prompt
 
 
 class FLyEngine:
@@ -167,9 +172,12 @@ class FLyEngine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     fly: FLyConfig | None = None, constraint: Constraint | None = None, *, matcher=None,
-                    cache_scope: str = "") -> None:
+                    cache_scope: str = "", logprobs: int | None = None, prompt_logprobs: bool = False) -> None:
         """Queue a request; it is prefilled and joins the batch in the next step().
 
+        `logprobs`: its outputs carry the target's log-probability of each emitted token and of this
+        many top alternatives (`fly_llm.decoding.logprobs`); `prompt_logprobs` (with `logprobs`): its
+        first output carries those of its prompt tokens (prefilled in full, past the prefix cache).
         `constraint` (a grammar, regex or JSON Schema) constrains its output through a grammar
         compiled here, so a bad one raises BadRequest before the request is queued; a `matcher` from
         `compile_constraint` is used as it is instead. `cache_scope`: the prefix-cache scope (tenant)
@@ -196,7 +204,8 @@ class FLyEngine:
             id=request_id, prompt=list(prompt_ids), sampling=sampling, fly=fly,
             max_new=min(sampling.max_tokens, room), detok=Detokenizer(self.tokenizer, prompt_ids),
             stops=StopChecker(sampling.stop), generator=generator, matcher=matcher, tokens=list(prompt_ids),
-            stats=RequestStats(grammar_s=self.grammars.compile_s - compiled_before), scope=cache_scope))
+            stats=RequestStats(grammar_s=self.grammars.compile_s - compiled_before), scope=cache_scope,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs and logprobs is not None))
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request (waiting or running); False if it is unknown."""
@@ -289,7 +298,7 @@ class FLyEngine:
                  for r, n in zip(rows, budgets)]
         drafts = self._cascade.propose(contexts, plans, budgets, [r.fly for r in rows])
         forced = self._cascade.forced
-        accepted, tokens, native, loose = self._verify(contexts, drafts, [p.may_loosen for p in plans])
+        accepted, tokens, native, loose, logprobs = self._verify(contexts, drafts, [p.may_loosen for p in plans])
         valid = [len(c) + a for c, a in zip(contexts, accepted)]  # context + kept drafts, both caches
         self._kv.truncate(valid)
 
@@ -302,7 +311,7 @@ class FLyEngine:
                 self.policy.observe(req.policy, plan, n - f, a - f, self._cascade.forwards[b],
                                     loose=sum(loose[b][f:a]), window=req.fly.window if req.fly.loose else None,
                                     batch_size=len(rows))
-            outputs.append(self._emit(req, tokens[b]))
+            outputs.append(self._emit(req, tokens[b], logprobs[b]))
             if req.finish_reason is not None:
                 finished.append(b)
         self._cascade.observe(valid, [r.tokens for r in rows])
@@ -324,6 +333,8 @@ class FLyEngine:
         input_ids = torch.tensor([[c[-1]] + d + [0] * (k - len(d)) for c, d in zip(contexts, drafts)],
                                  device=self.device)
         logits = self._kv.forward(self.target, input_ids)
+        asking = {b: r.logprobs for b, r in enumerate(self._rows) if r.logprobs is not None}
+        raw = {b: logits[b].clone() for b in asking}  # before the grammar masks: no cost for rows that do not ask
         apply_masks(logits, self._cascade.masks(drafts, k + 1))
         lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
         rules, sampling = self._settings_of_rows(logits.device)
@@ -335,7 +346,8 @@ class FLyEngine:
         tokens = [h[1:a + 2] for h, a in zip(host, accepted)]
         native = [[bool(x) for x in h[k + 2:k + 2 + len(d)]] for h, d in zip(host, drafts)]
         loose = [[bool(x) for x in h[2 * k + 2:2 * k + 2 + len(d)]] for h, d in zip(host, drafts)]
-        return accepted, tokens, native, loose
+        logprobs = [token_logprobs(raw[b], tokens[b], asking[b]) if b in raw else None for b in range(len(drafts))]
+        return accepted, tokens, native, loose, logprobs
 
     def _admit(self) -> None:
         """Prefill waiting requests in order, at most `prefill_chunk` prompt tokens per model in this
@@ -355,14 +367,15 @@ class FLyEngine:
     def _start_fill(self, req: _Request) -> PromptFill:
         """The request's prompt caches, seeded with the longest prefix of its prompt the prefix cache has."""
         draft_kv = self._cascade.kv
-        target, draft = self._prefix.seed(req.prompt, self.device, draft_kv.device if draft_kv is not None else None,
-                                          scope=req.scope)
+        scored = req.prompt if req.prompt_logprobs else None  # its caches start empty: every position is scored
+        target, draft = self._prefix.seed(req.prompt[:1] if scored else req.prompt, self.device,
+                                          draft_kv.device if draft_kv is not None else None, scope=req.scope)
         block = self._prefix.store.block_size
         req.cached_tokens = target.lengths[0] // block * block  # reported in whole blocks; reused in full
         self._prompt.prompt_tokens += len(req.prompt)
         self._prompt.cached_tokens += req.cached_tokens
-        fill_draft = DraftModelStage.name in req.fly.stages and self._draft_waits(req, draft)
-        return PromptFill(req.prompt[:-1], target, draft, fill_draft=fill_draft)
+        fill_draft = not scored and DraftModelStage.name in req.fly.stages and self._draft_waits(req, draft)
+        return PromptFill(req.prompt[:-1], target, draft, fill_draft=fill_draft, scored=scored, top=req.logprobs or 0)
 
     def _draft_waits(self, req: _Request, draft: BatchKV | None) -> bool:
         """Whether the draft cache is filled before the request joins: only when what it lacks is more
@@ -379,6 +392,8 @@ class FLyEngine:
         self._cascade.add_row(RowStart(len(req.prompt), fill.draft, req.matcher))
         self._rows.append(req)
         self._waiting.pop(0)
+        if req.prompt_logprobs:
+            req.prompt_logprobs = fill.logprobs
         req.fill = None
         self._row_settings = None
 
@@ -392,7 +407,7 @@ class FLyEngine:
             self._row_settings = RowRules.from_configs([r.fly for r in rows], device), sampling
         return self._row_settings
 
-    def _emit(self, req: _Request, tokens: list[int]) -> RequestOutput:
+    def _emit(self, req: _Request, tokens: list[int], logprobs: list[Logprob] | None = None) -> RequestOutput:
         """Append a round's tokens up to EOS / max_tokens / a stop string; count what is cut."""
         kept: list[int] = []
         for token in tokens:
@@ -414,9 +429,13 @@ class FLyEngine:
         finished = req.finish_reason is not None
         if finished:
             req.stops.feed(req.detok.flush())
+        prompt_logprobs = req.prompt_logprobs if isinstance(req.prompt_logprobs, list) else None
+        req.prompt_logprobs = False  # given once, with the first output
         return RequestOutput(request_id=req.id, new_token_ids=kept, new_text=req.stops.release(finished),
                              finished=finished, finish_reason=req.finish_reason, stats=req.stats,
-                             prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens)
+                             prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens,
+                             logprobs=None if logprobs is None else logprobs[:len(kept)],
+                             prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _end_for_grammar(req: _Request, output: RequestOutput, problem: str) -> RequestOutput:

@@ -9,9 +9,12 @@ decoding. When `done`, its caches are spliced into the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from fly_llm.decoding.cache import BatchKV
+from fly_llm.decoding.logprobs import PIECE, Logprob, token_logprobs
 
 
 @dataclass
@@ -21,12 +24,19 @@ class PromptFill:
     `draft` is None when the engine has no draft model; it is filled only with `fill_draft` (the
     request drafts with the model), else it keeps what the prefix cache gave it — a prefix of the
     context, which the draft stage catches up on its own if it is ever used.
+
+    With `scored` (the whole prompt, for a request that asks for its prompt's log-probabilities; the
+    target cache then starts empty), the target's logits at every position are kept as `logprobs` of
+    the token after it (`fly_llm.decoding.logprobs`, `top` alternatives each): one per prompt token but the first.
     """
 
     tokens: list[int]
     target: BatchKV
     draft: BatchKV | None
     fill_draft: bool
+    scored: list[int] | None = None
+    top: int = 0
+    logprobs: list[Logprob] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -35,6 +45,8 @@ class PromptFill:
 
     def advance(self, target_model, draft_model, budget: int) -> tuple[int, int]:
         """Prefill up to `budget` more tokens into each cache; return (target, draft) tokens computed."""
+        if self.scored is not None:
+            return self._score(target_model, budget), 0
         computed = self._extend(self.target, target_model, budget)
         drafted = self._extend(self.draft, draft_model, budget) if self.fill_draft and self.draft is not None else 0
         return computed, drafted
@@ -45,6 +57,15 @@ class PromptFill:
             if kv is not None:
                 kv.check()
                 assert kv.batch_size == 1 and kv.lengths[0] <= len(self.tokens), (kv.lengths, len(self.tokens))
+
+    def _score(self, model, budget: int) -> int:
+        """Extend the target cache by up to `budget` tokens, keeping the log-probabilities of the tokens after them."""
+        start = self.target.lengths[0]
+        chunk = self.tokens[start:start + min(budget, PIECE)]
+        if chunk:
+            logits = self.target.forward(model, torch.tensor([chunk], device=self.target.device))
+            self.logprobs += token_logprobs(logits[0], self.scored[start + 1:start + 1 + len(chunk)], self.top)
+        return len(chunk)
 
     def _extend(self, kv: BatchKV, model, budget: int) -> int:
         start = kv.lengths[0]

@@ -132,3 +132,62 @@ def test_n_over_the_cap_is_a_clear_400(client, model):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=model, messages=ASK, n=17)
     assert error.value.code == "BAD_REQUEST" and error.value.param == "n" and "16" in error.value.message
+
+
+def _reference(tiny_pair_dirs, ids: list[int]) -> list[float]:
+    """log_softmax(target(ids)) read at each next token: the reference for ids[1:]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs[0], dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = target(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return [lp[j - 1, t].item() for j, t in enumerate(ids) if j > 0]
+
+
+def test_logprobs_on_chat_and_completions_are_the_targets(client, model, http, tiny_pair_dirs):
+    exact = {"loose": False}
+    chat = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, logprobs=True, top_logprobs=2,
+                                          extra_body=exact)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content or chat.choices[0].finish_reason
+    assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].token == t.token and bytes(t.bytes) == t.token.encode() for t in content)
+    plain = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, extra_body=exact)
+    assert plain.choices[0].logprobs is None
+
+    prompt = "The quick brown fox"
+    text = client.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=3, extra_body=exact)
+    lp = text.choices[0].logprobs
+    assert lp.text_offset[0] == len(prompt) and "".join(lp.tokens) == text.choices[0].text
+    assert len(lp.token_logprobs) == text.usage.completion_tokens and all(0 < len(t) <= 3 for t in lp.top_logprobs)
+
+    ids = http.post("/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"]
+    echoed = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    scores = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == prompt and echoed.usage.completion_tokens == 0
+    assert scores.token_logprobs[0] is None and scores.top_logprobs[0] is None and scores.text_offset[0] == 0
+    assert len(scores.tokens) == len(ids) == echoed.usage.prompt_tokens  # the prompt was cached: scored in full
+    want = _reference(tiny_pair_dirs, ids)  # the engine's test checks the emitted tokens' the same way
+    assert max(abs(a - b) for a, b in zip(scores.token_logprobs[1:], want, strict=True)) < 1e-4
+    both = client.completions.create(model=model, prompt=prompt, max_tokens=6, echo=True, logprobs=3, extra_body=exact)
+    assert both.choices[0].text == prompt + text.choices[0].text
+    joined = both.choices[0].logprobs.token_logprobs
+    assert joined[0] is None and joined[1:] == pytest.approx(scores.token_logprobs[1:] + lp.token_logprobs, abs=1e-4)
+
+
+def test_langchain_chat_openai_logprobs(front_url, model):
+    langchain_openai = pytest.importorskip("langchain_openai", reason="pip install langchain-openai (in [dev])")
+    llm = langchain_openai.ChatOpenAI(base_url=f"{front_url}/v1", api_key=KEY, model=model, max_tokens=6,
+                                      temperature=0, max_retries=0, logprobs=True)
+    message = llm.invoke("Which animal?")
+    logprobs = message.response_metadata["logprobs"]["content"]
+    assert logprobs and all(isinstance(t["logprob"], float) and t["logprob"] <= 0 for t in logprobs)
+
+
+def test_logprobs_bad_input(client, model):
+    for kwargs in ({"top_logprobs": 21, "logprobs": True}, {"top_logprobs": 2}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=model, messages=ASK, **kwargs)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="a", max_tokens=0)  # 0 tokens without echo

@@ -38,6 +38,8 @@ class _Output:
     stats: RequestStats = field(default_factory=RequestStats)
     cached_tokens: int = 0
     error: str | None = None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class _NoGrammars:
@@ -83,7 +85,7 @@ class CountingEngine:
         return None
 
     def add_request(self, request_id, prompt_ids, sampling, fly=None, constraint=None, *, matcher=None,
-                    cache_scope: str = "") -> None:
+                    cache_scope: str = "", logprobs=None, prompt_logprobs=False) -> None:
         if len(prompt_ids) >= self.context_window:
             raise TooLong("prompt does not fit")
         self.rows[request_id] = [sampling.max_tokens, 0, len(prompt_ids)]

@@ -35,9 +35,9 @@ import torch
 from pydantic import BaseModel
 
 from benchmarks.serve_bench import add_model_arguments
-from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.protocol import ErrorReply, GenerateRequest, GenerateResult, TokenizeReply, TokenizeRequest
+from fly_llm.common.protocol import ErrorReply, GenerateRequest, GenerateResult, TokenizeReply, TokenizeRequest
 
 from fly_daemon.scheduler import CHARS_PER_TOKEN, Limits, Scheduler
 

@@ -31,7 +31,7 @@ from benchmarks.quality import score
 from benchmarks.quality_run import (DEFAULT_BATCH, QUALITY_METHODS, QualityModeError, SingleStreamPolicy,
                                     engine_config, policy_costs, run_quality)
 from benchmarks.report import REFERENCE, ItemResult, compare_to_best_hf, summarize, write
-from fly_llm.config import QUANTIZATIONS
+from fly_llm.common.config import QUANTIZATIONS
 
 DEFAULT_LIMIT = 4
 """Items per dataset in the default run: 4 HumanEval + 4 GSM8K items x 256 tokens x the five main
@@ -182,7 +182,7 @@ def target_gguf(target: str | None, wanted: bool) -> Iterator[Path | None]:
     elif target is not None:
         yield Path(target).expanduser()
     else:
-        from fly_llm.default_models import TARGET, assemble_gguf
+        from fly_llm.model.embedded import TARGET, assemble_gguf
 
         with tempfile.TemporaryDirectory(prefix="fly-bench-") as tmp:
             yield assemble_gguf(TARGET, Path(tmp))
@@ -270,8 +270,8 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
             engine_config(all_methods()[name])
     import torch
 
-    from fly_llm.config import ModelSpec
-    from fly_llm.models import load_models
+    from fly_llm.common.config import ModelSpec
+    from fly_llm.model.pair import load_models
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.policy import AdaptivePolicy, Costs
 from fly_llm.loading import load_engine

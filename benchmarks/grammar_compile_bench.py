@@ -19,9 +19,9 @@ import statistics
 import time
 
 from fly_llm.decoding.grammar import GrammarCompiler
-from fly_llm.tool_formats import Constraints
-from fly_llm.tool_formats.hermes import HERMES
-from fly_llm.tools import Structure
+from fly_llm.common.tool_formats import Constraints
+from fly_llm.common.tool_formats.hermes import HERMES
+from fly_llm.common.tools import Structure
 
 
 def agent_tools(n: int) -> list[dict]:
@@ -45,8 +45,8 @@ def agent_tools(n: int) -> list[dict]:
 
 
 def _embedded_tokenizer_dir() -> str:
-    from fly_llm.default_models import TARGET, ensure_embedded
-    from fly_llm.models import resolve_source
+    from fly_llm.model.embedded import TARGET, ensure_embedded
+    from fly_llm.model.pair import resolve_source
 
     return resolve_source(str(ensure_embedded(TARGET)))
 

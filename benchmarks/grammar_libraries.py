@@ -19,7 +19,7 @@ import llguidance.torch
 import xgrammar
 from transformers import AutoTokenizer
 
-from fly_llm.default_models import ensure_default_pair
+from fly_llm.model.embedded import ensure_default_pair
 
 SCHEMA = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "number"}},
           "required": ["reasoning", "answer"], "additionalProperties": False}

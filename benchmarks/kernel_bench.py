@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fly_llm.config import ModelSpec
+from fly_llm.common.config import ModelSpec
 from fly_llm.decoding.policy import _forward_seconds
-from fly_llm.default_models import ensure_default_pair
-from fly_llm.fused_layers import FusedW4A8
-from fly_llm.kernels import w4a8
-from fly_llm.models import load_models
-from fly_llm.quantization import Int4Linear, Int8Linear, W4A8Linear
+from fly_llm.model.embedded import ensure_default_pair
+from fly_llm.model.fused_layers import FusedW4A8
+from fly_llm.model.kernels import w4a8
+from fly_llm.model.pair import load_models
+from fly_llm.model.quantization import Int4Linear, Int8Linear, W4A8Linear
 
 ROWS = (1, 2, 4, 8, 16)
 WIDTHS = (1, 2, 4, 8, 16)

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fly_llm.config import ModelSpec
+from fly_llm.common.config import ModelSpec
 from fly_llm.decoding.policy import _forward_seconds
-from fly_llm.default_models import DRAFT, TARGET, assemble_gguf
-from fly_llm.models import load_models
+from fly_llm.model.embedded import DRAFT, TARGET, assemble_gguf
+from fly_llm.model.pair import load_models
 
 WIDTHS = (1, 2, 4, 8, 16)
 

@@ -21,10 +21,10 @@ from typing import Any, Literal
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from fly_llm.config import FLyConfig, SamplingParams
-from fly_llm.stats import RequestStats
-from fly_llm.tool_formats import Constraints
-from fly_llm.tools import Structure
+from fly_llm.common.config import FLyConfig, SamplingParams
+from fly_llm.common.stats import RequestStats
+from fly_llm.common.tool_formats import Constraints
+from fly_llm.common.tools import Structure
 
 PROMPT_LOOKUP_TOKENS = 10
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.loading import load_engine
 
 FILLER = ("The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens with a small model "

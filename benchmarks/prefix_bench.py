@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.serve_bench import add_model_arguments
-from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 
 EXACT = FLyConfig(loose=False)

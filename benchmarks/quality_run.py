@@ -26,10 +26,10 @@ from benchmarks.datasets import Item
 from benchmarks.methods import Method, Runner
 from benchmarks.quality import score
 from benchmarks.report import REFERENCE
-from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.policy import AdaptivePolicy, Costs, PolicyState
 from fly_llm.decoding.stages import DraftPlan, Stage
-from fly_llm.stats import RequestStats
+from fly_llm.common.stats import RequestStats
 
 PLAIN = FLyConfig(loose=False, adaptive=False, ngram=False, draft_model=False)
 """Speculation off: one target forward per token (the quality runs' `target`)."""

@@ -23,8 +23,8 @@ import torch
 from transformers import DynamicCache
 
 from benchmarks.datasets import load
-from fly_llm.config import ModelSpec
-from fly_llm.models import load_models
+from fly_llm.common.config import ModelSpec
+from fly_llm.model.pair import load_models
 
 WIDTHS = (1, 4, 16)
 

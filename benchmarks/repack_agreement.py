@@ -24,11 +24,11 @@ from torch import nn
 from benchmarks.datasets import load
 from benchmarks.kernel_bench import cpu_name
 from benchmarks.quantization_bench import forward_ms, greedy_answers
-from fly_llm.config import ModelSpec
-from fly_llm.default_models import ensure_default_pair
-from fly_llm.model_cache import published_weights
-from fly_llm.models import load_models
-from fly_llm.quantization import Int8Linear, quantize
+from fly_llm.common.config import ModelSpec
+from fly_llm.model.embedded import ensure_default_pair
+from fly_llm.model.cache import published_weights
+from fly_llm.model.pair import load_models
+from fly_llm.model.quantization import Int8Linear, quantize
 
 WIDTHS = (1, 16)
 # label: (scheme of the Linear layers, Q4_K weights as published, output head: as the others / int8 / bf16,

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.serve_bench import PROMPTS, add_model_arguments, resolve_models
-from fly_llm.config import FLyConfig, ModelSpec
+from fly_llm.common.config import FLyConfig, ModelSpec
 
 
 def _free_port() -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fly_llm.decoding.stages import common_prefix
-from fly_llm.stats import RequestStats
+from fly_llm.common.stats import RequestStats
 
 REFERENCE = "target"
 METRIC_NAMES = {"humaneval": "pass@1", "gsm8k": "exact match", "prose": "unscored", "rag": "answer match"}

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from benchmarks.engine_bench import PROMPTS as ENGINE_PROMPTS
 from fly_llm.client import FLyClient, build_options
-from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
-from fly_llm.errors import FLyUnavailable
+from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.common.errors import FLyUnavailable
 
 HTTP_ADDRESS = "127.0.0.1:18473"
 """Where --http serves the OpenAI API during the benchmark."""

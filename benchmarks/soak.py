@@ -26,8 +26,8 @@ import psutil
 from benchmarks.engine_bench import PROMPTS
 from benchmarks.serve_bench import add_model_arguments, resolve_models, start_daemon
 from fly_llm.client import FLyClient, build_options
-from fly_llm.errors import FLyError
-from fly_llm.protocol import GenerateResult
+from fly_llm.common.errors import FLyError
+from fly_llm.common.protocol import GenerateResult
 
 THREADS = 8
 PHASE_S = 20.0

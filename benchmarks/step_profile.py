@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from benchmarks.kernel_bench import _LINEAR_TYPES, cpu_name, linears_ms
-from fly_llm.config import ModelSpec
+from fly_llm.common.config import ModelSpec
 from fly_llm.decoding.cache import BatchKV
-from fly_llm.default_models import ensure_default_pair
-from fly_llm.models import load_models
+from fly_llm.model.embedded import ensure_default_pair
+from fly_llm.model.pair import load_models
 
 
 def forward_ms(model: nn.Module, kv: BatchKV, context: int, width: int, reps: int) -> float:

@@ -29,8 +29,8 @@ import jsonschema
 from benchmarks.datasets import load
 from benchmarks.methods import Runner, all_methods
 from benchmarks.quality import _to_float
-from fly_llm.tool_formats.hermes import split_tool_calls
-from fly_llm.tools import Structure
+from fly_llm.common.tool_formats.hermes import split_tool_calls
+from fly_llm.common.tools import Structure
 
 METHODS = ("target", "spd", "fly")
 ANSWER_SCHEMA = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 600},
@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> Path:
     """Decode every item with every method (resuming from OUT/items.jsonl); return that file."""
     import torch
 
-    from fly_llm.config import ModelSpec
-    from fly_llm.models import load_models
+    from fly_llm.common.config import ModelSpec
+    from fly_llm.model.pair import load_models
 
     if args.threads:
         torch.set_num_threads(args.threads)

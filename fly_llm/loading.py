@@ -1,15 +1,15 @@
 """A ready FLyEngine from a ModelSpec: loads the models, times the policy's costs, builds the engine.
 
-The one place where model loading (fly_llm.models) meets the engine (fly_llm.decoding), so that
+The one place where model loading (fly_llm.model.pair) meets the engine (fly_llm.decoding), so that
 the engine itself knows nothing about where its models come from.
 """
 
 from __future__ import annotations
 
-from fly_llm.config import FLyConfig, ModelSpec
+from fly_llm.common.config import FLyConfig, ModelSpec
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.policy import AdaptivePolicy, Costs
-from fly_llm.models import load_models
+from fly_llm.model.pair import load_models
 
 
 def load_engine(spec: ModelSpec | None = None, config: FLyConfig | None = None, *,

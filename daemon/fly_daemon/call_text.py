@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fly_llm.tool_formats import CallParser
-from fly_llm.tools import ToolCall
+from fly_llm.common.tool_formats import CallParser
+from fly_llm.common.tools import ToolCall
 
 
 class CallText:

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 from fly_llm.client import FLyClient, build_options, default_endpoint
-from fly_llm.config import DRAFT_STAGES, QUANTIZATIONS, FLyConfig, ModelSpec
-from fly_llm.errors import BadRequest, FLyError, FLyUnavailable
-from fly_llm.protocol import GenerateResult
-from fly_llm.tools import offer_tools
+from fly_llm.common.config import DRAFT_STAGES, QUANTIZATIONS, FLyConfig, ModelSpec
+from fly_llm.common.errors import BadRequest, FLyError, FLyUnavailable
+from fly_llm.common.protocol import GenerateResult
+from fly_llm.common.tools import offer_tools
 
 from fly_daemon.runtime import AlreadyRunning, check_endpoint, daemon_files, open_private, running_pid
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings

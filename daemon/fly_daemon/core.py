@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from fly_llm.config import FLyConfig, ModelSpec
+from fly_llm.common.config import FLyConfig, ModelSpec
 
 from fly_daemon.http import HttpFront, create_app, require_key_off_loopback, trusted_hosts
 from fly_daemon.inproc import InProcessClient

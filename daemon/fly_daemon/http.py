@@ -4,7 +4,7 @@ Requests go to the scheduler of a serving core (fly_daemon.core, which builds th
 settings) through its `InProcessClient` (the engine knows nothing of HTTP). Routes: POST
 /v1/chat/completions, POST /v1/completions (server-sent events with `"stream": true`), GET
 /v1/models, GET /health; POST /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
-(Prometheus). Errors are OpenAI's error shape with our stable codes (fly_llm.errors) as `code`; a
+(Prometheus). Errors are OpenAI's error shape with our stable codes (fly_llm.common.errors) as `code`; a
 client that disconnects, while waiting or mid-stream, cancels its request. A non-loopback bind
 needs an API key (Bearer), as a non-loopback ZeroMQ bind needs CURVE. With a key, every route but
 /health needs it (/docs and /redoc are off, /openapi.json needs the key). A front on loopback
@@ -38,8 +38,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import fly_llm
-from fly_llm.errors import BadRequest, FLyError, Internal, TooLong, Unauthorized
-from fly_llm.protocol import MAX_FRAME_BYTES, GenerateResult, TokenChunk
+from fly_llm.common.errors import BadRequest, FLyError, Internal, TooLong, Unauthorized
+from fly_llm.common.protocol import MAX_FRAME_BYTES, GenerateResult, TokenChunk
 
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.openai_api import (

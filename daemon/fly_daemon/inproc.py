@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 from pydantic import BaseModel
 
 from fly_llm.client.core import checked
-from fly_llm.errors import BadRequest, NotReady, error_from_code
-from fly_llm.protocol import (
+from fly_llm.common.errors import BadRequest, NotReady, error_from_code
+from fly_llm.common.protocol import (
     ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest,
 )
 
@@ -67,7 +67,7 @@ class InProcessClient:
             pass
 
     async def tokenize(self, **fields: object) -> TokenizeReply:
-        """A tokenize request of `fields` (fly_llm.protocol.TokenizeRequest's: text or token_ids, ...),
+        """A tokenize request of `fields` (fly_llm.common.protocol.TokenizeRequest's: text or token_ids, ...),
         answered by the scheduler's preparation pool; its error (BAD_REQUEST, TOO_LONG, BUSY, ...) is raised."""
         with checked():
             request = TokenizeRequest(id=f"tokenize-{uuid.uuid4().hex}", **fields)

@@ -1,11 +1,11 @@
 """Ollama's API shapes (docs/daemon.md, "Ollama API"): the bodies of /api/chat and /api/generate, their
-translation into one `fly_llm.protocol.GenerateRequest`, and answers, stream lines and model cards in
+translation into one `fly_llm.common.protocol.GenerateRequest`, and answers, stream lines and model cards in
 Ollama's shape. The routes are fly_daemon.ollama_http.
 
 `options` carry Ollama's sampling options that FLy has (num_predict, temperature, top_p, seed, stop,
 num_ctx checked against the context window), FLy's own options (k, window, entropy_threshold, loose)
 and the structure options Ollama has no field for (tool_choice, parallel_tool_calls, response_format;
-`fly_llm.tools.StructureOptions`), all validated where the wire request validates them. Ollama's
+`fly_llm.common.tools.StructureOptions`), all validated where the wire request validates them. Ollama's
 load-time options (num_gpu, num_thread, ...) change no output and are ignored; a sampler FLy does not
 have (top_k, repeat_penalty, mirostat, ...) is accepted only at the value that turns it off; any
 other option is refused, so a typo never passes silently.
@@ -22,11 +22,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fly_llm.client.core import build_options, checked
-from fly_llm.config import FLyOverrides
-from fly_llm.errors import BadRequest
-from fly_llm.protocol import GenerateRequest, GenerateResult
-from fly_llm.stats import FinishReason
-from fly_llm.tools import STRUCTURE_OPTIONS, ToolCall, closed_tool, schema_format
+from fly_llm.common.config import FLyOverrides
+from fly_llm.common.errors import BadRequest
+from fly_llm.common.protocol import GenerateRequest, GenerateResult
+from fly_llm.common.stats import FinishReason
+from fly_llm.common.tools import STRUCTURE_OPTIONS, ToolCall, closed_tool, schema_format
 
 OLLAMA_VERSION = "0.9.0"
 """The Ollama release whose API these routes follow (GET /api/version): streamed tool calls (0.8), `think` (0.9)."""
@@ -102,7 +102,7 @@ class OllamaMessage(_Strict):
     tool_call_id: str | None = None
 
     def to_protocol(self, turn: int) -> dict[str, Any]:
-        """The turn as fly_llm.protocol.ChatMessage fields; a call without an id gets `call_<turn>_<i>`."""
+        """The turn as fly_llm.common.protocol.ChatMessage fields; a call without an id gets `call_<turn>_<i>`."""
         if self.images:
             raise BadRequest("images: the served models read text only")
         message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
@@ -215,7 +215,7 @@ class OllamaBody(_Strict, ABC):
 
 class ChatBody(OllamaBody):
     """POST /api/chat: the messages go through the target's chat template; `tools` as OpenAI's and Ollama's,
-    their parameters closed as `format`'s schema is (`fly_llm.tools.closed_schema`: no keys beyond those listed)."""
+    their parameters closed as `format`'s schema is (`fly_llm.common.tools.closed_schema`: no keys beyond those listed)."""
 
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None

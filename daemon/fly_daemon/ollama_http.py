@@ -5,7 +5,7 @@ POST /api/chat and /api/generate stream newline-delimited JSON (one object with 
 through the same scheduler as /v1 (fly_daemon.inproc); GET /api/tags, /api/ps, /api/version and
 POST /api/show describe the served target; the model-management routes (pull, push, create, copy,
 delete) and embeddings are refused. The front's API key, Host check and body limit apply as on /v1.
-Errors are Ollama's shape, `{"error": message}`, with our stable code (fly_llm.errors) as `code`; a
+Errors are Ollama's shape, `{"error": message}`, with our stable code (fly_llm.common.errors) as `code`; a
 failure after a stream began is its last line. Shapes and translation: fly_daemon.ollama_api.
 """
 
@@ -23,8 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from fly_llm.errors import BadRequest, FLyError, TooLong
-from fly_llm.protocol import GenerateResult, TokenChunk, invalid
+from fly_llm.common.errors import BadRequest, FLyError, TooLong
+from fly_llm.common.protocol import GenerateResult, TokenChunk, invalid
 
 from fly_daemon.http import CLIENT_CLOSED, Replies, UnknownModel, _ClientGone, _internal, _status, _unless_disconnected
 from fly_daemon.inproc import InProcessClient
@@ -170,7 +170,7 @@ def _line(data: dict[str, Any]) -> str:
 # ---- errors in Ollama's shape ----
 
 def ollama_error(error: FLyError) -> dict[str, str]:
-    """Ollama's error shape, with our stable code (fly_llm.errors) as `code`."""
+    """Ollama's error shape, with our stable code (fly_llm.common.errors) as `code`."""
     return {"error": error.message, "code": error.code}
 
 

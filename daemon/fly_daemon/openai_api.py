@@ -2,10 +2,10 @@
 
 Requests are pydantic models of the fields we serve; unknown fields are errors (a typo, or an
 OpenAI feature we do not have, is answered 400 with the field named, never ignored). Each request
-becomes one `fly_llm.protocol.GenerateRequest` (`to_generate`), so its options are validated by the
+becomes one `fly_llm.common.protocol.GenerateRequest` (`to_generate`), so its options are validated by the
 same models, with the same size caps and error codes, as on the ZeroMQ socket. A field the wire
 protocol gains is one more field here, passed on in `to_generate`; the structure options (tools,
-tool_choice, response_format, ...) are declared once, in `fly_llm.tools.StructureOptions`, and come
+tool_choice, response_format, ...) are declared once, in `fly_llm.common.tools.StructureOptions`, and come
 with it: chat completions take them all, completions those of `FormatOptions`.
 
 Responses are built as plain dicts in OpenAI's shape, with `usage` and, as an extra field,
@@ -23,12 +23,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fly_llm.client.core import build_options, checked
-from fly_llm.errors import FLyError
-from fly_llm.protocol import (
+from fly_llm.common.errors import FLyError
+from fly_llm.common.protocol import (
     MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, MessageToolCall, TokenLogprob, TopLogprob,
 )
-from fly_llm.stats import FinishReason, RequestStats
-from fly_llm.tools import FormatOptions, StructureOptions, ToolCall, structure_options
+from fly_llm.common.stats import FinishReason, RequestStats
+from fly_llm.common.tools import FormatOptions, StructureOptions, ToolCall, structure_options
 
 
 class _Strict(BaseModel):
@@ -55,7 +55,7 @@ class Message(_Strict):
     tool_call_id: str | None = None
 
     def to_protocol(self) -> dict[str, Any]:
-        """The message as fly_llm.protocol.ChatMessage fields (text parts joined)."""
+        """The message as fly_llm.common.protocol.ChatMessage fields (text parts joined)."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
         turn: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
@@ -354,5 +354,5 @@ class DetokenizeBody(_Strict):
 
 
 def error_body(error: FLyError, error_type: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape, with our stable code (fly_llm.errors) as `code`."""
+    """OpenAI's error shape, with our stable code (fly_llm.common.errors) as `code`."""
     return {"error": {"message": error.message, "type": error_type, "param": param, "code": error.code}}

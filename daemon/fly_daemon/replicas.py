@@ -28,7 +28,7 @@ from ray.serve.config import AutoscalingConfig, HTTPOptions
 from ray.serve.context import _get_global_client
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fly_llm.config import FLyConfig, ModelSpec
+from fly_llm.common.config import FLyConfig, ModelSpec
 
 from fly_daemon.core import build_core
 from fly_daemon.http import require_key_off_loopback

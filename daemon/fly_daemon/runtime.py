@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from fly_llm.endpoints import runtime_dir
+from fly_llm.common.endpoints import runtime_dir
 
 
 class AlreadyRunning(RuntimeError):

@@ -3,7 +3,7 @@
 The socket thread calls `submit`, `cancel`, `touch`, `client_gone`, `tokenize` and `drain` (all
 thread-safe and quick). Once the models are loaded, a small pool of worker threads prepares each
 queued request — the character limit, the chat template and tokenizer, the token limit and the
-constraint (the model's tool format, `fly_llm.tool_formats`) and its grammar
+constraint (the model's tool format, `fly_llm.common.tool_formats`) and its grammar
 (`FLyEngine.compile_constraint`) — and answers tokenize requests, so no request's
 preparation holds up a running stream. The model thread runs `run()`: it loads the models, then
 loops — drop what was cancelled, timed out or abandoned, join a bounded number of prepared
@@ -32,15 +32,15 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fly_llm.constraints import Constraint
-from fly_llm.errors import BadRequest, Busy, Cancelled, FLyError, Internal, NotReady, Timeout, TooLong
-from fly_llm.protocol import (
+from fly_llm.common.constraints import Constraint
+from fly_llm.common.errors import BadRequest, Busy, Cancelled, FLyError, Internal, NotReady, Timeout, TooLong
+from fly_llm.common.protocol import (
     ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest, TokenLogprob,
     TopLogprob, Usage,
 )
-from fly_llm.stats import PromptStats, RequestStats
-from fly_llm.tool_formats import Constraints
-from fly_llm.tools import ToolCall
+from fly_llm.common.stats import PromptStats, RequestStats
+from fly_llm.common.tool_formats import Constraints
+from fly_llm.common.tools import ToolCall
 
 from fly_daemon.call_text import CallText
 from fly_daemon.metrics import Metrics

@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from fly_llm.config import FLyConfig, ModelSpec
+from fly_llm.common.config import FLyConfig, ModelSpec
 
 from fly_daemon.cli import add_model_arguments
 from fly_daemon.runtime import host_port

@@ -29,10 +29,10 @@ from pydantic import BaseModel
 from zmq.auth.thread import ThreadAuthenticator
 
 import fly_llm
-from fly_llm.config import SamplingParams
-from fly_llm.errors import BadRequest, Cancelled, FLyError, Internal, NotReady
-from fly_llm.json_text import loads
-from fly_llm.protocol import (
+from fly_llm.common.config import SamplingParams
+from fly_llm.common.errors import BadRequest, Cancelled, FLyError, Internal, NotReady
+from fly_llm.common.json_text import loads
+from fly_llm.common.protocol import (
     MAX_FRAME_BYTES, UNKNOWN_ID, CancelRequest, ErrorReply, GenerateRequest, HealthReply, HealthRequest,
     HeartbeatRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenizeRequest, decode_request, encode,
 )

@@ -29,8 +29,8 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validat
 from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
                                TomlConfigSettingsSource)
 
-from fly_llm.config import FLyConfig, ModelSpec
-from fly_llm.protocol import MAX_FRAME_BYTES
+from fly_llm.common.config import FLyConfig, ModelSpec
+from fly_llm.common.protocol import MAX_FRAME_BYTES
 
 from fly_daemon.runtime import host_port
 from fly_daemon.scheduler import Limits

@@ -1,6 +1,6 @@
 """Clients of the fly-daemon: `FLyClient` (threads) and `AsyncFLyClient` (asyncio). No torch here.
 
-Both speak the wire protocol of fly_llm.protocol over a ZeroMQ DEALER socket:
+Both speak the wire protocol of fly_llm.common.protocol over a ZeroMQ DEALER socket:
 - lazy connect, one socket per thread (sync) or per event loop (async); one socket carries many
   concurrent requests, replies are routed to their request by id (`core.Inbox`);
 - while requests are open, a background thread sends heartbeats so the daemon keeps them and the
@@ -16,11 +16,11 @@ This package is the client API: adapters import from here only.
 from fly_llm.client.aio import AsyncFLyClient
 from fly_llm.client.core import Messages, Tools, build_options, call_options
 from fly_llm.client.sync import FLyClient
-from fly_llm.config import FLyOverrides, SamplingParams
-from fly_llm.endpoints import default_endpoint, runtime_dir
-from fly_llm.protocol import ChatMessage, GenerateResult, InfoReply, TokenChunk
-from fly_llm.tool_formats.hermes import split_tool_calls
-from fly_llm.tools import ResponseFormat, ToolCall, ToolChoice, ToolSpec
+from fly_llm.common.config import FLyOverrides, SamplingParams
+from fly_llm.common.endpoints import default_endpoint, runtime_dir
+from fly_llm.common.protocol import ChatMessage, GenerateResult, InfoReply, TokenChunk
+from fly_llm.common.tool_formats.hermes import split_tool_calls
+from fly_llm.common.tools import ResponseFormat, ToolCall, ToolChoice, ToolSpec
 
 __all__ = ["AsyncFLyClient", "ChatMessage", "FLyClient", "FLyOverrides", "GenerateResult", "InfoReply", "Messages",
            "ResponseFormat", "SamplingParams", "TokenChunk", "ToolCall", "ToolChoice", "ToolSpec", "Tools",

@@ -14,9 +14,9 @@ from fly_llm.client.base import ClientBase, Connection
 from fly_llm.client.core import POLL_S, GenerateReplies, Messages, Resend, Tools, answer, new_id, tokenize_request
 from fly_llm.client.heartbeat import Heartbeat
 from fly_llm.client.sockets import send
-from fly_llm.config import FLyOverrides, SamplingParams
-from fly_llm.errors import FLyUnavailable, Timeout
-from fly_llm.protocol import (
+from fly_llm.common.config import FLyOverrides, SamplingParams
+from fly_llm.common.errors import FLyUnavailable, Timeout
+from fly_llm.common.protocol import (
     GenerateResult, HealthReply, HealthRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenChunk,
     TokenizeReply,
 )
@@ -83,7 +83,7 @@ class AsyncFLyClient(ClientBase):
                    fly: FLyOverrides | None = None, timeout: float | None = None, **structure: Any) -> GenerateResult:
         """Answer chat `messages` (rendered with the target's chat template on the daemon).
 
-        `structure`: the structure options, keywords named as `fly_llm.tools.StructureOptions`' fields
+        `structure`: the structure options, keywords named as `fly_llm.common.tools.StructureOptions`' fields
         (another keyword is a TypeError). With `tools` the model may call them (`tool_choice`: "auto",
         "none", "required" or one named function; `parallel_tool_calls=False`: at most one call); the
         result's `tool_calls` lists the calls. `response_format` constrains the answer to JSON (a

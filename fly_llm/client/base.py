@@ -19,10 +19,10 @@ from pydantic import BaseModel
 from fly_llm.client.core import GenerateReplies, Inbox, Messages, batch_requests, generate_request, rpc_windows
 from fly_llm.client.heartbeat import Heartbeat
 from fly_llm.client.sockets import cancel, new_socket, send
-from fly_llm.config import FLyOverrides, SamplingParams
-from fly_llm.endpoints import default_endpoint
-from fly_llm.errors import FLyUnavailable
-from fly_llm.protocol import GenerateRequest
+from fly_llm.common.config import FLyOverrides, SamplingParams
+from fly_llm.common.endpoints import default_endpoint
+from fly_llm.common.errors import FLyUnavailable
+from fly_llm.common.protocol import GenerateRequest
 
 
 class Connection:

@@ -16,13 +16,13 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from fly_llm.config import REQUEST_OPTIONS, FLyOverrides, SamplingParams
-from fly_llm.errors import BadRequest, Busy, FLyUnavailable, Timeout, error_from_code
-from fly_llm.protocol import (
+from fly_llm.common.config import REQUEST_OPTIONS, FLyOverrides, SamplingParams
+from fly_llm.common.errors import BadRequest, Busy, FLyUnavailable, Timeout, error_from_code
+from fly_llm.common.protocol import (
     ChatMessage, ErrorReply, GenerateRequest, GenerateResult, TokenChunk, TokenizeRequest, decode_reply,
     invalid,
 )
-from fly_llm.tools import STRUCTURE_OPTIONS, ToolSpec, option_names
+from fly_llm.common.tools import STRUCTURE_OPTIONS, ToolSpec, option_names
 
 POLL_S = 0.1
 """Longest single wait for a frame, so deadlines and liveness are checked often."""
@@ -91,7 +91,7 @@ def generate_request(prompt: str | None, messages: Messages | None, sampling: Sa
                      **structure: Any) -> GenerateRequest:
     """A GenerateRequest for a prompt (completion) or chat messages; BadRequest if it is not valid.
 
-    `structure`: the structure options (`fly_llm.tools.StructureOptions`: tools, tool_choice, ...) as
+    `structure`: the structure options (`fly_llm.common.tools.StructureOptions`: tools, tool_choice, ...) as
     GenerateRequest takes them, None leaving one unset; another keyword is a TypeError.
     """
     option_names(structure)

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 import zmq
 
 from fly_llm.client.sockets import new_socket
-from fly_llm.errors import FLyUnavailable
-from fly_llm.protocol import HeartbeatRequest, encode
+from fly_llm.common.errors import FLyUnavailable
+from fly_llm.common.protocol import HeartbeatRequest, encode
 
 HEARTBEAT_INTERVAL_S = 1.0
 """How often a client tells the daemon which requests it still waits for."""

@@ -11,8 +11,8 @@ import zmq.asyncio
 import zmq.auth
 from pydantic import BaseModel
 
-from fly_llm.errors import FLyUnavailable
-from fly_llm.protocol import CancelRequest, encode
+from fly_llm.common.errors import FLyUnavailable
+from fly_llm.common.protocol import CancelRequest, encode
 
 
 def new_socket(context: zmq.Context, endpoint: str) -> zmq.Socket:

@@ -103,7 +103,7 @@ REQUEST_OPTIONS: tuple[str, ...] = (*SamplingParams.model_fields, *FLyOverrides.
 
 Quantization = Literal["auto", "none", "w4a8", "int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
-"""Weight quantization choices for the target and the draft (fly_llm.quantization; docs/models.md)."""
+"""Weight quantization choices for the target and the draft (fly_llm.model.quantization; docs/models.md)."""
 
 
 class ModelSpec(_Settings):

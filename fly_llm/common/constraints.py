@@ -1,6 +1,6 @@
 """What the engine compiles to constrain a request's output: a `Constraint`, plain data (no torch).
 
-The serving edge (fly_llm.tool_formats) turns a request's structure options into one; the engine
+The serving edge (fly_llm.common.tool_formats) turns a request's structure options into one; the engine
 (fly_llm.decoding.grammar) compiles it into a matcher and knows nothing about tools.
 """
 
@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from fly_llm.errors import BadRequest
+from fly_llm.common.errors import BadRequest
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """How generated JSON is laid out: Python's json.dumps style, so separators are forced tokens."""

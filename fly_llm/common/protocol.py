@@ -13,11 +13,11 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from fly_llm.config import FLyConfig, FLyOverrides, SamplingParams
-from fly_llm.errors import BadRequest, TooLong
-from fly_llm.json_text import loads
-from fly_llm.stats import FinishReason, PromptStats, RequestStats
-from fly_llm.tools import MAX_TOOLS, Structure, StructureOptions, ToolCall, ToolSpec, structure_options
+from fly_llm.common.config import FLyConfig, FLyOverrides, SamplingParams
+from fly_llm.common.errors import BadRequest, TooLong
+from fly_llm.common.json_text import loads
+from fly_llm.common.stats import FinishReason, PromptStats, RequestStats
+from fly_llm.common.tools import MAX_TOOLS, Structure, StructureOptions, ToolCall, ToolSpec, structure_options
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -148,7 +148,7 @@ def _check_tool_results(messages: list[ChatMessage] | None) -> None:
 
 class GenerateRequest(_Message, StructureOptions):
     """Generate from a prompt string or from chat messages (exactly one of them), its output constrained by
-    the structure options (`fly_llm.tools.StructureOptions`: tools, tool_choice, response_format, ...)."""
+    the structure options (`fly_llm.common.tools.StructureOptions`: tools, tool_choice, response_format, ...)."""
 
     kind: Literal["generate"] = "generate"
     prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
@@ -302,7 +302,7 @@ class GenerateResult(_Message):
 
 
 class ErrorReply(_Message):
-    """A request failed; `code` is one of fly_llm.errors' stable codes."""
+    """A request failed; `code` is one of fly_llm.common.errors' stable codes."""
 
     kind: Literal["error"] = "error"
     code: str

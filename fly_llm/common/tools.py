@@ -2,7 +2,7 @@
 wire, the clients, the HTTP front and the adapters), OpenAI-shaped specs and the calls a model made (no torch).
 
 The daemon renders `tools` with the target's chat template; the model's tool-call format
-(fly_llm.tool_formats) turns them into the constraint the engine compiles and reads the calls back
+(fly_llm.common.tool_formats) turns them into the constraint the engine compiles and reads the calls back
 out of the text. Everything here is validated data, so clients import it too.
 """
 
@@ -113,11 +113,11 @@ class FormatOptions(_Strict):
 class StructureOptions(FormatOptions):
     """The options that constrain a request's output, declared once.
 
-    The wire request (`fly_llm.protocol.GenerateRequest`) and the HTTP bodies inherit these fields,
+    The wire request (`fly_llm.common.protocol.GenerateRequest`) and the HTTP bodies inherit these fields,
     the clients take them as keywords (`STRUCTURE_OPTIONS`, checked by `option_names`) and the
     adapters merge them with `fly_llm.client.core.call_options`. A new option is one field here
     (in `FormatOptions` when a plain prompt takes it too) plus its meaning where the output is
-    constrained (fly_llm.tool_formats); `Structure` checks the fields together.
+    constrained (fly_llm.common.tool_formats); `Structure` checks the fields together.
     """
 
     tools: list[ToolSpec] | None = Field(None, description=f"At most {MAX_TOOLS} (a request's size cap).")

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fly_llm.config import FLyConfig, SamplingParams
-from fly_llm.constraints import Constraint
+from fly_llm.common.config import FLyConfig, SamplingParams
+from fly_llm.common.constraints import Constraint
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.grammar import GrammarCompiler, apply_masks
 from fly_llm.decoding.logprobs import Logprob, token_logprobs
@@ -38,9 +38,9 @@ from fly_llm.decoding.prefix_cache import PrefixCache
 from fly_llm.decoding.stages import DraftModelStage, NgramStage, RowStart, build_cascade
 from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import RowRules, RowSampling, verify
-from fly_llm.errors import BadRequest, TooLong
-from fly_llm.quantization import quantization_of
-from fly_llm.stats import FinishReason, PromptStats, RequestStats
+from fly_llm.common.errors import BadRequest, TooLong
+from fly_llm.model.quantization import quantization_of
+from fly_llm.common.stats import FinishReason, PromptStats, RequestStats
 
 
 @dataclass
@@ -165,7 +165,7 @@ class FLyEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def compile_constraint(self, constraint: Constraint | None):
-        """The grammar matcher for a constraint (fly_llm.constraints), None when the output is free;
+        """The grammar matcher for a constraint (fly_llm.common.constraints), None when the output is free;
         BadRequest for a bad grammar. Safe from any thread while `step()` runs (a grammar not seen
         before compiles in the sandbox first, then here; a repeated one is a copy)."""
         return self.grammars.for_constraint(constraint)

@@ -1,8 +1,8 @@
 """Constrained decoding inside speculation (docs/design.md §1.5), on llguidance.
 
 - `grammar_of(constraint)`: the llguidance grammar (Lark syntax with inline JSON Schemas) of a
-  `fly_llm.constraints.Constraint` (a grammar, a regex or a JSON Schema). The engine knows no tools:
-  the serving edge (fly_llm.tool_formats) turns a request's structure options into the constraint.
+  `fly_llm.common.constraints.Constraint` (a grammar, a regex or a JSON Schema). The engine knows no tools:
+  the serving edge (fly_llm.common.tool_formats) turns a request's structure options into the constraint.
 - `GrammarCompiler`: builds llguidance's view of the tokenizer once, compiles grammars into
   matchers (a bounded cache of compiled prototypes, copied per request) and reports bad ones as
   BadRequest naming the problem (and the constraint's part, e.g. a tool's parameters, when one is the cause). Every
@@ -26,10 +26,10 @@ import torch
 from fly_llm.decoding.grammar_sandbox import (MEMORY_BYTES, TIMEOUT_S, GrammarSandbox, big_stack_call,
                                               build_tokenizer, compile_grammar, shared_sandbox, tokenizer_setup)
 from fly_llm.decoding.stages import GrammarStage, RowStart
-from fly_llm.constraints import Constraint, json_lexeme
-from fly_llm.errors import BadRequest
-from fly_llm.lru import LruCache
-from fly_llm.schema_limits import SchemaCaps, check_schema
+from fly_llm.common.constraints import Constraint, json_lexeme
+from fly_llm.common.errors import BadRequest
+from fly_llm.common.lru import LruCache
+from fly_llm.common.schema_limits import SchemaCaps, check_schema
 
 COMPILED_CACHE_SIZE = 64
 """Compiled grammars kept for reuse (LRU), and as many constraints' grammar texts."""

@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 
 import llguidance
 
-from fly_llm.errors import BadRequest, Internal
-from fly_llm.lru import LruCache
+from fly_llm.common.errors import BadRequest, Internal
+from fly_llm.common.lru import LruCache
 
 PARSER_LIMITS = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                      step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fly_llm.config import FLyConfig
+from fly_llm.common.config import FLyConfig
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.stages import DraftModelStage, DraftPlan, Stage
 

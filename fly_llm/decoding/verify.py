@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fly_llm.config import FLyConfig
+from fly_llm.common.config import FLyConfig
 
 PAD_TOKEN = -1
 """Fills `Verdict.tokens` past each row's emitted tokens."""

@@ -17,7 +17,7 @@ requests' rows, padding, the engine's masked-out "holes"). Together with the qua
 layers, which are row-independent too, a quantized target then gives bit-identical results for a
 token however it is scheduled, and exact mode reproduces its greedy output token for token.
 
-On an x86 CPU it is one call per layer of a C++ op (fly_llm.kernels.row_attention: a fixed-order
+On an x86 CPU it is one call per layer of a C++ op (fly_llm.model.kernels.row_attention: a fixed-order
 float32 loop per query, head and allowed column); elsewhere `reference_row_attention`, one SDPA
 call per query token and layer.
 """
@@ -30,7 +30,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from fly_llm.kernels import row_attention as native
+from fly_llm.model.kernels import row_attention as native
 
 ROW_ATTENTION = "fly_row_attention"
 FLOAT32_SDPA = "fly_float32_sdpa"
@@ -50,7 +50,7 @@ def _allowed(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tenso
 
 
 def _native(query: torch.Tensor) -> bool:
-    """Whether the C++ op (fly_llm.kernels.row_attention) computes this call: CPU, float32 or bfloat16."""
+    """Whether the C++ op (fly_llm.model.kernels.row_attention) computes this call: CPU, float32 or bfloat16."""
     return query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and native.available()
 
 

@@ -2,7 +2,7 @@
 
 Layout: `<root>/<key>/` is an ordinary Hugging Face model directory (config, generation config,
 bfloat16 safetensors, tokenizer) plus `fly-published.safetensors` (the GGUF's Q4_K Linear weights as
-published, raw, for the w4a8 kernel: fly_llm.kernels.gguf_q4k) and `fly-manifest.json`. It is built
+published, raw, for the w4a8 kernel: fly_llm.model.kernels.gguf_q4k) and `fly-manifest.json`. It is built
 in `<root>/.tmp-<key>-*` and renamed into place only when complete, so a crash leaves nothing that
 loads. The manifest (written last, atomically) records every file's size and sha256 — of the whole
 file below 64 MiB, of its first and last MiB above — and is checked on every load: a few MiB of
@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.utils import logging as hf_logging
 
-from fly_llm.errors import ModelError
-from fly_llm.kernels.gguf_q4k import PublishedWeights, published_blocks, save_published
+from fly_llm.common.errors import ModelError
+from fly_llm.model.kernels.gguf_q4k import PublishedWeights, published_blocks, save_published
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def convert_gguf(gguf: Path, out: Path, *, name: str, progress: bool = True,
         # dequantize=True: plain dense weights even where a packed-GGUF matmul kernel is installed.
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=CACHE_DTYPE,
                                                       quantization_config=GgufConfig(dequantize=True),
-                                                      use_kernels=False)  # no Hub kernels (fly_llm.models)
+                                                      use_kernels=False)  # no Hub kernels (fly_llm.model.pair)
         steps.update()
     config = loaded.config
     if hasattr(config, "quantization_config"):

@@ -2,7 +2,7 @@
 
 The GGUF files ship as pinned split wheels (the `fly-llm[models]` extra). They are located with
 importlib (no package code is run), joined in order, checked against a pinned size and sha256,
-and converted once to a safetensors cache (fly_llm.model_cache). Later starts load the cache
+and converted once to a safetensors cache (fly_llm.model.cache). Later starts load the cache
 and do not touch the wheels.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from fly_llm.errors import ModelError
-from fly_llm.model_cache import cache_root, cached_conversion
+from fly_llm.common.errors import ModelError
+from fly_llm.model.cache import cache_root, cached_conversion
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A Llama-family layer (Llama, Qwen2, Mistral: `q_proj`/`k_proj`/`v_proj`, `gate_p
 with SiLU) projects one normed input three times for attention and twice for the MLP. With W4A8
 weights `fuse(model)` concatenates each set into one packed weight: the activations are quantized
 once and every weight block is streamed in one kernel call instead of three or two. The kernel
-computes each output column on its own (fly_llm.kernels.w4a8), so a fused layer's output is the
+computes each output column on its own (fly_llm.model.kernels.w4a8), so a fused layer's output is the
 unfused layer's bit for bit; what goes away is per-call work (quantizing the input, thread
 dispatch, Python module calls).
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from fly_llm.kernels import w4a8
+from fly_llm.model.kernels import w4a8
 
 _ATTENTION = {"LlamaAttention", "Qwen2Attention", "MistralAttention"}
 _MLP = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
@@ -75,7 +75,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 def fusable(*layers: nn.Module) -> bool:
     """Whether `layers` are W4A8 linears of one input width whose packed weights can be concatenated
     (every output width but the last a whole number of COLUMNS-wide groups)."""
-    from fly_llm.quantization import W4A8Linear  # here: quantization imports this module
+    from fly_llm.model.quantization import W4A8Linear  # here: quantization imports this module
 
     return (all(isinstance(layer, W4A8Linear) for layer in layers)
             and len({layer.in_features for layer in layers}) == 1

@@ -2,8 +2,8 @@
 
 A source is a Hugging Face model id (resolved through the normal HF cache, so it works offline
 once cached), a local model directory, or a `.gguf` file (converted once to the safetensors
-cache, fly_llm.model_cache). No target means the embedded default pair (fly_llm.default_models).
-Under w4a8 a GGUF's Q4_K Linear weights are taken as published (fly_llm.kernels.gguf_q4k), the
+cache, fly_llm.model.cache). No target means the embedded default pair (fly_llm.model.embedded).
+Under w4a8 a GGUF's Q4_K Linear weights are taken as published (fly_llm.model.kernels.gguf_q4k), the
 others rounded from their float weights.
 """
 
@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from fly_llm.attention import use_float32_attention
-from fly_llm.config import ModelSpec
-from fly_llm.default_models import DRAFT, TARGET, ensure_default_pair
-from fly_llm.errors import ModelError
-from fly_llm.kernels.cpu import cpu_flags
-from fly_llm.model_cache import cache_root, cached_conversion, hf_progress, published_weights
-from fly_llm.quantization import quantize
+from fly_llm.model.attention import use_float32_attention
+from fly_llm.common.config import ModelSpec
+from fly_llm.model.embedded import DRAFT, TARGET, ensure_default_pair
+from fly_llm.common.errors import ModelError
+from fly_llm.model.kernels.cpu import cpu_flags
+from fly_llm.model.cache import cache_root, cached_conversion, hf_progress, published_weights
+from fly_llm.model.quantization import quantize
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def _load_tokenizer(source: str, name: str) -> PreTrainedTokenizerBase:
 def _load_model(source: str, name: str, dtype: torch.dtype, device: torch.device,
                 device_map: str | None) -> PreTrainedModel:
     """Load straight onto `device` (or spread by accelerate's `device_map`), in eval mode; a half-precision
-    model on CPU attends in float32 (`fly_llm.attention`).
+    model on CPU attends in float32 (`fly_llm.model.attention`).
 
     `use_kernels=False`: transformers 5 otherwise swaps layers for kernels it downloads from the Hub
     when the `kernels` package is installed (on CUDA: `kernels-community/rotary`), which is network

@@ -5,7 +5,7 @@ torch itself ships:
 
 - `W4A8Linear`: 4-bit weights in blocks of 32 (a scale and a minimum each, as GGUF's Q4_K
   sub-blocks) and int8 activations per row and block, on integer dot products
-  (fly_llm.kernels.w4a8: AVX-512 VNNI, else AVX2; compiled on first use). A row's result is the
+  (fly_llm.model.kernels.w4a8: AVX-512 VNNI, else AVX2; compiled on first use). A row's result is the
   same bit for bit whatever else is in the batch, on either path and any thread count. 'auto'
   on a CPU with AVX-512 VNNI. Where the kernel cannot be built or run, the choice falls back to
   int8 with a log line.
@@ -35,13 +35,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from fly_llm.config import QUANTIZATIONS
-from fly_llm.errors import ModelError
-from fly_llm.fused_layers import fuse
-from fly_llm.attention import use_row_attention
-from fly_llm.kernels import row_attention as native_attention
-from fly_llm.kernels import w4a8
-from fly_llm.kernels.cpu import cpu_flags
+from fly_llm.common.config import QUANTIZATIONS
+from fly_llm.common.errors import ModelError
+from fly_llm.model.fused_layers import fuse
+from fly_llm.model.attention import use_row_attention
+from fly_llm.model.kernels import row_attention as native_attention
+from fly_llm.model.kernels import w4a8
+from fly_llm.model.kernels.cpu import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class W4A8Linear(nn.Module):
 
 _LAYERS: dict[str, type[nn.Module]] = {"w4a8": W4A8Linear, "int8": Int8Linear, "int4": Int4Linear}
 _AVAILABLE = {"w4a8": w4a8.available, "int8": int8_available, "int4": int4_available}
-_KERNELS = {"w4a8": "fly_llm.kernels.w4a8 (a C++ compiler and an x86 CPU with AVX2)",
+_KERNELS = {"w4a8": "fly_llm.model.kernels.w4a8 (a C++ compiler and an x86 CPU with AVX2)",
             "int8": "fbgemm's int8 matmul (an x86 CPU build of torch)", "int4": "aten._weight_int4pack_mm_for_cpu"}
 
 

@@ -13,8 +13,8 @@ from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from pydantic import BaseModel, Field
 
 from fly_llm.client import AsyncFLyClient, FLyClient, call_options, default_endpoint
-from fly_llm.config import REQUEST_OPTIONS
-from fly_llm.protocol import GenerateResult
+from fly_llm.common.config import REQUEST_OPTIONS
+from fly_llm.common.protocol import GenerateResult
 
 
 class FLyBase(BaseModel):

@@ -24,8 +24,8 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.tool import InvalidToolCall, invalid_tool_call, tool_call, tool_call_chunk
 
-from fly_llm.protocol import ChatMessage, GenerateResult, TokenChunk
-from fly_llm.tool_formats.hermes import TOOL_CLOSE, TOOL_OPEN
+from fly_llm.common.protocol import ChatMessage, GenerateResult, TokenChunk
+from fly_llm.common.tool_formats.hermes import TOOL_CLOSE, TOOL_OPEN
 
 _ROLES: dict[type[BaseMessage], str] = {
     SystemMessage: "system", HumanMessage: "user", AIMessage: "assistant", ToolMessage: "tool",

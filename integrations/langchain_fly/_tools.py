@@ -8,7 +8,7 @@ from typing import Any
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from fly_llm.tools import closed_tool
+from fly_llm.common.tools import closed_tool
 
 
 def openai_tool(tool: dict[str, Any] | type | Callable | BaseTool, strict: bool | None) -> dict[str, Any]:

@@ -13,8 +13,8 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
 
-from fly_llm.protocol import GenerateResult, TokenChunk
-from fly_llm.tools import offer_tools
+from fly_llm.common.protocol import GenerateResult, TokenChunk
+from fly_llm.common.tools import offer_tools
 from langchain_fly._base import FLyBase, usage_metadata
 from langchain_fly._messages import ai_message, message_chunk, to_wire
 from langchain_fly._tools import openai_tool

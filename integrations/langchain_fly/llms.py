@@ -9,7 +9,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from fly_llm.protocol import GenerateResult, TokenChunk
+from fly_llm.common.protocol import GenerateResult, TokenChunk
 from langchain_fly._base import FLyBase, usage_metadata
 
 

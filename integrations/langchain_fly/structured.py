@@ -3,7 +3,7 @@
 Methods:
 
 - `json_schema` (default): the answer is JSON valid under the schema (`response_format` json_schema;
-  objects with `properties` closed, see `fly_llm.tools.schema_format`).
+  objects with `properties` closed, see `fly_llm.common.tools.schema_format`).
 - `function_calling`: the model must call one tool whose arguments are the schema (a named `tool_choice`).
 - `json_mode`: the answer is any JSON object (`response_format` json_object); describe the shape in the prompt.
 
@@ -22,7 +22,7 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from fly_llm.tools import schema_format
+from fly_llm.common.tools import schema_format
 from langchain_fly._tools import openai_tool
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ def real_daemon(tmp_path_factory):
     """Endpoint of a daemon serving the embedded pair (float32, cpu) on a private socket."""
     from support.daemon_process import start_daemon
 
-    from fly_llm.default_models import ensure_default_pair
+    from fly_llm.model.embedded import ensure_default_pair
 
     daemon = start_daemon(*ensure_default_pair(progress=False), tmp_path_factory.mktemp("real_daemon"), "real")
     yield daemon.endpoint

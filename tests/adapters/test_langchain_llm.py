@@ -9,8 +9,8 @@ import zmq
 from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
 
 from fly_llm.client import FLyClient
-from fly_llm.errors import Busy, FLyUnavailable
-from fly_llm.protocol import ErrorReply, GenerateRequest, HealthReply, decode_request, encode
+from fly_llm.common.errors import Busy, FLyUnavailable
+from fly_llm.common.protocol import ErrorReply, GenerateRequest, HealthReply, decode_request, encode
 from langchain_fly import FLyLLM
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "class Stack:",

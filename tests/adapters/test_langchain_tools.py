@@ -19,8 +19,8 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
-from fly_llm.errors import BadRequest
-from fly_llm.protocol import TokenChunk, ToolCall
+from fly_llm.common.errors import BadRequest
+from fly_llm.common.protocol import TokenChunk, ToolCall
 from langchain_fly import ChatFLy, FLyLLM
 from langchain_fly._messages import message_chunk, to_wire
 

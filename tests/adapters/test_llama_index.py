@@ -20,7 +20,7 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent, LLMCompletionEndEvent
 
 from fly_llm.client import FLyClient
-from fly_llm.errors import FLyUnavailable
+from fly_llm.common.errors import FLyUnavailable
 from llama_index.llms.fly import FLyLLM
 
 PROMPT = "def add(a, b):"

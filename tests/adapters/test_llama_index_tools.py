@@ -18,7 +18,7 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 from pydantic import BaseModel, Field
 
-from fly_llm.errors import BadRequest
+from fly_llm.common.errors import BadRequest
 from llama_index.llms.fly import FLyLLM
 from llama_index.llms.fly._messages import to_wire
 

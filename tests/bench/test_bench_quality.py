@@ -61,7 +61,7 @@ def test_batched_decoding_equals_one_at_a_time(tiny_pair_dirs, tmp_path):
 
 
 def test_the_quality_policy_plans_as_if_each_row_ran_alone():
-    from fly_llm.config import FLyConfig
+    from fly_llm.common.config import FLyConfig
     from fly_llm.decoding.policy import AdaptivePolicy, Costs, PolicyState
 
     from fly_llm.decoding.stages import DraftModelStage, NgramStage

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from fly_llm.client import AsyncFLyClient, FLyClient, build_options, default_endpoint, runtime_dir
-from fly_llm.config import FLyOverrides, SamplingParams
-from fly_llm.errors import BadRequest, FLyUnavailable
+from fly_llm.common.config import FLyOverrides, SamplingParams
+from fly_llm.common.errors import BadRequest, FLyUnavailable
 
 
 def test_default_endpoint_and_private_runtime_dir(tmp_path, monkeypatch):

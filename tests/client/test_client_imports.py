@@ -6,8 +6,8 @@ import subprocess
 import sys
 import textwrap
 
-CLIENT_MODULES = ["fly_llm.client", "fly_llm.protocol", "fly_llm.config", "fly_llm.errors",
-                  "fly_llm.stats", "fly_llm.endpoints", "fly_llm.decoding.text"]
+CLIENT_MODULES = ["fly_llm.client", "fly_llm.common.protocol", "fly_llm.common.config", "fly_llm.common.errors",
+                  "fly_llm.common.stats", "fly_llm.common.endpoints", "fly_llm.decoding.text"]
 
 
 def test_client_modules_import_with_torch_hidden():

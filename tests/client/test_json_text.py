@@ -1,4 +1,4 @@
-"""Untrusted JSON text (fly_llm.json_text) and where it is read on the wire: bounded nesting, ValueError only."""
+"""Untrusted JSON text (fly_llm.common.json_text) and where it is read on the wire: bounded nesting, ValueError only."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fly_llm.errors import BadRequest
-from fly_llm.json_text import MAX_DEPTH, loads, loads_objects
-from fly_llm.protocol import MessageToolCall, decode_request
+from fly_llm.common.errors import BadRequest
+from fly_llm.common.json_text import MAX_DEPTH, loads, loads_objects
+from fly_llm.common.protocol import MessageToolCall, decode_request
 
 
 def _nested(depth: int) -> str:

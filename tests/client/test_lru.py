@@ -1,8 +1,8 @@
-"""fly_llm.lru.LruCache: hits, least-recently-used eviction, failures not cached."""
+"""fly_llm.common.lru.LruCache: hits, least-recently-used eviction, failures not cached."""
 
 import pytest
 
-from fly_llm.lru import LruCache
+from fly_llm.common.lru import LruCache
 
 
 def test_hits_evicts_the_least_recently_used_and_caches_no_failure():

@@ -1,4 +1,4 @@
-"""fly_llm.tools helpers the adapters, clients and CLI share: tool_choice_for, offer_tools, closed_schema,
+"""fly_llm.common.tools helpers the adapters, clients and CLI share: tool_choice_for, offer_tools, closed_schema,
 closed_tool, schema_format, and the structure options declared once (no daemon)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from fly_daemon.openai_api import ChatCompletionRequest, CompletionRequest
 from pydantic import ValidationError
 
 from fly_llm.client.core import call_options, generate_request
-from fly_llm.config import REQUEST_OPTIONS
-from fly_llm.errors import BadRequest
-from fly_llm.tools import (
+from fly_llm.common.config import REQUEST_OPTIONS
+from fly_llm.common.errors import BadRequest
+from fly_llm.common.tools import (
     STRUCTURE_OPTIONS, FormatOptions, StructureOptions, closed_schema, closed_tool, offer_tools, schema_format,
     tool_choice_for,
 )

@@ -1,4 +1,4 @@
-"""fly_llm.tool_formats.hermes and fly_llm.tools: tool calls found in streamed text, request structure
+"""fly_llm.common.tool_formats.hermes and fly_llm.common.tools: tool calls found in streamed text, request structure
 validation (no torch, no daemon)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from pydantic import ValidationError
 
-from fly_llm.json_text import MAX_DEPTH
-from fly_llm.tool_formats.hermes import TOOL_CLOSE, TOOL_OPEN, ToolCallStream, parse_call, split_tool_calls
-from fly_llm.tools import Structure
+from fly_llm.common.json_text import MAX_DEPTH
+from fly_llm.common.tool_formats.hermes import TOOL_CLOSE, TOOL_OPEN, ToolCallStream, parse_call, split_tool_calls
+from fly_llm.common.tools import Structure
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
 

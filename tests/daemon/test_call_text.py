@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fly_llm.tool_formats.hermes import ToolCallStream
+from fly_llm.common.tool_formats.hermes import ToolCallStream
 
 from fly_daemon.call_text import CallText
 

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from fly_llm.client import FLyClient, build_options
-from fly_llm.protocol import UNKNOWN_ID, ErrorReply, decode_reply
+from fly_llm.common.protocol import UNKNOWN_ID, ErrorReply, decode_reply
 
 GOOD = {"v": 1, "id": "g1", "kind": "generate", "prompt": "def add(a, b):", "sampling": {"max_tokens": 4}}
 

@@ -6,8 +6,8 @@ import pytest
 
 from support.device import TEST_DEVICE
 from fly_llm.client import AsyncFLyClient, FLyClient, build_options
-from fly_llm.errors import BadRequest, TooLong
-from fly_llm.protocol import GenerateResult, TokenChunk
+from fly_llm.common.errors import BadRequest, TooLong
+from fly_llm.common.protocol import GenerateResult, TokenChunk
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "Question: what is 2 + 3?"]
 EXACT = dict(max_tokens=24, loose=False)
@@ -54,7 +54,7 @@ def test_stream_concatenates_to_generate(client):
 
 
 def test_exact_mode_matches_in_process_engine(client, tiny_pair_dirs):
-    from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+    from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
     from fly_llm.loading import load_engine
 
     spec = ModelSpec(target=str(tiny_pair_dirs[0]), draft=str(tiny_pair_dirs[1]), dtype="float32", device=TEST_DEVICE,

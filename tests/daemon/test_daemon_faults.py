@@ -14,7 +14,7 @@ import pytest
 from support.daemon_process import DaemonProcess, start_daemon
 from support.device import TEST_DEVICE
 from fly_llm.client import FLyClient, build_options
-from fly_llm.errors import Busy, Cancelled, FLyUnavailable, NotReady
+from fly_llm.common.errors import Busy, Cancelled, FLyUnavailable, NotReady
 
 CANDIDATES = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "class Stack:", "Question:"]
 LONG = 200

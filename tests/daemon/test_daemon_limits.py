@@ -1,4 +1,4 @@
-"""Size caps checked on the socket side (fly_llm.protocol): each oversized input gets TOO_LONG at once.
+"""Size caps checked on the socket side (fly_llm.common.protocol): each oversized input gets TOO_LONG at once.
 
 Unit tests on decode_request show each cap at its boundary; over a raw socket to a real daemon
 (the shared tiny_daemon) each oversized frame is answered TOO_LONG without reaching the scheduler,
@@ -12,9 +12,9 @@ import json
 import pytest
 
 from fly_llm.client import FLyClient, build_options
-from fly_llm.config import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from fly_llm.errors import BadRequest, TooLong
-from fly_llm.protocol import MAX_MESSAGES, MAX_PROMPT_CHARS, decode_request
+from fly_llm.common.config import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from fly_llm.common.errors import BadRequest, TooLong
+from fly_llm.common.protocol import MAX_MESSAGES, MAX_PROMPT_CHARS, decode_request
 from test_daemon_bad_input import _frame, _reply, raw  # noqa: F401 - `raw` is a fixture
 
 USER = {"role": "user", "content": "hi"}

@@ -22,8 +22,8 @@ import zmq.auth
 
 from support.engine_double import CountingEngine, serving
 from fly_llm.client import FLyClient, build_options, default_endpoint
-from fly_llm.errors import Cancelled, FLyUnavailable, Internal, NotReady, TooLong
-from fly_llm.protocol import ErrorReply, GenerateResult, decode_reply
+from fly_llm.common.errors import Cancelled, FLyUnavailable, Internal, NotReady, TooLong
+from fly_llm.common.protocol import ErrorReply, GenerateResult, decode_reply
 
 from fly_daemon.metrics import Metrics
 from fly_daemon import runtime
@@ -283,7 +283,7 @@ def test_result_is_typed(endpoint):
 
 
 def test_client_timeout_and_early_close_free_the_slot(endpoint):
-    from fly_llm.errors import Timeout
+    from fly_llm.common.errors import Timeout
 
     with serving(endpoint, CountingEngine(step_s=0.01)), FLyClient(endpoint, timeout=10) as client:
         with pytest.raises(Timeout):

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from fly_llm.client import FLyClient, GenerateResult, SamplingParams, TokenChunk
-from fly_llm.errors import BadRequest
+from fly_llm.common.errors import BadRequest
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two small numbers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},

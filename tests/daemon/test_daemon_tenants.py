@@ -15,7 +15,7 @@ import torch
 import zmq.auth
 
 from fly_llm.client import FLyClient, build_options
-from fly_llm.config import FLyConfig
+from fly_llm.common.config import FLyConfig
 from fly_llm.decoding.engine import FLyEngine
 from support.engine_double import serving
 from support.tiny_models import make_pair

@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from support.daemon_process import start_daemon
 from support.device import TEST_DEVICE
 from fly_llm.client import FLyClient, build_options
-from fly_llm.errors import Busy, FLyUnavailable, Timeout, TooLong
-from fly_llm.protocol import GenerateResult
-from fly_llm.quantization import quantization_of, quantize
+from fly_llm.common.errors import Busy, FLyUnavailable, Timeout, TooLong
+from fly_llm.common.protocol import GenerateResult
+from fly_llm.model.quantization import quantization_of, quantize
 from support.tiny_models import CORPUS, greedy_tokens
 
 MAX_NEW = 16

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from support.engine_double import Replies
 
-from fly_llm.config import FLyConfig, SamplingParams
-from fly_llm.errors import Busy, NotReady
-from fly_llm.protocol import ErrorReply, GenerateRequest, GenerateResult, TokenizeReply, TokenizeRequest
+from fly_llm.common.config import FLyConfig, SamplingParams
+from fly_llm.common.errors import Busy, NotReady
+from fly_llm.common.protocol import ErrorReply, GenerateRequest, GenerateResult, TokenizeReply, TokenizeRequest
 
 from fly_daemon.scheduler import Limits, Scheduler
 

@@ -20,10 +20,10 @@ from contextlib import contextmanager
 import pytest
 from support.engine_double import CountingEngine, Replies
 
-from fly_llm.config import SamplingParams
-from fly_llm.errors import BadRequest, Busy, FLyError, TooLong
-from fly_llm.protocol import ErrorReply, GenerateRequest, GenerateResult, TokenChunk, TokenizeRequest
-from fly_llm.tool_formats.hermes import ToolCallStream
+from fly_llm.common.config import SamplingParams
+from fly_llm.common.errors import BadRequest, Busy, FLyError, TooLong
+from fly_llm.common.protocol import ErrorReply, GenerateRequest, GenerateResult, TokenChunk, TokenizeRequest
+from fly_llm.common.tool_formats.hermes import ToolCallStream
 
 from fly_daemon.scheduler import ADMISSIONS_PER_TURN, Limits, Scheduler
 

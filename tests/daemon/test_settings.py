@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from fly_llm.config import FLyConfig, ModelSpec
+from fly_llm.common.config import FLyConfig, ModelSpec
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
 TOML = """

@@ -1,4 +1,4 @@
-"""fly_llm.attention: row_attention: a query's output is bit-identical however the forward around it is shaped, and
+"""fly_llm.model.attention: row_attention: a query's output is bit-identical however the forward around it is shaped, and
 equal (to rounding) to ordinary masked attention."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from fly_llm.attention import FLOAT32_SDPA, float32_sdpa, row_attention, use_float32_attention
+from fly_llm.model.attention import FLOAT32_SDPA, float32_sdpa, row_attention, use_float32_attention
 
 HEADS, KV_HEADS, DIM, LENGTH = 12, 2, 128, 101  # the embedded target's attention shape
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fly_llm.config as config_module
-from fly_llm.config import FLyConfig, SamplingParams
+import fly_llm.common.config as config_module
+from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.stages import (STAGES, Cascade, DraftModelStage, DraftPlan, GrammarStage, NgramStage, Proposal,

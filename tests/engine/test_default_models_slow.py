@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from support.device import TEST_DEVICE
-from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.models import load_models
+from fly_llm.model.pair import load_models
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 

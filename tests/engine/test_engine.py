@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.errors import BadRequest, TooLong
+from fly_llm.common.errors import BadRequest, TooLong
 from support.tiny_models import greedy_tokens, make_pair
 
 torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU

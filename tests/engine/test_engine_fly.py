@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fly_llm.decoding.engine as engine_module
-from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.verify import target_entropy
 from support.tiny_models import make_pair

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.policy import PLAIN, AdaptivePolicy, Costs, ModelHistory, PolicyState, _Rate
 from fly_llm.decoding.stages import DraftModelStage, DraftPlan, NgramStage

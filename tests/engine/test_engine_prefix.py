@@ -13,7 +13,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.policy import AdaptivePolicy, Costs
 from fly_llm.decoding.stages import DraftModelStage

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from fly_llm.client import FLyClient, build_options
-from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.errors import Internal
+from fly_llm.common.errors import Internal
 
 from fly_daemon.core import ServingCore
 from fly_daemon.scheduler import Limits

@@ -25,11 +25,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from fly_llm.config import DRAFT_STAGES, FLyConfig, SamplingParams
+from fly_llm.common.config import DRAFT_STAGES, FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.grammar import grammar_of
-from fly_llm.tool_formats import constraint_for
-from fly_llm.tools import Structure
+from fly_llm.common.tool_formats import constraint_for
+from fly_llm.common.tools import Structure
 from support.grammar_reference import constrained_greedy, grammar_valid_prefix
 from support.tiny_models import greedy_tokens, make_pair
 

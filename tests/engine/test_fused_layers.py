@@ -1,4 +1,4 @@
-"""fly_llm.fused_layers: q/k/v and gate/up of a W4A8 model as one matmul each give the unfused
+"""fly_llm.model.fused_layers: q/k/v and gate/up of a W4A8 model as one matmul each give the unfused
 model's logits bit for bit (a prefill, then a 3-token forward on the cache)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 from support.tiny_models import make_pair
 
-from fly_llm import quantization
+from fly_llm.model import quantization
 from fly_llm.decoding.cache import BatchKV
-from fly_llm.fused_layers import FusedW4A8
-from fly_llm.kernels import w4a8
-from fly_llm.quantization import quantize
+from fly_llm.model.fused_layers import FusedW4A8
+from fly_llm.model.kernels import w4a8
+from fly_llm.model.quantization import quantize
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not w4a8.available(), reason="the w4a8 kernel cannot be built or run here")

@@ -1,4 +1,4 @@
-"""A GGUF's published Q4_K weights taken as they are by the w4a8 kernel (fly_llm.kernels.gguf_q4k).
+"""A GGUF's published Q4_K weights taken as they are by the w4a8 kernel (fly_llm.model.kernels.gguf_q4k).
 
 `decode` is checked against gguf-py's own `dequantize`: bit for bit where the sub-block scales
 d*sc and dmin*mn are exact in float16 (d, dmin powers of two), and otherwise within the float16
@@ -15,12 +15,12 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from safetensors.torch import load_file
 
-from fly_llm.config import ModelSpec
-from fly_llm.kernels import w4a8
-from fly_llm.kernels.gguf_q4k import BLOCK_BYTES, SUPER_BLOCK, PublishedWeights, decode, save_published
-from fly_llm.model_cache import MANIFEST, PUBLISHED, cache_problem, cached_conversion, published_weights, write_manifest
-from fly_llm.models import load_models
-from fly_llm.quantization import W4A8Linear
+from fly_llm.common.config import ModelSpec
+from fly_llm.model.kernels import w4a8
+from fly_llm.model.kernels.gguf_q4k import BLOCK_BYTES, SUPER_BLOCK, PublishedWeights, decode, save_published
+from fly_llm.model.cache import MANIFEST, PUBLISHED, cache_problem, cached_conversion, published_weights, write_manifest
+from fly_llm.model.pair import load_models
+from fly_llm.model.quantization import W4A8Linear
 from support.tiny_models import make_pair, write_tiny_gguf
 
 needs_w4a8 = pytest.mark.skipif(not w4a8.available(), reason="the w4a8 kernel cannot be built or run here")

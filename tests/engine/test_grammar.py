@@ -12,13 +12,13 @@ import jsonschema
 import pytest
 import torch
 
-from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.grammar import grammar_of
-from fly_llm.errors import BadRequest
-from fly_llm.tool_formats import Constraints
-from fly_llm.tool_formats.hermes import HERMES, split_tool_calls
-from fly_llm.tools import Structure
+from fly_llm.common.errors import BadRequest
+from fly_llm.common.tool_formats import Constraints
+from fly_llm.common.tool_formats.hermes import HERMES, split_tool_calls
+from fly_llm.common.tools import Structure
 from support.grammar_reference import constrained_greedy, grammar_valid_prefix
 from support.structures import constraint_of, schema_structure
 from support.tiny_models import make_pair

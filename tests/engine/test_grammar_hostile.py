@@ -25,14 +25,14 @@ import torch
 from benchmarks.grammar_compile_bench import agent_tools
 
 import fly_llm
-from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.grammar_sandbox import GrammarSandbox
-from fly_llm.schema_limits import SchemaCaps, check_schema, hoist_defs
-from fly_llm.errors import BadRequest
-from fly_llm.tool_formats import Constraints
-from fly_llm.tool_formats.hermes import split_tool_calls
-from fly_llm.tools import Structure
+from fly_llm.common.schema_limits import SchemaCaps, check_schema, hoist_defs
+from fly_llm.common.errors import BadRequest
+from fly_llm.common.tool_formats import Constraints
+from fly_llm.common.tool_formats.hermes import split_tool_calls
+from fly_llm.common.tools import Structure
 from support.nested_models import Person
 from support.structures import constraint_of, schema_structure
 from support.tiny_models import make_pair, make_tokenizer
@@ -82,8 +82,8 @@ def test_a_long_ref_chain_is_a_bad_request_not_a_dead_process():
         import json, sys
         from support.tiny_models import make_pair
         from fly_llm.decoding.engine import FLyEngine
-        from fly_llm.config import SamplingParams
-        from fly_llm.errors import BadRequest
+        from fly_llm.common.config import SamplingParams
+        from fly_llm.common.errors import BadRequest
         from support.structures import constraint_of, schema_structure
         target, draft, tokenizer = make_pair("llama")
         eng = FLyEngine(target, tokenizer, draft)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fly_llm.config import FLyConfig, SamplingParams
+from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from support.tiny_models import make_pair
 

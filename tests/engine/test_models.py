@@ -11,12 +11,12 @@ import pytest
 import torch
 from support.tiny_models import make_pair, make_tokenizer, save_tiny_pair, write_tiny_gguf
 
-from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.default_models import DRAFT, EmbeddedModel, assemble, part_paths
-from fly_llm.errors import ModelError
-from fly_llm.model_cache import CACHE_DTYPE, MANIFEST, cache_problem, cached_conversion
-from fly_llm.models import context_window, load_models, resolve_dtype
+from fly_llm.model.embedded import DRAFT, EmbeddedModel, assemble, part_paths
+from fly_llm.common.errors import ModelError
+from fly_llm.model.cache import CACHE_DTYPE, MANIFEST, cache_problem, cached_conversion
+from fly_llm.model.pair import context_window, load_models, resolve_dtype
 
 PROBE = "def add(a, b):\n    return a + b  # the quick brown fox<|im_end|>"
 

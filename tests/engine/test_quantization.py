@@ -1,4 +1,4 @@
-"""Quantized Linear layers and quantized models (fly_llm.quantization): accuracy, row independence,
+"""Quantized Linear layers and quantized models (fly_llm.model.quantization): accuracy, row independence,
 the choice of scheme, and exact mode on a quantized target (the target as it runs)."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import torch
 from transformers import DynamicCache
 from support.tiny_models import greedy_tokens
 
-from fly_llm.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.errors import ModelError
-from fly_llm import quantization
-from fly_llm.kernels import w4a8
-from fly_llm.kernels.cpu import cpu_flags
-from fly_llm.models import load_models
-from fly_llm.quantization import (Int4Linear, Int8Linear, int4_available, int8_available, quantization_of, quantize,
+from fly_llm.common.errors import ModelError
+from fly_llm.model import quantization
+from fly_llm.model.kernels import w4a8
+from fly_llm.model.kernels.cpu import cpu_flags
+from fly_llm.model.pair import load_models
+from fly_llm.model.quantization import (Int4Linear, Int8Linear, int4_available, int8_available, quantization_of, quantize,
                                   resolve_quantization)
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""The C++ row attention op (fly_llm.kernels.row_attention): ordinary masked attention to float32
+"""The C++ row attention op (fly_llm.model.kernels.row_attention): ordinary masked attention to float32
 rounding, and a query's output the same bit for bit however the call around it is shaped (q
 length, batch, padding, holes, thread count), on each instruction-set path."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fly_llm import attention
-from fly_llm.kernels import row_attention as native
+from fly_llm.model import attention
+from fly_llm.model.kernels import row_attention as native
 
 CAN_BUILD = platform.machine().lower() in {"x86_64", "amd64"} and bool(shutil.which("c++") or shutil.which("g++"))
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="the op needs an x86 CPU and a C++ compiler")

@@ -9,7 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from fly_llm.config import FLyConfig
+from fly_llm.common.config import FLyConfig
 from fly_llm.decoding.verify import (
     PAD_TOKEN, RowRules, RowSampling, Verdict, _distributions, target_entropy, verify,
 )

@@ -1,4 +1,4 @@
-"""The W4A8 CPU kernel (fly_llm.kernels.w4a8) and the `w4a8` quantization built on it.
+"""The W4A8 CPU kernel (fly_llm.model.kernels.w4a8) and the `w4a8` quantization built on it.
 
 The kernel is checked against `reference_linear`, the same quantized math in float64 torch, within
 |kernel - reference| <= 1e-5 * (|x̂| @ |Ŵ|^T) + 1e-7, x̂ and Ŵ the quantized activations and weights:
@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from fly_llm import quantization
-from fly_llm.config import ModelSpec
-from fly_llm.kernels import w4a8
-from fly_llm.models import load_models
-from fly_llm.quantization import W4A8Linear, quantize, resolve_quantization
+from fly_llm.model import quantization
+from fly_llm.common.config import ModelSpec
+from fly_llm.model.kernels import w4a8
+from fly_llm.model.pair import load_models
+from fly_llm.model.quantization import W4A8Linear, quantize, resolve_quantization
 
 CPU = torch.device("cpu")
 CAN_BUILD = platform.machine().lower() in {"x86_64", "amd64"} and bool(shutil.which("c++") or shutil.which("g++"))
@@ -139,7 +139,7 @@ def test_the_layer_keeps_shape_and_dtype_and_is_close_to_float():
 def test_without_the_kernel_w4a8_falls_back_to_int8_with_a_log_line(monkeypatch, caplog):
     monkeypatch.setitem(quantization._AVAILABLE, "w4a8", lambda: False)
     monkeypatch.setitem(quantization._AVAILABLE, "int8", lambda: True)
-    with caplog.at_level(logging.WARNING, logger="fly_llm.quantization"):
+    with caplog.at_level(logging.WARNING, logger="fly_llm.model.quantization"):
         assert resolve_quantization("w4a8", CPU, "draft") == "int8"
     assert "draft_quantization='w4a8'" in caplog.text and "using int8" in caplog.text
 

@@ -27,7 +27,7 @@ import zmq
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fly_llm.client import FLyClient, build_options
-from fly_llm.errors import FLyError
+from fly_llm.common.errors import FLyError
 from hostile.strategies import STOP_CODES, Case
 from support.daemon_process import DaemonProcess, free_port, start_daemon
 from support.tiny_models import greedy_tokens

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from support.engine_double import CountingEngine, serving
-from fly_llm.protocol import MAX_PROMPT_CHARS
+from fly_llm.common.protocol import MAX_PROMPT_CHARS
 
 from fly_daemon.http import HttpFront, create_app
 from fly_daemon.scheduler import Limits

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
-from fly_llm.config import FLyConfig, ModelSpec  # noqa: E402
+from fly_llm.common.config import FLyConfig, ModelSpec  # noqa: E402
 from support.daemon_process import free_port  # noqa: E402
 
 from fly_daemon.replicas import DEPLOYMENT, REPLICA_HEADER, application, build, serve_http_host  # noqa: E402

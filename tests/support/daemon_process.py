@@ -12,7 +12,7 @@ from pathlib import Path
 
 from support.device import TEST_DEVICE
 from fly_llm.client import FLyClient
-from fly_llm.errors import FLyUnavailable
+from fly_llm.common.errors import FLyUnavailable
 
 
 class DaemonProcess:

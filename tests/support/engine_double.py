@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from fly_llm.config import FLyConfig
-from fly_llm.errors import TooLong
-from fly_llm.protocol import ErrorReply, GenerateResult, TokenizeReply
-from fly_llm.schema_limits import SchemaCaps
-from fly_llm.stats import PromptStats, RequestStats
+from fly_llm.common.config import FLyConfig
+from fly_llm.common.errors import TooLong
+from fly_llm.common.protocol import ErrorReply, GenerateResult, TokenizeReply
+from fly_llm.common.schema_limits import SchemaCaps
+from fly_llm.common.stats import PromptStats, RequestStats
 
 from fly_daemon.core import ServingCore
 from fly_daemon.metrics import Metrics

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fly_llm.constraints import Constraint
-from fly_llm.tool_formats import Constraints
-from fly_llm.tools import Structure
+from fly_llm.common.constraints import Constraint
+from fly_llm.common.tool_formats import Constraints
+from fly_llm.common.tools import Structure
 
 
 def schema_structure(schema: dict) -> Structure:

@@ -13,12 +13,12 @@ import json
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from fly_llm.constraints import Constraint
-from fly_llm.errors import BadRequest
-from fly_llm.lru import LruCache
-from fly_llm.schema_limits import SchemaCaps
-from fly_llm.tool_formats.hermes import HERMES
-from fly_llm.tools import Structure, ToolCall
+from fly_llm.common.constraints import Constraint
+from fly_llm.common.errors import BadRequest
+from fly_llm.common.lru import LruCache
+from fly_llm.common.schema_limits import SchemaCaps
+from fly_llm.common.tool_formats.hermes import HERMES
+from fly_llm.common.tools import Structure, ToolCall
 
 CACHE_SIZE = 64
 """Structures' constraints kept for reuse (LRU)."""

@@ -20,10 +20,10 @@ import re
 import secrets
 from typing import Any
 
-from fly_llm.constraints import Constraint, json_lexeme
-from fly_llm.json_text import loads, loads_objects
-from fly_llm.schema_limits import SchemaCaps, check_schema, hoist_defs
-from fly_llm.tools import NamedToolChoice, Structure, ToolCall
+from fly_llm.common.constraints import Constraint, json_lexeme
+from fly_llm.common.json_text import loads, loads_objects
+from fly_llm.common.schema_limits import SchemaCaps, check_schema, hoist_defs
+from fly_llm.common.tools import NamedToolChoice, Structure, ToolCall
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"

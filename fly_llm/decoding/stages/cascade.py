@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from fly_llm.config import FLyConfig
+from fly_llm.common.config import FLyConfig
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.stages.base import DraftPlan, RowStart, Stage
 from fly_llm.decoding.stages.grammar import GrammarStage

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fly_llm.config import FLyConfig
+from fly_llm.common.config import FLyConfig
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.stages.base import Proposal, RowStart, Stage, common_prefix, continue_from
 

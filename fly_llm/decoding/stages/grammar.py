@@ -8,7 +8,7 @@ import llguidance
 import llguidance.torch
 import torch
 
-from fly_llm.config import FLyConfig
+from fly_llm.common.config import FLyConfig
 from fly_llm.decoding.stages.base import Proposal, RowStart, Stage
 
 

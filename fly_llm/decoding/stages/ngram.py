@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fly_llm.config import FLyConfig
+from fly_llm.common.config import FLyConfig
 from fly_llm.decoding.stages.base import Proposal, RowStart, Stage, continue_from
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
                                                       read_field)
 
-from fly_llm.kernels.w4a8 import BLOCK, QuantizedWeight
+from fly_llm.model.kernels.w4a8 import BLOCK, QuantizedWeight
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Row attention in C++ (`row_attention.cpp`): each query over exactly the key columns it may see.
 
 A query's output depends on that query, its allowed columns and their keys and values only, bit
-for bit, so it is the same alone, in a verify, a prefill chunk or a batch (fly_llm/attention.py
+for bit, so it is the same alone, in a verify, a prefill chunk or a batch (fly_llm/model/attention.py
 uses it, with its pure-torch loop as the fallback). Float32 arithmetic for float32 and bfloat16
 inputs; AVX-512 where the CPU has it and the head size is a multiple of 16, else AVX2.
 """
@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from fly_llm.kernels.build import load_extension
+from fly_llm.model.kernels.build import load_extension
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from fly_llm.kernels.build import load_extension
+from fly_llm.model.kernels.build import load_extension
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock, ToolCallBlock
 from llama_index.core.llms.llm import ToolSelection
 
-from fly_llm.protocol import ToolCall
+from fly_llm.common.protocol import ToolCall
 
 _ROLES = {
     MessageRole.DEVELOPER: "system",

@@ -8,7 +8,7 @@ from llama_index.core.base.llms.types import ChatResponse
 from llama_index.core.bridge.pydantic import BaseModel, ValidationError
 from llama_index.core.program.utils import process_streaming_objects
 
-from fly_llm.tools import schema_format
+from fly_llm.common.tools import schema_format
 
 
 def response_format_for(output_cls: Type[BaseModel]) -> dict[str, Any]:

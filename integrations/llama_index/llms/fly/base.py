@@ -33,8 +33,8 @@ from llama_index.core.tools.types import BaseTool
 from llama_index.core.types import PydanticProgramMode
 
 from fly_llm.client import AsyncFLyClient, FLyClient, call_options, default_endpoint
-from fly_llm.protocol import GenerateResult, InfoReply, TokenChunk, ToolCall
-from fly_llm.tools import closed_tool, offer_tools
+from fly_llm.common.protocol import GenerateResult, InfoReply, TokenChunk, ToolCall
+from fly_llm.common.tools import closed_tool, offer_tools
 from llama_index.llms.fly._messages import answer, to_wire, tool_selections
 from llama_index.llms.fly._structured import parse_partial, parse_structured, response_format_for
 

@@ -12,6 +12,7 @@ counts the context with the model's own tokenizer (`tokenizer=`, a local HF dire
     python benchmarks/lm_eval_check.py                                  # tiny random pair, exact mode
     python benchmarks/lm_eval_check.py --quantization none --out benchmarks/results/lm-eval
     python benchmarks/lm_eval_check.py --target DIR --draft DIR --loose
+    python benchmarks/lm_eval_check.py --embedded --dtype auto --loose     # the embedded pair, as served
 
 Needs `lm-eval` (pip install lm-eval; not a fly-llm extra: see benchmarks/results/lm-eval/README.md).
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from benchmarks.serve_bench import add_model_arguments, resolve_models, start_daemon
 from benchmarks.webui_check import free_port, get_json, request_counts
+from fly_llm.model.embedded import ensure_default_pair
 
 ITEMS = [
     {"question": "what is 2 + 3?", "choices": ["5", "6"], "answer": 0},
@@ -73,6 +75,8 @@ generation_kwargs:
   max_gen_toks: 16
 metric_list:
   - metric: exact_match
+    ignore_case: true
+    regexes_to_ignore: ['^\\s+', '\\.$']
 """,
 }
 """lm-eval task configs; `{data}` is the JSON-lines file's path."""
@@ -167,7 +171,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
-    p.add_argument("--tokenizer", help="HF tokenizer directory for lm-eval's context counts (default: --target)")
+    p.add_argument("--tokenizer", help="HF tokenizer directory for lm-eval's context counts (default: the target's)")
     p.add_argument("--loose", action="store_true", help="the daemon in FLy's loose mode (default: exact)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "w4a8", "int8", "int4"],
                    help="the daemon's --target-quantization and --draft-quantization ('none': the float "
@@ -176,8 +180,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.set_defaults(concurrency=[1])  # start_daemon's --max-batch-size
     args = p.parse_args(argv)
     args.exact = not args.loose
-    if args.embedded and not args.tokenizer:
-        p.error("--embedded needs --tokenizer (a local HF tokenizer directory of the target)")
     return args
 
 
@@ -186,6 +188,7 @@ def run_check(args: argparse.Namespace) -> list[Run]:
     with tempfile.TemporaryDirectory(prefix="fly-lm-eval-") as tmp:
         workdir = Path(tmp)
         target, draft = resolve_models(args, workdir)
+        tokenizer = args.tokenizer or target or str(ensure_default_pair()[0])
         task_dir = workdir / "tasks"
         task_dir.mkdir()
         write_tasks(task_dir)
@@ -196,7 +199,7 @@ def run_check(args: argparse.Namespace) -> list[Run]:
                                   "--draft-quantization", args.quantization))
         try:
             runs = [run_lm_eval(model, route, tasks, f"http://127.0.0.1:{http_port}",
-                                f"http://127.0.0.1:{metrics_port}/metrics", args.tokenizer or target,
+                                f"http://127.0.0.1:{metrics_port}/metrics", tokenizer,
                                 task_dir, workdir) for model, route, tasks in RUNS]
         finally:
             daemon.send_signal(signal.SIGTERM)

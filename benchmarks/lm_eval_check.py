@@ -10,7 +10,7 @@ counts the context with the model's own tokenizer (`tokenizer=`, a local HF dire
 (`tokenized_requests=False`: the front takes a prompt string, not token ids).
 
     python benchmarks/lm_eval_check.py                                  # tiny random pair, exact mode
-    python benchmarks/lm_eval_check.py --quantization none --out benchmarks/results/lm-eval
+    python benchmarks/lm_eval_check.py --quantization none --out benchmarks/results/lm-eval/tiny
     python benchmarks/lm_eval_check.py --target DIR --draft DIR --loose
     python benchmarks/lm_eval_check.py --embedded --dtype auto --loose     # the embedded pair, as served
 

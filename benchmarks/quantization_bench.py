@@ -42,6 +42,12 @@ def forward_ms(model: torch.nn.Module, prompt: torch.Tensor, width: int, reps: i
     return statistics.median(times[1:])
 
 
+def chat_prompts(tokenizer, items: int) -> list[list[int]]:
+    """The first `items` HumanEval and GSM8K prompts through the chat template, as token ids."""
+    return [tokenizer.apply_chat_template(item.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for name in ("humaneval", "gsm8k") for item in load(name, items)]
+
+
 def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], tokens: int) -> list[torch.Tensor]:
     """The float target's greedy continuations: prompt + answer ids, one tensor per prompt."""
     return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -73,9 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         models = load_models(ModelSpec(target=args.target, draft="none", target_quantization=scheme), progress=False)
         target, tokenizer = models.target, models.tokenizer
         if reference is None:  # the first scheme is the reference ('none' by default)
-            prompts = [tokenizer.apply_chat_template(item.messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
-                       for name in ("humaneval", "gsm8k") for item in load(name, args.items)]
+            prompts = chat_prompts(tokenizer, args.items)
             sequences = greedy_answers(target, prompts, args.answer_tokens)
             starts = [len(prompt) for prompt in prompts]
         context = torch.randint(100, 20_000, (1, args.context))

@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.datasets import load
 from benchmarks.kernel_bench import cpu_name
-from benchmarks.quantization_bench import forward_ms, greedy_answers
+from benchmarks.quantization_bench import chat_prompts, forward_ms, greedy_answers
 from fly_llm.common.config import ModelSpec
 from fly_llm.model.embedded import ensure_default_pair
 from fly_llm.model.cache import published_weights
@@ -91,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     for label in args.variants:
         target, tokenizer = build(target_dir, *VARIANTS[label])
         if sequences is None:  # the float target's own greedy answers, on the first variant (the reference)
-            prompts = [tokenizer.apply_chat_template(item.messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
-                       for name in ("humaneval", "gsm8k") for item in load(name, args.items)]
+            prompts = chat_prompts(tokenizer, args.items)
             sequences = greedy_answers(target, prompts, args.answer_tokens)
             starts = [len(prompt) for prompt in prompts]
         context = torch.randint(100, 20_000, (1, args.context))

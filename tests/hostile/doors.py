@@ -269,7 +269,11 @@ def _error_code(body: Any) -> str | None:
     return None
 
 
-def _plain_outcome(response: httpx.Response) -> Outcome:
+def plain_outcome(response: httpx.Response, error_code: Callable[[Any], str | None], served: Callable[[Any], bool],
+                  missing: str, shape: str) -> Outcome:
+    """A whole (unstreamed) HTTP answer judged: served when `served(body)`, refused when `error_code(body)`
+    finds our stable code in `shape`'s error shape; Finding for a 5xx (but 503/504), a body that is not
+    JSON, a 200 `missing` its answer or an error in another shape."""
     if response.status_code >= 500 and response.status_code not in (503, 504):
         raise Finding(f"HTTP {response.status_code}: {response.text[:500]}")
     try:
@@ -277,13 +281,18 @@ def _plain_outcome(response: httpx.Response) -> Outcome:
     except ValueError:
         raise Finding(f"HTTP {response.status_code} with a body that is not JSON: {response.text[:300]!r}") from None
     if response.status_code == 200:
-        if not isinstance(body, dict) or not body.get("choices"):
-            raise Finding(f"HTTP 200 without choices: {response.text[:300]}")
+        if not served(body):
+            raise Finding(f"HTTP 200 without {missing}: {response.text[:300]}")
         return Outcome("served")
-    code = _error_code(body)
+    code = error_code(body)
     if code is None:
-        raise Finding(f"HTTP {response.status_code} not in OpenAI's error shape: {response.text[:300]}")
+        raise Finding(f"HTTP {response.status_code} not in {shape}'s error shape: {response.text[:300]}")
     return Outcome("refused", code)
+
+
+def _plain_outcome(response: httpx.Response) -> Outcome:
+    return plain_outcome(response, _error_code, lambda body: isinstance(body, dict) and bool(body.get("choices")),
+                         "choices", "OpenAI")
 
 
 def _stream_outcome(response: httpx.Response) -> Outcome:

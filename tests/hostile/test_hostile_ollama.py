@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from fly_llm.client import FLyClient, build_options
 from hostile.doors import (EXACT_PROMPT, EXACT_TOKENS, HTTP_FLY_KEYS, REQUEST_TIMEOUT_S, Finding, FuzzTarget,
-                           Outcome, judge, run_case)
+                           Outcome, judge, plain_outcome, run_case)
 from hostile.strategies import CI_EXAMPLES, FAMILIES, Case
 
 OPTION_NAMES = {"max_tokens": "num_predict"}
@@ -85,20 +85,8 @@ def _error_code(body: Any) -> str | None:
 
 
 def _plain_outcome(response: httpx.Response) -> Outcome:
-    if response.status_code >= 500 and response.status_code not in (503, 504):
-        raise Finding(f"HTTP {response.status_code}: {response.text[:500]}")
-    try:
-        body = response.json()
-    except ValueError:
-        raise Finding(f"HTTP {response.status_code} with a body that is not JSON: {response.text[:300]!r}") from None
-    if response.status_code == 200:
-        if not isinstance(body, dict) or body.get("done") is not True:
-            raise Finding(f"HTTP 200 without done: {response.text[:300]}")
-        return Outcome("served")
-    code = _error_code(body)
-    if code is None:
-        raise Finding(f"HTTP {response.status_code} not in Ollama's error shape: {response.text[:300]}")
-    return Outcome("refused", code)
+    return plain_outcome(response, _error_code, lambda body: isinstance(body, dict) and body.get("done") is True,
+                         "done", "Ollama")
 
 
 def _stream_outcome(response: httpx.Response) -> Outcome:

@@ -35,7 +35,7 @@ from fly_llm.decoding.logprobs import Logprob, token_logprobs
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
 from fly_llm.decoding.prefill import PromptFill
 from fly_llm.decoding.prefix_cache import PrefixCache
-from fly_llm.decoding.stages import DraftModelStage, NgramStage, RowStart, build_cascade
+from fly_llm.decoding.stages import NgramStage, RowStart, build_cascade
 from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import RowRules, RowSampling, verify
 from fly_llm.common.errors import BadRequest, TooLong
@@ -350,22 +350,26 @@ class FLyEngine:
         return accepted, tokens, native, loose, logprobs
 
     def _admit(self) -> None:
-        """Prefill waiting requests in order, at most `prefill_chunk` prompt tokens per model in this
-        step (0: no bound); each one whose prompt is complete joins the batch."""
+        """Prefill waiting requests' target caches in order, at most `prefill_chunk` prompt tokens in
+        this step (0: no bound); each one whose prompt is complete joins the batch."""
         budget = self.prefill_chunk or sys.maxsize
         while self._waiting:
             req = self._waiting[0]
             if req.fill is None:
                 req.fill = self._start_fill(req)
-            computed, drafted = req.fill.advance(self.target, self.draft, budget)
+            computed = req.fill.advance(self.target, budget)
             self._prompt.prefilled_tokens += computed
-            budget -= max(computed, drafted)
+            budget -= computed
             if not req.fill.done:
                 return
             self._join(req)
 
     def _start_fill(self, req: _Request) -> PromptFill:
-        """The request's prompt caches, seeded with the longest prefix of its prompt the prefix cache has."""
+        """The request's prompt caches, seeded with the longest prefix of its prompt the prefix cache has.
+
+        Only the target's is prefilled further: the draft cache joins with what the cache seeded, and
+        the draft stage catches up in the row's first draft-model round — a cost the policy weighs, so
+        a long prompt with a short answer never pays the draft model's prefill."""
         draft_kv = self._cascade.kv
         scored = req.prompt if req.prompt_logprobs else None  # its caches start empty: every position is scored
         target, draft = self._prefix.seed(req.prompt[:1] if scored else req.prompt, self.device,
@@ -374,15 +378,7 @@ class FLyEngine:
         req.cached_tokens = target.lengths[0] // block * block  # reported in whole blocks; reused in full
         self._prompt.prompt_tokens += len(req.prompt)
         self._prompt.cached_tokens += req.cached_tokens
-        fill_draft = not scored and DraftModelStage.name in req.fly.stages and self._draft_waits(req, draft)
-        return PromptFill(req.prompt[:-1], target, draft, fill_draft=fill_draft, scored=scored, top=req.logprobs or 0)
-
-    def _draft_waits(self, req: _Request, draft: BatchKV | None) -> bool:
-        """Whether the draft cache is filled before the request joins: only when what it lacks is more
-        than one prefill chunk. Otherwise the draft stage catches up at the row's first model round
-        (after its first token), in one forward no bigger than a chunk."""
-        missing = len(req.prompt) - 1 - (draft.lengths[0] if draft is not None else 0)
-        return bool(self.prefill_chunk) and missing > self.prefill_chunk
+        return PromptFill(req.prompt[:-1], target, draft, scored=scored, top=req.logprobs or 0)
 
     def _join(self, req: _Request) -> None:
         """Splice the first waiting request's complete prompt caches into the batch; keep its prompt's KV."""

@@ -26,16 +26,17 @@ then with a short draft (its probe interval doubles while it keeps losing), so t
 recover when the text changes.
 
 The draft model must also pay in fact: per request, the tokens its rounds emitted and their time
-(`1 + B·target_token·drafted + draft_step·forwards`, with the forwards the round really took,
-catch-ups included) are kept as decayed sums, and once it has run, it is chosen only while those
-rounds yielded more tokens per unit of time than the best other plan is expected to. Acceptance
+(`1 + B·target_token·drafted + draft_step·forwards`, with the forwards the round really took, a
+catch-up counted as one whatever its pieces) are kept as decayed sums, and once it has run, it is
+chosen only while those rounds yielded more tokens per unit of time than the best other plan is
+expected to. Acceptance
 estimated over a few tokens is noisy, and choosing the model whenever the estimate is high picks
 its lucky streaks: on general prose the model rounds so chosen emitted 2.2 tokens in the time of
 2.8 plain steps (measured, embedded pair, int8, bf16, 2 threads), each of them a loss.
 
 A model round first feeds the draft cache what it lacks of the context (`PolicyState.behind`:
-the whole prompt in a request's first model round unless the prefix cache or a chunked prefill gave
-it, then the tokens of the rounds since the model last ran). That catch-up costs
+the whole prompt in a request's first model round unless the prefix cache gave it, then the
+tokens of the rounds since the model last ran). That catch-up costs
 `draft_prefill · draft_behind` once, so a model plan other than a probe is valued over the tokens the
 request is still expected to emit, L = min(max_tokens left, max(tokens emitted so far, 64)) — a
 request that has run n tokens is taken to run about n more, and a new one 64:

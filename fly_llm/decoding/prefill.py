@@ -2,9 +2,11 @@
 
 The engine's invariant for a running row is that its target cache holds the context minus its
 last token. A `PromptFill` builds that for a new request in one-row caches — seeded from the
-prefix cache when it has a prefix of the prompt — and extends them by at most a given number of
-tokens per call, so a long prompt enters over several engine steps while the running rows keep
-decoding. When `done`, its caches are spliced into the batch.
+prefix cache when it has a prefix of the prompt — and extends the target's by at most a given
+number of tokens per call, so a long prompt enters over several engine steps while the running
+rows keep decoding. When `done`, its caches are spliced into the batch. The draft model's cache
+is never prefilled here: it joins with what the prefix cache gave it, and the draft stage
+catches up on its own in the row's first draft-model round, if the policy ever pays for one.
 """
 
 from __future__ import annotations
@@ -19,11 +21,10 @@ from fly_llm.decoding.logprobs import PIECE, Logprob, token_logprobs
 
 @dataclass
 class PromptFill:
-    """One-row caches that must come to hold `tokens` (the prompt minus its last token).
+    """One-row caches of a prompt on its way in; the target's must come to hold `tokens` (the prompt minus its last token).
 
-    `draft` is None when the engine has no draft model; it is filled only with `fill_draft` (the
-    request drafts with the model), else it keeps what the prefix cache gave it — a prefix of the
-    context, which the draft stage catches up on its own if it is ever used.
+    `draft` is None when the engine has no draft model; else it keeps what the prefix cache gave
+    it — a prefix of the context, which the draft stage catches up on its own if it is ever used.
 
     With `scored` (the whole prompt, for a request that asks for its prompt's log-probabilities; the
     target cache then starts empty), the target's logits at every position are kept as `logprobs` of
@@ -33,23 +34,23 @@ class PromptFill:
     tokens: list[int]
     target: BatchKV
     draft: BatchKV | None
-    fill_draft: bool
     scored: list[int] | None = None
     top: int = 0
     logprobs: list[Logprob] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
-        return self.target.lengths[0] == len(self.tokens) and not (
-            self.fill_draft and self.draft is not None and self.draft.lengths[0] < len(self.tokens))
+        """Whether the target cache holds all of `tokens`: the request may join."""
+        return self.target.lengths[0] == len(self.tokens)
 
-    def advance(self, target_model, draft_model, budget: int) -> tuple[int, int]:
-        """Prefill up to `budget` more tokens into each cache; return (target, draft) tokens computed."""
+    def advance(self, target_model, budget: int) -> int:
+        """Prefill up to `budget` more tokens into the target cache; return how many were computed."""
         if self.scored is not None:
-            return self._score(target_model, budget), 0
-        computed = self._extend(self.target, target_model, budget)
-        drafted = self._extend(self.draft, draft_model, budget) if self.fill_draft and self.draft is not None else 0
-        return computed, drafted
+            return self._score(target_model, budget)
+        start = self.target.lengths[0]
+        chunk = self.tokens[start:start + budget]
+        self.target.extend(target_model, chunk)
+        return len(chunk)
 
     def check(self) -> None:
         """Each cache is consistent and holds no more than `tokens`."""
@@ -65,10 +66,4 @@ class PromptFill:
         if chunk:
             logits = self.target.forward(model, torch.tensor([chunk], device=self.target.device))
             self.logprobs += token_logprobs(logits[0], self.scored[start + 1:start + 1 + len(chunk)], self.top)
-        return len(chunk)
-
-    def _extend(self, kv: BatchKV, model, budget: int) -> int:
-        start = kv.lengths[0]
-        chunk = self.tokens[start:start + budget]
-        kv.extend(model, chunk)
         return len(chunk)

@@ -237,25 +237,30 @@ def test_a_learned_good_draft_model_is_not_caught_up_for_the_last_tokens():
         assert policy.plan(state, FLY, budget=budget, batch_size=1, offered=BOTH).model == wanted
 
 
-def test_the_engine_tells_the_policy_how_far_the_draft_lags():
-    """Through the engine: a long prompt whose draft cache is cold (deferred to the first model round)
-    gets no draft-model round for a short answer; the same prompt entering in chunks, its draft cache
-    filled before it joins, does (exact either way)."""
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_a_long_prompt_never_pays_the_draft_prefill_for_a_short_answer(chunk):
+    """Through the engine, at the policy's default costs: a ~400-token prompt, entering whole or in
+    chunks, joins with its draft cache empty (no draft forward at admission), and its 12-token answer
+    gets no draft-model round, the engine telling the policy how far the draft lags; exact."""
     target, draft, tokenizer = make_pair("llama")
-    text = "the quick brown fox jumps over the lazy dog. " * 12
-    prompt = tokenizer.encode(text)
+    prompt = tokenizer.encode("the quick brown fox jumps over the lazy dog. " * 12)
+    assert len(prompt) > 4 * 64
     ref = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                           max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
     calls: list[int] = []
     hook = draft.register_forward_hook(lambda *_: calls.append(1))
     try:
-        for chunk in (0, 64):  # 0: the draft waits for its first model round; 64: filled at admission
-            engine = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False, stages=ALONE), prefill_chunk=chunk,
-                               policy=AdaptivePolicy(Costs().with_stage(MODEL, step=0.1, prefill=0.03)))
-            calls.clear()
-            gen = engine.generate(text, SamplingParams(max_tokens=12))[0]
-            assert gen.token_ids == ref[:len(gen.token_ids)] and len(gen.token_ids) == 12
-            assert (gen.stats.draft_model_rounds > 0) == bool(chunk), (chunk, gen.stats)
-            assert bool(calls) == bool(chunk)
+        engine = FLyEngine(target, tokenizer, draft, FLyConfig(loose=False, stages=ALONE), prefill_chunk=chunk)
+        engine.add_request("rag", prompt, SamplingParams(max_tokens=12))
+        outputs = []
+        while not outputs or not outputs[-1].new_token_ids:  # until it has joined and emitted its first token
+            outputs += engine.step()
+            engine.check()
+        assert engine._cascade.kv.lengths == [0] and not calls  # joined with a cold draft cache
+        while engine.has_unfinished():
+            outputs += engine.step()
+            engine.check()
     finally:
         hook.remove()
+    assert [t for out in outputs for t in out.new_token_ids] == ref[:12]
+    assert outputs[-1].finished and outputs[-1].stats.draft_model_rounds == 0 and not calls

@@ -17,6 +17,7 @@ from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.policy import AdaptivePolicy, Costs
 from fly_llm.decoding.stages import DraftModelStage
+from fly_llm.decoding.stages.draft_model import CATCH_UP_WIDTH
 from support.tiny_models import make_pair
 
 torch.set_num_threads(1)
@@ -197,6 +198,33 @@ def test_a_first_token_waits_for_no_draft_prefill(chunk):
         hook.remove()
     assert calls and eng.stats.draft_model_rounds > 0
     assert tokens == greedy(tuple(prompt))
+
+
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_a_long_catch_up_is_fed_in_pieces_and_stays_exact(chunk):
+    """Two long prompts whose every round after the first drafts with the model (adaptive off): each
+    draft cache catches up on its whole prompt in its first model round, in forwards at most
+    CATCH_UP_WIDTH tokens wide (ragged rows in one batch when they join together), and both answers
+    are the target's own greedy ones."""
+    text = ids("The quick brown fox jumps over the lazy dog. The dog sleeps in the sun. " * 40)
+    prompts = [text[:400], text[7:300]]
+    assert len(prompts[0]) == 400 and len(prompts[1]) > CATCH_UP_WIDTH
+    widths: list[int] = []
+    hook = DRAFT.register_forward_hook(lambda _m, _a, kwargs, _o: widths.append(kwargs["input_ids"].shape[1]),
+                                       with_kwargs=True)
+    try:
+        results = run(engine(cache_bytes=0, chunk=chunk), *prompts,
+                      fly=FLyConfig(loose=False, adaptive=False, stages=(DraftModelStage.name,)))
+    finally:
+        hook.remove()
+    assert [tokens for tokens, _ in results] == [greedy(tuple(p)) for p in prompts]
+
+    def pieces(n: int) -> list[int]:
+        return [min(CATCH_UP_WIDTH, n - start) for start in range(0, n, CATCH_UP_WIDTH)]
+
+    together = pieces(max(map(len, prompts)))  # both rows' backlogs in the same forwards
+    apart = pieces(len(prompts[0])) + pieces(len(prompts[1]))
+    assert [w for w in widths if w > 2 * EXACT.k] == (together if chunk == 0 else apart)
 
 
 def test_short_prompts_share_one_steps_prefill_budget():

@@ -11,7 +11,9 @@ from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.stages.base import Proposal, RowStart, Stage, common_prefix, continue_from
 
 _CATCH_UP_AT = 4
-"""A draft row more than this many tokens behind is caught up in a separate forward first."""
+"""A draft row more than this many tokens behind is caught up in separate forwards first."""
+CATCH_UP_WIDTH = 256
+"""The most tokens per row one catch-up forward feeds: a prompt-long backlog goes in pieces."""
 
 
 class DraftModelStage(Stage):
@@ -41,7 +43,7 @@ class DraftModelStage(Stage):
 
     def add_row(self, start: RowStart) -> None:
         """Append a row whose cache is `start.draft_kv`: a one-row BatchKV holding a prefix of the
-        context (the prompt minus its last token when prefilled; less is caught up on first use)."""
+        context (what the prefix cache seeded, often nothing: the rest is caught up on first use)."""
         self.kv.add_row(start.draft_kv)
 
     def remove_rows(self, keep: list[int]) -> None:
@@ -109,16 +111,20 @@ class DraftModelStage(Stage):
         return Proposal(drafts, forwards)
 
     def _catch_up(self, contexts: list[list[int]], active: list[int], forwards: list[int]) -> None:
-        """Feed long backlogs (all but each row's last token) in one forward of their own."""
+        """Feed the backlogs (all but each active row's last token), when one is long, in forwards of
+        their own, at most `CATCH_UP_WIDTH` tokens per row each. The catch-up counts as one forward per
+        row whatever its pieces (the policy weighs its width as prefill, `PolicyState.behind`)."""
         behind = {b: contexts[b][self.kv.lengths[b]:-1] for b in active}
-        if max((len(t) for t in behind.values()), default=0) <= _CATCH_UP_AT:
+        longest = max((len(t) for t in behind.values()), default=0)
+        if longest <= _CATCH_UP_AT:
             return
-        width = max(len(t) for t in behind.values())
-        feeds = [behind.get(b, []) for b in range(len(contexts))]
-        target = [self.kv.lengths[b] + len(feeds[b]) for b in range(len(contexts))]
-        input_ids = torch.tensor([f + [0] * (width - len(f)) for f in feeds], device=self.device)
-        self.kv.forward(self.model, input_ids, logits_to_keep=1)
-        self.kv.truncate(target)
+        for start in range(0, longest, CATCH_UP_WIDTH):
+            feeds = [behind.get(b, [])[start:start + CATCH_UP_WIDTH] for b in range(len(contexts))]
+            width = max(len(f) for f in feeds)
+            target = [n + len(f) for n, f in zip(self.kv.lengths, feeds)]
+            input_ids = torch.tensor([f + [0] * (width - len(f)) for f in feeds], device=self.device)
+            self.kv.forward(self.model, input_ids, logits_to_keep=1)
+            self.kv.truncate(target)
         for b in behind:
             forwards[b] += 1
 

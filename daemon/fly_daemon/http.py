@@ -4,12 +4,14 @@ Requests go to the scheduler of a serving core (fly_daemon.core, which builds th
 settings) through its `InProcessClient` (the engine knows nothing of HTTP). Routes: POST
 /v1/chat/completions, POST /v1/completions (server-sent events with `"stream": true`), GET
 /v1/models, GET /health; POST /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
-(Prometheus). Errors are OpenAI's error shape with our stable codes (fly_llm.common.errors) as `code`; a
+(Prometheus); Ollama's API is mounted at /api (fly_daemon.ollama_http; what the two share, shape aside, is
+fly_daemon.http_common). Errors are OpenAI's error shape with our stable codes (fly_llm.common.errors) as `code`; a
 client that disconnects, while waiting or mid-stream, cancels its request. A non-loopback bind
 needs an API key (Bearer), as a non-loopback ZeroMQ bind needs CURVE. With a key, every route but
 /health needs it (/docs and /redoc are off, /openapi.json needs the key). A front on loopback
 answers only requests whose Host header is a loopback name, its bound host or an allowed host (a
-web page reaching it by DNS rebinding names its own host). An unexpected failure answers INTERNAL
+web page reaching it by DNS rebinding names its own host); others get 421, in Ollama's error shape under
+/api. An unexpected failure answers INTERNAL
 with a request id that the log's traceback carries, never the exception's text.
 """
 
@@ -23,9 +25,8 @@ import re
 import secrets
 import socket
 import threading
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection, Iterable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
+from typing import Any
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -38,33 +39,27 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import fly_llm
-from fly_llm.common.errors import BadRequest, FLyError, Internal, TooLong, Unauthorized
+from fly_llm.common.errors import BadRequest, FLyError, Unauthorized
 from fly_llm.common.protocol import MAX_FRAME_BYTES, GenerateResult, TokenChunk
 
+from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, UnknownModel, error_headers, http_status,
+                                    internal, refusal, unless_disconnected)
 from fly_daemon.inproc import InProcessClient
+from fly_daemon.ollama_http import ollama_app, ollama_error
 from fly_daemon.openai_api import (
     ChatCompletionRequest, CompletionRequest, DetokenizeBody, GenerationBody, TokenizeBody, error_body,
 )
 from fly_daemon.runtime import host_port, is_loopback_host
 
 log = logging.getLogger("fly_daemon")
-T = TypeVar("T")
-Replies = AsyncGenerator[TokenChunk | GenerateResult, None]
 
-STATUS = {"BAD_REQUEST": 400, "TOO_LONG": 400, "UNAUTHORIZED": 401, "BUSY": 503, "TIMEOUT": 504,
-          "CANCELLED": 503, "NOT_READY": 503, "INTERNAL": 500, "UNAVAILABLE": 503, "MODEL_ERROR": 500}
-"""The HTTP status of each error code; 503s may be retried (BUSY: nothing was admitted)."""
-CLIENT_CLOSED = 499
-"""The status logged for a request whose client left before its answer (nobody receives it)."""
+OLLAMA_PREFIX = "/api"
+"""Where Ollama's API (fly_daemon.ollama_http) is mounted."""
 MISDIRECTED = 421
 """The status of a request whose Host header names a host this front does not serve."""
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 """The Host names a loopback front always answers."""
 _HOST = re.compile(r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+|[0-9a-f:]+))(?::\d{1,5})?")
-
-
-class UnknownModel(BadRequest):
-    """The request names a model this daemon does not serve (HTTP 404, code BAD_REQUEST)."""
 
 
 def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_bytes: int = MAX_FRAME_BYTES,
@@ -124,9 +119,7 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
             return app.openapi()
 
     app.include_router(v1)
-    from fly_daemon.ollama_http import ollama_app  # here: it builds on this module's helpers
-
-    app.mount("/api", ollama_app(client, guard, tenant))  # Ollama's API (docs/daemon.md, "Ollama API")
+    app.mount(OLLAMA_PREFIX, ollama_app(client, guard, tenant))  # Ollama's API (docs/daemon.md, "Ollama API")
     _add_error_handlers(app)
     return app
 
@@ -198,8 +191,8 @@ async def _generate(client: InProcessClient, body: GenerationBody, request: Requ
         return head, streams, firsts
 
     try:
-        head, streams, firsts = await _unless_disconnected(request, start())
-    except _ClientGone:
+        head, streams, firsts = await unless_disconnected(request, start())
+    except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     if not body.stream:
         return JSONResponse(body.response(head, firsts))
@@ -229,9 +222,9 @@ async def _events(body: GenerationBody, head: dict[str, Any], firsts: list[Token
             yield _event(body.usage_chunk(head, results))
         yield "data: [DONE]\n\n"
     except FLyError as exc:
-        yield _event(error_body(exc, _error_type(_status(exc))))
+        yield _event(error_body(exc, _error_type(http_status(exc))))
     except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
-        yield _event(error_body(_internal(exc), _error_type(500)))
+        yield _event(error_body(internal(exc), _error_type(500)))
     finally:
         for stream in streams:
             await stream.aclose()  # cancels the request if the stream ends early (the client disconnected)
@@ -273,39 +266,13 @@ def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-class _ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, unless the client disconnects first: then cancel it (cancelling its request) and raise."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        task.cancel()  # a no-op once it is done
-    if task in done:
-        return task.result()
-    await asyncio.wait({task})  # let it clean up (cancel its request)
-    raise _ClientGone
-
-
-async def _disconnect(request: Request) -> None:
-    """Return when the client disconnects (the body has been read, so the next message says so)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 # ---- errors in OpenAI's shape ----
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(FLyError)
     async def fly_error(_: Request, exc: FLyError) -> JSONResponse:
-        status = _status(exc)
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {"Retry-After": "1"} if status == 503 else None
-        return _error(exc, status, "model" if isinstance(exc, UnknownModel) else None, headers)
+        status = http_status(exc)
+        return _error(exc, status, "model" if isinstance(exc, UnknownModel) else None, error_headers(status))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -318,23 +285,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method, body size
-        error = (TooLong if exc.status_code == 413 else BadRequest)(str(exc.detail))
-        return _error(error, exc.status_code, None, exc.headers)
+        return _error(refusal(exc), exc.status_code, None, exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return _error(_internal(exc), 500)
-
-
-def _internal(exc: BaseException) -> Internal:
-    """INTERNAL naming a new request id, never `exc`'s text (it may hold a prompt); the log gets the traceback."""
-    request_id = uuid.uuid4().hex[:12]
-    log.error("the HTTP front failed on a request (request id %s)", request_id, exc_info=exc)
-    return Internal(f"internal error (request id {request_id}); the server's log has the details")
-
-
-def _status(error: FLyError) -> int:
-    return 404 if isinstance(error, UnknownModel) else STATUS.get(error.code, 500)
+        return _error(internal(exc), 500)
 
 
 def _error(error: FLyError, status: int, param: str | None = None,
@@ -377,7 +332,8 @@ class _BodyLimit:
 
 
 class _TrustedHosts:
-    """ASGI middleware: a request whose Host header names none of `hosts` is refused (421, BAD_REQUEST)."""
+    """ASGI middleware: a request whose Host header names none of `hosts` is refused (421, BAD_REQUEST), before
+    routing, in Ollama's error shape under OLLAMA_PREFIX and in OpenAI's elsewhere."""
 
     def __init__(self, app: ASGIApp, hosts: Collection[str]) -> None:
         self.app = app
@@ -390,7 +346,12 @@ class _TrustedHosts:
             return
         error = BadRequest(f"Host {host[:100]!r} is not served here (allowed: {', '.join(sorted(self.hosts))}; "
                            "add one with --allowed-host or FLY_ALLOWED_HOSTS)")
-        await _error(error, MISDIRECTED)(scope, receive, send)
+        path = scope["path"]
+        if path == OLLAMA_PREFIX or path.startswith(OLLAMA_PREFIX + "/"):
+            answer = JSONResponse(ollama_error(error), status_code=MISDIRECTED)
+        else:
+            answer = _error(error, MISDIRECTED)
+        await answer(scope, receive, send)
 
 
 # ---- serving ----

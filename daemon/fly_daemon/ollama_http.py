@@ -4,7 +4,8 @@ at /api, so `fly-daemon start --http 127.0.0.1:11434` (and fly-serve) answer Oll
 POST /api/chat and /api/generate stream newline-delimited JSON (one object with `"stream": false`)
 through the same scheduler as /v1 (fly_daemon.inproc); GET /api/tags, /api/ps, /api/version and
 POST /api/show describe the served target; the model-management routes (pull, push, create, copy,
-delete) and embeddings are refused. The front's API key, Host check and body limit apply as on /v1.
+delete) and embeddings are refused. The front's API key, Host check and body limit apply as on /v1 (a
+misdirected Host gets the front's 421 in this shape). What both APIs share: fly_daemon.http_common.
 Errors are Ollama's shape, `{"error": message}`, with our stable code (fly_llm.common.errors) as `code`; a
 failure after a stream began is its last line. Shapes and translation: fly_daemon.ollama_api.
 """
@@ -23,10 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from fly_llm.common.errors import BadRequest, FLyError, TooLong
+from fly_llm.common.errors import BadRequest, FLyError
 from fly_llm.common.protocol import GenerateResult, TokenChunk, invalid
 
-from fly_daemon.http import CLIENT_CLOSED, Replies, UnknownModel, _ClientGone, _internal, _status, _unless_disconnected
+from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, UnknownModel, error_headers, http_status,
+                                    internal, refusal, unless_disconnected)
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaBody, Served, ShowBody,
                                    architecture, model_card, parameter_count, same_model)
@@ -130,8 +132,8 @@ async def _serve(client: InProcessClient, body: OllamaBody, request: Request, te
         return replies, await anext(replies)  # an error before the first token is a plain HTTP error
 
     try:
-        begun = await _unless_disconnected(request, start())
-    except _ClientGone:
+        begun = await unless_disconnected(request, start())
+    except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     head = body.head()
     if begun is None:
@@ -158,7 +160,7 @@ async def _lines(body: OllamaBody, head: dict[str, Any], first: TokenChunk | Gen
     except FLyError as exc:
         yield _line(ollama_error(exc))
     except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
-        yield _line(ollama_error(_internal(exc)))
+        yield _line(ollama_error(internal(exc)))
     finally:
         await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
 
@@ -177,15 +179,13 @@ def ollama_error(error: FLyError) -> dict[str, str]:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(FLyError)
     async def fly_error(_: Request, exc: FLyError) -> JSONResponse:
-        status = _status(exc)
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {"Retry-After": "1"} if status == 503 else None
-        return JSONResponse(ollama_error(exc), status_code=status, headers=headers)
+        status = http_status(exc)
+        return JSONResponse(ollama_error(exc), status_code=status, headers=error_headers(status))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method, body size
-        error = (TooLong if exc.status_code == 413 else BadRequest)(str(exc.detail))
-        return JSONResponse(ollama_error(error), status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(ollama_error(refusal(exc)), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(ollama_error(_internal(exc)), status_code=500)
+        return JSONResponse(ollama_error(internal(exc)), status_code=500)

@@ -1,0 +1,84 @@
+"""What the HTTP front's two APIs (OpenAI's, fly_daemon.http; Ollama's, fly_daemon.ollama_http) share, shape aside.
+
+Each error code's HTTP status and headers, an HTTP-level refusal as our error, the INTERNAL answer that
+hides an unexpected failure behind a request id, and a client's disconnect cancelling its request. Each
+API writes these in its own error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+from starlette.exceptions import HTTPException
+
+from fly_llm.common.errors import BadRequest, FLyError, Internal, TooLong
+from fly_llm.common.protocol import GenerateResult, TokenChunk
+
+log = logging.getLogger("fly_daemon")
+T = TypeVar("T")
+Replies = AsyncGenerator[TokenChunk | GenerateResult, None]
+"""One request's replies from the in-process client: chunks, then its result."""
+
+STATUS = {"BAD_REQUEST": 400, "TOO_LONG": 400, "UNAUTHORIZED": 401, "BUSY": 503, "TIMEOUT": 504,
+          "CANCELLED": 503, "NOT_READY": 503, "INTERNAL": 500, "UNAVAILABLE": 503, "MODEL_ERROR": 500}
+"""The HTTP status of each error code; 503s may be retried (BUSY: nothing was admitted)."""
+CLIENT_CLOSED = 499
+"""The status logged for a request whose client left before its answer (nobody receives it)."""
+
+
+class UnknownModel(BadRequest):
+    """The request names a model this daemon does not serve (HTTP 404, code BAD_REQUEST)."""
+
+
+def http_status(error: FLyError) -> int:
+    """The HTTP status answering `error` (STATUS by its code; 404 for an unknown model; else 500)."""
+    return 404 if isinstance(error, UnknownModel) else STATUS.get(error.code, 500)
+
+
+def error_headers(status: int) -> dict[str, str] | None:
+    """The headers an error answer of `status` carries: the auth scheme on 401, a retry hint on 503."""
+    return {"WWW-Authenticate": "Bearer"} if status == 401 else {"Retry-After": "1"} if status == 503 else None
+
+
+def refusal(exc: HTTPException) -> FLyError:
+    """Our error for an HTTP-level refusal (unknown route, wrong method, body size): TOO_LONG for 413, else
+    BAD_REQUEST; the answer keeps `exc`'s status and headers."""
+    return (TooLong if exc.status_code == 413 else BadRequest)(str(exc.detail))
+
+
+def internal(exc: BaseException) -> Internal:
+    """INTERNAL naming a new request id, never `exc`'s text (it may hold a prompt); the log gets the traceback."""
+    request_id = uuid.uuid4().hex[:12]
+    log.error("the HTTP front failed on a request (request id %s)", request_id, exc_info=exc)
+    return Internal(f"internal error (request id {request_id}); the server's log has the details")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready (answer CLIENT_CLOSED; nobody reads it)."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, unless the client disconnects first: then cancel it (cancelling its request) and raise
+    ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # a no-op once it is done
+    if task in done:
+        return task.result()
+    await asyncio.wait({task})  # let it clean up (cancel its request)
+    raise ClientGone
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body has been read, so the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

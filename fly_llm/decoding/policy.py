@@ -54,8 +54,9 @@ has run ~300 tokens; behind a prompt of up to ~300 tokens (HumanEval, GSM8K) the
 in the second round as before, when the n-gram stage has not yet shown that it does better (after
 which an unproven model is not probed at all); a warm cache is valued as before.
 
-Rounds are never timed: the costs are fixed (the defaults, or `Costs.measure` once at start-up),
-so the choices — and hence FLy-mode output — depend only on the tokens.
+Rounds are never timed: the costs are fixed (the defaults, or `Costs.measure` timed once per
+machine and models and kept in the model cache: fly_llm.policy_costs), so the choices — and hence
+FLy-mode output — depend only on the tokens.
 
 With `FLyConfig.adaptive = False` every round drafts k tokens with the configured stages.
 """
@@ -128,7 +129,8 @@ class Costs:
         The draft is timed over 4 new tokens, a typical cascade forward (its own token plus a
         checked n-gram proposal), and over `_PREFILL_WIDTH` new tokens, a catch-up forward (per
         token). The engine's choices then depend on this machine, so FLy-mode output can differ
-        between machines (exact mode is lossless either way).
+        between machines, and between two timings on one (exact mode is lossless either way):
+        fly_llm.policy_costs keeps the first.
         """
         one, many = _forward_seconds(target, context, (1, 16), repeats)
         target_token = max(many - one, 0.0) / 15 / one

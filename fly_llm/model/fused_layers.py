@@ -1,28 +1,36 @@
-"""One W4A8 matmul where a decoder layer makes several on the same input (issue 34, "a lean step").
+"""A Llama-family decoder layer with W4A8 projections as few calls as it can be (issue 34, "a lean step").
 
 A Llama-family layer (Llama, Qwen2, Mistral: `q_proj`/`k_proj`/`v_proj`, `gate_proj`/`up_proj`
 with SiLU) projects one normed input three times for attention and twice for the MLP. With W4A8
 weights `fuse(model)` concatenates each set into one packed weight: the activations are quantized
 once and every weight block is streamed in one kernel call instead of three or two. The kernel
-computes each output column on its own (fly_llm.model.kernels.w4a8), so a fused layer's output is the
-unfused layer's bit for bit; what goes away is per-call work (quantizing the input, thread
-dispatch, Python module calls).
+computes each output column on its own (fly_llm.model.kernels.w4a8), so the fused matmuls give the
+unfused ones' outputs bit for bit.
+
+A layer whose attention and MLP are both fused also runs its small ops natively
+(fly_llm.model.kernels.layer_ops): RMSNorm, then the residual add and the second RMSNorm in one call,
+rotary in place on the q/k/v output (q, k and v are views of it: no copies before the cache
+write), SiLU(gate) * up in one call. A fused layer is then: rms_norm, qkv matmul, rotary, cache
+update, row attention, o_proj, add_rms_norm, gate/up matmul, silu_mul, down, residual add. Those
+ops differ from transformers' in float32's last bits at most (a sum's order, exp), so a fused model's
+logits are the unfused model's to a tolerance, not bit for bit; every op is row-independent, so
+exact mode still reproduces the fused model's own greedy output. Where the native ops cannot run,
+their torch fallbacks are transformers' arithmetic and the fused model is the unfused one bit for bit.
 """
 
 from __future__ import annotations
 
-import sys
 import types
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from fly_llm.model.kernels import w4a8
+from fly_llm.model.kernels import layer_ops, w4a8
 
 _ATTENTION = {"LlamaAttention", "Qwen2Attention", "MistralAttention"}
 _MLP = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
+_LAYER = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer"}
 
 
 class FusedW4A8(nn.Module):
@@ -40,10 +48,10 @@ class FusedW4A8(nn.Module):
         any_bias = any(layer.bias is not None for layer in layers)
         self.register_buffer("bias", torch.cat(biases).float().contiguous() if any_bias else None)
 
-    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        rows = x.reshape(-1, self.in_features)
-        out = w4a8.linear(rows.contiguous(), self.packed, self.bias)
-        return list(out.reshape(*x.shape[:-1], self.out_features).to(x.dtype).split(self.widths, dim=-1))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> the outputs side by side, [..., out_features] in x's dtype."""
+        out = w4a8.linear(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, widths={self.widths}, w4a8 block {w4a8.BLOCK}"
@@ -51,12 +59,13 @@ class FusedW4A8(nn.Module):
 
 def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                        attention_mask: torch.Tensor | None, cache=None, **kwargs):
-    """transformers' Llama/Qwen2 attention forward with q, k and v from one `qkv_proj` call."""
+    """transformers' Llama/Qwen2 attention forward with q, k and v from one `qkv_proj` call, rotated in place."""
     input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    query, key, value = (x.view(hidden_shape).transpose(1, 2) for x in self.qkv_proj(hidden_states))
+    qkv = self.qkv_proj(hidden_states)  # [B, S, (H + 2 Hkv) * D]
     cos, sin = position_embeddings
-    query, key = self.fused_rotary(query, key, cos, sin)
+    heads, kv_heads, _ = self.head_counts
+    layer_ops.rotary_(qkv, cos, sin, heads + kv_heads, self.head_dim)
+    query, key, value = qkv.view(*input_shape, -1, self.head_dim).transpose(1, 2).split(self.head_counts, dim=1)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
     attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
@@ -68,8 +77,19 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: t
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up from one `gate_up_proj` call, then down."""
-    gate, up = self.gate_up_proj(x)
-    return self.down_proj(F.silu(gate) * up)
+    return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
+
+
+def _layer_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
+    """transformers' Llama/Qwen2 decoder layer with its norms and first residual add as native calls."""
+    first, second = self.input_layernorm, self.post_attention_layernorm
+    normed = layer_ops.rms_norm(hidden_states, first.weight, first.variance_epsilon)
+    attended, _ = self.self_attn(hidden_states=normed, attention_mask=attention_mask, position_ids=position_ids,
+                                 cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    hidden_states, normed = layer_ops.add_rms_norm(attended, hidden_states, second.weight, second.variance_epsilon)
+    return hidden_states + self.mlp(normed)
 
 
 def fusable(*layers: nn.Module) -> bool:
@@ -83,20 +103,26 @@ def fusable(*layers: nn.Module) -> bool:
 
 
 def fuse(model: nn.Module) -> int:
-    """Fuse q/k/v and gate/up of every Llama-family layer of `model` whose projections are W4A8; returns
-    how many modules were fused. Other layers and architectures are left as they are."""
+    """Fuse q/k/v and gate/up of every Llama-family layer of `model` whose projections are W4A8, and run
+    the small ops of a layer with both fused natively; returns how many modules (attention, MLP, layer)
+    were changed. Other layers and architectures are left as they are."""
     fused = 0
     for module in model.modules():
         kind = type(module).__name__
         if kind in _ATTENTION and fusable(module.q_proj, module.k_proj, module.v_proj):
             module.qkv_proj = FusedW4A8([module.q_proj, module.k_proj, module.v_proj])
+            module.head_counts = [width // module.head_dim for width in module.qkv_proj.widths]
             del module.q_proj, module.k_proj, module.v_proj
-            module.fused_rotary = sys.modules[type(module).__module__].apply_rotary_pos_emb
             module.forward = types.MethodType(_attention_forward, module)
             fused += 1
         elif kind in _MLP and module.config.hidden_act == "silu" and fusable(module.gate_proj, module.up_proj):
             module.gate_up_proj = FusedW4A8([module.gate_proj, module.up_proj])
             del module.gate_proj, module.up_proj
             module.forward = types.MethodType(_mlp_forward, module)
+            fused += 1
+    for module in model.modules():  # after the loop above: a layer comes before its attention and MLP
+        if (type(module).__name__ in _LAYER and hasattr(module.self_attn, "qkv_proj")
+                and hasattr(module.mlp, "gate_up_proj")):
+            module.forward = types.MethodType(_layer_forward, module)
             fused += 1
     return fused

@@ -1,5 +1,9 @@
-"""fly_llm.model.fused_layers: q/k/v and gate/up of a W4A8 model as one matmul each give the unfused
-model's logits bit for bit (a prefill, then a 3-token forward on the cache)."""
+"""fly_llm.model.fused_layers: q/k/v and gate/up of a W4A8 model as one matmul each, and the layer's
+small ops as native calls (fly_llm.model.kernels.layer_ops). With those ops' torch twins the fused model
+gives the unfused model's logits bit for bit (a prefill, then a 3-token forward on the cache); with the
+native ops within float32's last bits (1e-3 on logits of ~16, room for an int8 activation rounding
+to flip) or a bf16 step (0.25 on logits in [16, 32)); exact mode reproduces the fused model's own
+greedy output token for token."""
 
 from __future__ import annotations
 
@@ -7,12 +11,15 @@ import copy
 
 import pytest
 import torch
-from support.tiny_models import make_pair
+from support.tiny_models import greedy_tokens, make_pair
 
-from fly_llm.model import quantization
+from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.cache import BatchKV
+from fly_llm.decoding.engine import FLyEngine
+from fly_llm.model import fused_layers, quantization
 from fly_llm.model.fused_layers import FusedW4A8
-from fly_llm.model.kernels import w4a8
+from fly_llm.model.kernels import layer_ops, w4a8
+from fly_llm.model.pair import load_models
 from fly_llm.model.quantization import quantize
 
 CPU = torch.device("cpu")
@@ -25,9 +32,15 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return kv.forward(model, ids[None, -3:], logits_to_keep=3)
 
 
+def _lean_layers(model: torch.nn.Module) -> int:
+    """How many decoder layers of `model` run the fused layer forward."""
+    return sum(getattr(m.forward, "__func__", None) is fused_layers._layer_forward for m in model.modules())
+
+
+@pytest.mark.parametrize("ops", ["native", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_fused_model_gives_the_unfused_models_logits_bit_for_bit(arch, dtype, monkeypatch):
+def test_a_fused_model_gives_the_unfused_models_logits(arch, dtype, ops, monkeypatch):
     target, _, tokenizer = make_pair(arch, dtype=dtype, device="cpu")
     unfused = copy.deepcopy(target)
     with monkeypatch.context() as patch:
@@ -36,9 +49,37 @@ def test_a_fused_model_gives_the_unfused_models_logits_bit_for_bit(arch, dtype, 
     quantize(target, "w4a8", CPU)
     fused = [m for m in target.modules() if isinstance(m, FusedW4A8)]
     assert len(fused) == 2 * target.config.num_hidden_layers  # q/k/v and gate/up of every layer
+    assert _lean_layers(target) == target.config.num_hidden_layers and _lean_layers(unfused) == 0
     assert not any(isinstance(m, FusedW4A8) for m in unfused.modules())
+    if ops == "torch":
+        monkeypatch.setattr(layer_ops, "native", lambda *tensors: False)
+    else:
+        assert layer_ops.available()
     ids = torch.tensor(tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n"))
-    assert torch.equal(_logits(target, ids), _logits(unfused, ids))
+    out, expected = _logits(target, ids), _logits(unfused, ids)
+    if ops == "torch":
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-3 if dtype == torch.float32 else 0.25)
+
+
+def test_exact_mode_reproduces_a_fused_bf16_target(tiny_pair_dirs):
+    """FLy off on a bf16 W4A8 pair running the fused layers: the target's own greedy output."""
+    loaded = load_models(ModelSpec(target=str(tiny_pair_dirs[0]), draft=str(tiny_pair_dirs[1]), dtype="bfloat16",
+                                   device="cpu", target_quantization="w4a8", draft_quantization="w4a8"),
+                         progress=False)
+    assert _lean_layers(loaded.target) == loaded.target.config.num_hidden_layers
+    engine = FLyEngine(loaded.target, loaded.tokenizer, loaded.draft, FLyConfig(loose=False, adaptive=False))
+    prompts = [loaded.tokenizer.encode(text) for text in ("def add(a, b):", "the quick brown fox " * 6)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=20))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert engine.stats.draft_model_rounds > 0
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == greedy_tokens(loaded.target, prompt, 20, [loaded.tokenizer.eos_token_id])
 
 
 def test_other_schemes_are_not_fused():

@@ -53,7 +53,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """(x + residual, rms_norm of it): a layer's residual add and the next norm in one call."""
     if not native(x, residual, weight):
         return reference_add_rms_norm(x, residual, weight, eps)
-    return tuple(_ops().add_rms_norm(x.contiguous(), residual.contiguous(), weight.contiguous(), eps))
+    return _ops().add_rms_norm(x.contiguous(), residual.contiguous(), weight.contiguous(), eps)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, dim: int) -> torch.Tensor:

@@ -3,10 +3,10 @@
 `FuzzTarget` owns a tiny daemon (ZeroMQ on ipc, the HTTP front on loopback), restarts it when a
 case killed it, and checks after a batch that exact mode still equals the target's own greedy
 output. `ZmqDoor` sends raw frames on a fresh DEALER socket (the client library would refuse much
-of this before it left), `HttpDoor` posts OpenAI-shaped bodies. Each `send` returns an `Outcome`
-("served" or "refused" with its code) or raises `Finding`: a death, a hang, a code outside
-`STOP_CODES` (INTERNAL included), an HTTP 5xx or a body not in OpenAI's error shape, or an empty
-language that was served.
+of this before it left), `HttpDoor` posts OpenAI-shaped bodies (to /tokenize and /detokenize too).
+Each `send` returns an `Outcome` ("served" or "refused" with its code) or raises `Finding`: a death, a
+hang, a code outside `STOP_CODES` (INTERNAL included), an HTTP 5xx or a body not in OpenAI's error
+shape, a served answer without all its choices, or an empty language that was served.
 """
 
 from __future__ import annotations
@@ -225,7 +225,8 @@ class ZmqDoor:
 
 
 class HttpDoor:
-    """Cases as POSTs to /v1/chat/completions (messages) or /v1/completions (a prompt), raw frames as bodies."""
+    """Cases as POSTs to /v1/chat/completions (messages) or /v1/completions (a prompt), raw frames as bodies,
+    a case with a route of its own (/tokenize, /detokenize) there as it is."""
 
     name = "http"
 
@@ -241,18 +242,20 @@ class HttpDoor:
             with httpx.stream("POST", url, content=content, headers=headers, timeout=REQUEST_TIMEOUT_S) as response:
                 if response.status_code == 200 and response.headers.get("content-type", "").startswith(
                         "text/event-stream"):
-                    return judge(case, _stream_outcome(response))
+                    return judge(case, _stream_outcome(response, _asked_choices(case)))
                 response.read()
         except httpx.TimeoutException:
             raise Finding(f"no answer within {REQUEST_TIMEOUT_S} s (a hang)", "hang") from None
         except httpx.TransportError as exc:
             kind = "crash" if self.target.died(2.0) else "bad_answer"
             raise Finding(f"the connection failed ({exc!r})", kind) from None
-        return judge(case, _plain_outcome(response))
+        return judge(case, _plain_outcome(response, case))
 
     def _body(self, case: Case) -> tuple[str, bytes]:
         if case.frame is not None:
             return "/v1/chat/completions", case.frame
+        if case.route is not None:
+            return case.route, json.dumps(case.request).encode()
         request = dict(case.request)
         body: dict[str, Any] = {"model": self.target.model, **request.pop("sampling", {})}
         body |= {key: value for key, value in request.pop("fly", {}).items() if key in HTTP_FLY_KEYS}
@@ -290,21 +293,48 @@ def plain_outcome(response: httpx.Response, error_code: Callable[[Any], str | No
     return Outcome("refused", code)
 
 
-def _plain_outcome(response: httpx.Response) -> Outcome:
-    return plain_outcome(response, _error_code, lambda body: isinstance(body, dict) and bool(body.get("choices")),
-                         "choices", "OpenAI")
+ROUTE_ANSWERS = {"/tokenize": ("tokens", list), "/detokenize": ("content", str)}
+"""What a served answer of a route of its own holds: (field, type)."""
 
 
-def _stream_outcome(response: httpx.Response) -> Outcome:
-    last = None
+def _asked_choices(case: Case) -> int | None:
+    """The `n` a generation case asks for (1 if it names none); None if it is not an int (pydantic may coerce it)."""
+    n = case.request.get("n", 1)
+    return n if type(n) is int else None
+
+
+def _plain_outcome(response: httpx.Response, case: Case) -> Outcome:
+    if case.route is not None:
+        key, kind = ROUTE_ANSWERS[case.route]
+        return plain_outcome(response, _error_code, lambda body: isinstance(body, dict) and
+                             isinstance(body.get(key), kind), key, "OpenAI")
+    return plain_outcome(response, _error_code, lambda body: _all_choices(body, _asked_choices(case)),
+                         "its choices indexed 0..n-1", "OpenAI")
+
+
+def _all_choices(body: Any, asked: int | None) -> bool:
+    """Whether a whole answer holds its choices, indexed 0..n-1 (n as asked, if known)."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return False
+    return [c.get("index") for c in choices] == list(range(asked or len(choices)))
+
+
+def _stream_outcome(response: httpx.Response, asked: int | None) -> Outcome:
+    """A stream judged: served when it ends with [DONE] after each choice (0..n-1, n as asked if known) has
+    finished, refused by an error event; Finding otherwise."""
+    last, finished = None, set()
     for line in response.iter_lines():
         if not line.startswith("data: "):
             continue
         data = line.removeprefix("data: ")
         if data == "[DONE]":
+            if not finished or finished != set(range(asked or len(finished))):
+                raise Finding(f"the stream ended with its choices {sorted(finished)} finished, {asked} asked")
             return Outcome("served")
         last = json.loads(data)
         code = _error_code(last)
         if code is not None:
             return Outcome("refused", code)
+        finished |= {c.get("index") for c in last.get("choices", ()) if c.get("finish_reason")}
     raise Finding(f"the stream ended without [DONE] or an error event; last event: {str(last)[:300]}")

@@ -5,13 +5,17 @@ options, tools, tool_choice, response_format) or raw bytes, from a weighted mix 
 JSON schemas (deep, wide, recursive, dangling and chained `$ref`s, huge enums, odd formats and
 patterns), regexes, tool lists, message lists (odd unicode, lone surrogates, tool-call arguments as
 deep JSON text, tool results for unknown calls), options at their edges, and malformed frames.
-`CI_EXAMPLES` says how many of each a CI run tries.
+`CI_EXAMPLES` says how many of each a CI run tries. `OPENAI_FAMILIES` are the OpenAI door's alone (issue
+36's routes and fields): /tokenize and /detokenize bodies (odd text, bad, huge and mistyped ids), `n`
+(0, 17, huge, mistyped, streamed) and `logprobs` / `top_logprobs` (out of range, mistyped, with `echo` on
+/v1/completions).
 
 Shapes known to have killed the daemon are families of their own, drawn often enough to be found
 within a CI run: a `$defs` chain of ~1,000+ `$ref`s (llguidance segfaults compiling it), tool-call
 `arguments` nested ~1,000+ levels deep (RecursionError in the validator), a long chain under a
 required tool (forced deep output). Big shapes are built from one drawn size, never drawn element by
-element, so they stay cheap for hypothesis. Nothing here imports the daemon: `doors.py` sends cases.
+element, so they stay cheap for hypothesis. Nothing here talks to the daemon (only its limits are imported):
+`doors.py` sends cases.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hypothesis import strategies as st
+
+from fly_llm.common.protocol import MAX_TOP_LOGPROBS
+
+from fly_daemon.openai_api import MAX_CHOICES
 
 Json = Any
 
@@ -50,6 +58,8 @@ class Case:
     frame: bytes | None = None
     multipart: bool = False
     must_refuse: bool = False
+    route: str | None = None
+    """An HTTP route of its own (/tokenize, /detokenize): the OpenAI door posts `request` there as it is."""
 
     def __repr__(self) -> str:
         body = self.frame if self.frame is not None else json.dumps(self.request, default=str)
@@ -367,6 +377,80 @@ def _frames() -> st.SearchStrategy[Case]:
     )
 
 
+# ---- the OpenAI door's own: issue 36's routes and fields ----
+
+MISTYPED = [None, "2", 2.5, True, [2], {"n": 2}]
+"""Values of the wrong type for an integer or boolean field (some of which pydantic coerces)."""
+
+
+def _tokenize_case() -> st.SearchStrategy[Case]:
+    """POST /tokenize bodies: odd text (long, too), `add_special` of any type, missing or mistyped fields."""
+    good = st.builds(lambda content, special: _request(content=content, add_special=special),
+                     text(), st.sampled_from([None, True, False, *MISTYPED]))
+    long = st.integers(1_000, 400_000).map(lambda n: {"content": "ab " * n})
+    bad = st.sampled_from([{}, {"content": None}, {"content": 7}, {"content": ["x"]}, {"text": "x"},
+                           {"content": "x", "bogus": 1}, {"content": "x", "tokens": [1]}])
+    return st.one_of(good, good, long, bad).map(lambda body: Case("tokenize", body, route="/tokenize"))
+
+
+def _detokenize_case() -> st.SearchStrategy[Case]:
+    """POST /detokenize bodies: ids in and far out of the vocabulary, huge lists, ids of the wrong type."""
+    token = st.one_of(st.integers(0, 400), st.sampled_from([-1, -(2**31), 2**31, 2**63, 2**64, 10**40]))
+    ids = st.builds(lambda tokens: {"tokens": tokens}, st.lists(token, max_size=24))
+    known = st.builds(lambda tokens: {"tokens": tokens}, st.lists(st.integers(0, 300), max_size=64))
+    huge = st.builds(lambda n, t: {"tokens": [t] * n}, st.integers(1_000, 1_500_000), st.sampled_from([1, 5, 999]))
+    bad = st.sampled_from([{}, {"tokens": None}, {"tokens": "1 2"}, {"tokens": [1.5]}, {"tokens": ["1"]},
+                           {"tokens": [True]}, {"tokens": [[1]]}, {"tokens": {"0": 1}}, {"tokens": [None]},
+                           {"tokens": [1], "content": "x"}, {"tokens": [1.0, 2.0]}])
+    return st.one_of(known, ids, huge, bad).map(lambda body: Case("detokenize", body, route="/detokenize"))
+
+
+def _generation(draw: st.DrawFn) -> dict[str, Any]:
+    """A prompt (/v1/completions) or a plain chat (/v1/chat/completions), and sampling options, mostly valid
+    (so that the fields under test are reached), some at their edges."""
+    valid = st.builds(lambda n, t: {"max_tokens": n, "temperature": t}, st.integers(1, 8), st.sampled_from([0, 0.8]))
+    options = draw(st.one_of(valid, valid, sampling()))
+    if draw(st.booleans()):
+        return {"prompt": draw(st.sampled_from(PROMPTS)), "sampling": options}
+    return {"messages": draw(plain_messages()), "sampling": options}
+
+
+@st.composite
+def _choices_case(draw: st.DrawFn) -> Case:
+    """`n` at and past its limits (1..MAX_CHOICES), of the wrong type, streamed or not, usage asked or not."""
+    n = draw(st.sampled_from([1, 2, 3, MAX_CHOICES, 0, MAX_CHOICES + 1, -1, 10**6, 2**63, 10**40, *MISTYPED]))
+    body = _generation(draw) | {"n": n, "stream": draw(st.booleans())}
+    if draw(st.booleans()):
+        body["stream_options"] = {"include_usage": draw(st.sampled_from([True, False, "x"]))}
+    return Case("choices", body, must_refuse=_outside(n, 1, MAX_CHOICES))
+
+
+@st.composite
+def _logprobs_case(draw: st.DrawFn) -> Case:
+    """`logprobs` / `top_logprobs` (chat) and `logprobs` / `echo` (completions) in and out of range, mistyped,
+    with `n`, streams and `max_tokens` 0 (the prompt scored) among them."""
+    body = _generation(draw) | {"stream": draw(st.booleans()), "n": draw(st.sampled_from([1, 1, 2]))}
+    count = draw(st.sampled_from([0, 1, 5, MAX_TOP_LOGPROBS, MAX_TOP_LOGPROBS + 1, -1, 10**9, *MISTYPED]))
+    if "messages" in body:
+        body |= _request(logprobs=draw(st.sampled_from([True, True, False, None, "yes", 1, 0])), top_logprobs=count)
+    else:
+        body |= _request(logprobs=count, echo=draw(st.sampled_from([True, True, False, None, "yes", 1])))
+        if draw(st.booleans()):
+            body["sampling"]["max_tokens"] = draw(st.sampled_from([0, 0, 1, -1]))
+    return Case("logprobs", body, must_refuse=_outside(count, 0, MAX_TOP_LOGPROBS))
+
+
+def _outside(value: Any, low: int, high: int) -> bool:
+    """Whether `value` is an integer (not a bool) outside low..high: refused on its face."""
+    return isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high
+
+
+OPENAI_FAMILIES: dict[str, st.SearchStrategy[Case]] = {
+    "tokenize": _tokenize_case(), "detokenize": _detokenize_case(), "choices": _choices_case(),
+    "logprobs": _logprobs_case(),
+}
+"""The OpenAI door's own families (its routes and fields the other doors do not have)."""
+
 FAMILIES: dict[str, st.SearchStrategy[Case]] = {
     "schema": _schema_case(), "tools": _tools_case(), "messages": _messages_case(), "params": _params_case(),
     "frame": _frames(),
@@ -379,5 +463,7 @@ FAMILIES: dict[str, st.SearchStrategy[Case]] = {
 (a mix drawn by hypothesis clusters on a few families, since it mutates earlier examples)."""
 
 CI_EXAMPLES = {"schema": 50, "tools": 40, "messages": 35, "params": 25, "frame": 25, "ref_chain": 4,
-               "deep_arguments": 4, "forced_deep": 3, "empty_language": 7}
-"""Cases per family and door in CI (193): the random families get most, each known killer a few."""
+               "deep_arguments": 4, "forced_deep": 3, "empty_language": 7,
+               "tokenize": 25, "detokenize": 25, "choices": 30, "logprobs": 35}
+"""Cases per family and door in CI (193 of `FAMILIES` per door, 115 of `OPENAI_FAMILIES`): the random
+families get most, each known killer a few."""

@@ -10,7 +10,9 @@ test gets a fresh daemon. Derandomized, no shrinking (each shrink step could nee
 restart), no example database. On the tiny pair's 512-token window the `forced_deep` family cannot
 force output deep enough to reach the parser's old RecursionError (finding 3 needs ~2,000 tokens).
 Known killers on 5f419fe: `ref_chain` (a segfault), `deep_arguments` (the socket loop dies; HTTP
-500 with the exception text), `empty_language` (served as an empty `stop`).
+500 with the exception text), `empty_language` (served as an empty `stop`). The OpenAI door also gets
+families of its own (issue 36): /tokenize and /detokenize bodies, `n`, `logprobs` / `top_logprobs` /
+`echo`; a served answer must hold all its choices (indexed 0..n-1), a stream must finish each.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
 from hostile.doors import FuzzTarget, HttpDoor, ZmqDoor, run_case
-from hostile.strategies import CI_EXAMPLES, FAMILIES, Case
+from hostile.strategies import CI_EXAMPLES, FAMILIES, OPENAI_FAMILIES, Case
 
 DOORS = {"zmq": ZmqDoor, "http": HttpDoor}
 
@@ -34,7 +36,7 @@ def fuzz(target: FuzzTarget, door: ZmqDoor | HttpDoor, family: str, examples: in
 
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               phases=[Phase.explicit, Phase.generate], print_blob=False, suppress_health_check=list(HealthCheck))
-    @given(case=FAMILIES[family])
+    @given(case=(FAMILIES | OPENAI_FAMILIES)[family])
     def one(case: Case) -> None:
         run_case(target, door, case, target.workdir / f"failing-{door.name}-{family}.json")
         ran.append(case)
@@ -48,4 +50,10 @@ def fuzz(target: FuzzTarget, door: ZmqDoor | HttpDoor, family: str, examples: in
 @pytest.mark.parametrize("door", list(DOORS))
 def test_hostile_content_is_refused_or_served(fuzz_target, door, family):
     ran = fuzz(fuzz_target, DOORS[door](fuzz_target), family, CI_EXAMPLES[family])
+    assert ran >= min(CI_EXAMPLES[family], 2)
+
+
+@pytest.mark.parametrize("family", list(OPENAI_FAMILIES))
+def test_hostile_openai_routes_and_fields_are_refused_or_served(fuzz_target, family):
+    ran = fuzz(fuzz_target, HttpDoor(fuzz_target), family, CI_EXAMPLES[family])
     assert ran >= min(CI_EXAMPLES[family], 2)

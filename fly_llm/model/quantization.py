@@ -38,6 +38,7 @@ from transformers import PreTrainedModel
 from fly_llm.common.config import QUANTIZATIONS
 from fly_llm.common.errors import ModelError
 from fly_llm.model.fused_layers import fuse
+from fly_llm.model.huge_pages import in_huge_pages
 from fly_llm.model.attention import use_row_attention
 from fly_llm.model.kernels import row_attention as native_attention
 from fly_llm.model.kernels import w4a8
@@ -135,7 +136,8 @@ class W4A8Linear(nn.Module):
         if weight is not None and tuple(weight.q.shape) != (self.out_features, self.in_features):
             raise ValueError(f"a published weight of shape {tuple(weight.q.shape)} for a "
                              f"{self.out_features}x{self.in_features} Linear")
-        self.packed = w4a8.pack(weight if weight is not None else w4a8.quantize_weight(linear.weight))
+        packed = w4a8.pack(weight if weight is not None else w4a8.quantize_weight(linear.weight))
+        self.packed = packed.map(in_huge_pages)  # streamed every step: 2 MiB pages
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

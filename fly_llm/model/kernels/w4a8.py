@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -52,6 +53,10 @@ class PackedWeight:
     d: torch.Tensor  # float16 [groups, blocks, COLUMNS]
     m: torch.Tensor  # float16 [groups, blocks, COLUMNS]
     n: int  # output columns (the last group is padded with zero weights)
+
+    def map(self, place: Callable[[torch.Tensor], torch.Tensor]) -> PackedWeight:
+        """This weight with `place` applied to each of its tensors (e.g. to put them in other memory)."""
+        return PackedWeight(place(self.q), place(self.d), place(self.m), self.n)
 
 
 def check_width(k: int) -> None:

@@ -117,8 +117,8 @@ class ModelSpec(_Settings):
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', …")
     device_map: str | None = Field(None, description="Passed to accelerate, e.g. 'auto' to spread over GPUs.")
     target_quantization: Quantization = Field(
-        "auto", description="quantized target weights ('auto': w4a8 on a CPU with AVX-512 VNNI, else int8 where torch "
-                            "has the kernels; float on GPU). Exact mode reproduces the target as it runs, "
+        "auto", description="quantized target weights ('auto': w4a8 on an x86 CPU with AVX2 or AVX-512 VNNI, else "
+                            "int8 where torch has the kernels; float on GPU). Exact mode reproduces the target as it runs, "
                             "quantized or not.")
     draft_quantization: Quantization = Field(
         "auto", description="quantized draft weights ('auto': as for the target). "

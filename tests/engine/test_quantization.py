@@ -13,7 +13,6 @@ from fly_llm.decoding.engine import FLyEngine
 from fly_llm.common.errors import ModelError
 from fly_llm.model import quantization
 from fly_llm.model.kernels import w4a8
-from fly_llm.model.kernels.cpu import cpu_flags
 from fly_llm.model.pair import load_models
 from fly_llm.model.quantization import (Int4Linear, Int8Linear, int4_available, int8_available, quantization_of, quantize,
                                   resolve_quantization)
@@ -60,8 +59,8 @@ def test_int8_without_bias_and_in_bfloat16():
 
 
 def _auto_on_cpu() -> str:
-    """What 'auto' should give here: w4a8 with AVX-512 VNNI, else int8 (docs/models.md)."""
-    if "avx512_vnni" in cpu_flags() and w4a8.available():
+    """What 'auto' should give here: w4a8 where its kernel runs (AVX2 or AVX-512 VNNI), else int8 (docs/models.md)."""
+    if w4a8.available():
         return "w4a8"
     return "int8" if int8_available() else "none"
 
@@ -72,6 +71,16 @@ def test_auto_is_w4a8_or_int8_on_cpu_and_float_on_gpu():
     assert resolve_quantization("none", torch.device("cuda")) == "none"
     with pytest.raises(ModelError, match="runs on CPU only"):
         resolve_quantization("int8", torch.device("cuda"))
+
+
+def test_auto_takes_w4a8_wherever_its_kernel_runs_and_int8_elsewhere(monkeypatch):
+    monkeypatch.setitem(quantization._AVAILABLE, "w4a8", lambda: True)  # an AVX2-only CPU counts too
+    assert resolve_quantization("auto", CPU) == "w4a8"
+    monkeypatch.setitem(quantization._AVAILABLE, "w4a8", lambda: False)
+    monkeypatch.setitem(quantization._AVAILABLE, "int8", lambda: True)
+    assert resolve_quantization("auto", CPU) == "int8"
+    monkeypatch.setitem(quantization._AVAILABLE, "int8", lambda: False)
+    assert resolve_quantization("auto", CPU) == "none"
 
 
 def test_a_missing_kernel_falls_back_or_says_what_is_missing(monkeypatch):

@@ -11,11 +11,10 @@ import copy
 
 import pytest
 import torch
-from support.tiny_models import greedy_tokens, make_pair
+from support.tiny_models import exact_mode_matches_greedy, make_pair
 
-from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
+from fly_llm.common.config import ModelSpec
 from fly_llm.decoding.cache import BatchKV
-from fly_llm.decoding.engine import FLyEngine
 from fly_llm.model import fused_layers, quantization
 from fly_llm.model.fused_layers import FusedW4A8
 from fly_llm.model.kernels import layer_ops, w4a8
@@ -69,17 +68,7 @@ def test_exact_mode_reproduces_a_fused_bf16_target(tiny_pair_dirs):
                                    device="cpu", target_quantization="w4a8", draft_quantization="w4a8"),
                          progress=False)
     assert _lean_layers(loaded.target) == loaded.target.config.num_hidden_layers
-    engine = FLyEngine(loaded.target, loaded.tokenizer, loaded.draft, FLyConfig(loose=False, adaptive=False))
-    prompts = [loaded.tokenizer.encode(text) for text in ("def add(a, b):", "the quick brown fox " * 6)]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=20))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    assert engine.stats.draft_model_rounds > 0
-    for i, prompt in enumerate(prompts):
-        assert tokens[str(i)] == greedy_tokens(loaded.target, prompt, 20, [loaded.tokenizer.eos_token_id])
+    exact_mode_matches_greedy(loaded, ["def add(a, b):", "the quick brown fox " * 6], 20)
 
 
 def test_other_schemes_are_not_fused():

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
-from support.tiny_models import greedy_tokens
+from support.tiny_models import exact_mode_matches_greedy
 
-from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
-from fly_llm.decoding.engine import FLyEngine
+from fly_llm.common.config import ModelSpec
 from fly_llm.common.errors import ModelError
 from fly_llm.model import quantization
 from fly_llm.model.kernels import w4a8
@@ -114,17 +113,7 @@ def test_exact_mode_reproduces_the_quantized_target(tiny_pair_dirs, scheme):
                                    target_quantization=scheme, draft_quantization=scheme), progress=False)
     assert loaded.target_quantization == quantization_of(loaded.target) == scheme
     assert loaded.draft_quantization == quantization_of(loaded.draft) == scheme
-    engine = FLyEngine(loaded.target, loaded.tokenizer, loaded.draft, FLyConfig(loose=False, adaptive=False))
-    prompts = [loaded.tokenizer.encode(text) for text in ("def add(a, b):", "x", "the quick brown fox " * 6)]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=24))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    assert engine.stats.draft_model_rounds > 0
-    for i, prompt in enumerate(prompts):
-        assert tokens[str(i)] == greedy_tokens(loaded.target, prompt, 24, [loaded.tokenizer.eos_token_id])
+    exact_mode_matches_greedy(loaded, ["def add(a, b):", "x", "the quick brown fox " * 6], 24)
 
 
 def test_auto_quantizes_both_models_on_cpu(tiny_pair_dirs):

@@ -4,6 +4,7 @@
 one byte-level BPE tokenizer with a chat template. The draft is the target with its weights
 perturbed, so the two agree often but not always — enough to exercise accepts and rejects.
 `write_tiny_gguf(path, model, tokenizer)` writes a tiny Llama as a float32 GGUF file.
+`exact_mode_matches_greedy(loaded, prompts, n)` checks the engine's exact mode against `greedy_tokens`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
+from fly_llm.common.config import FLyConfig, SamplingParams
+from fly_llm.decoding.engine import FLyEngine
 from support.device import TEST_DEVICE
 
 CORPUS = [
@@ -160,3 +163,19 @@ def greedy_tokens(target, prompt_ids: list[int], max_new: int, eos_ids: list[int
     tokens = out[0, len(prompt_ids):].tolist()
     ends = [i for i, t in enumerate(tokens) if t in (eos_ids or ())]
     return tokens[:ends[0] + 1] if ends else tokens
+
+
+def exact_mode_matches_greedy(loaded, prompts: list[str], max_tokens: int) -> None:
+    """Decode `prompts` together in exact mode with the draft model forced every round (loose off,
+    adaptive off) and assert each output is the loaded target's own greedy continuation."""
+    engine = FLyEngine(loaded.target, loaded.tokenizer, loaded.draft, FLyConfig(loose=False, adaptive=False))
+    ids = [loaded.tokenizer.encode(text) for text in prompts]
+    for i, prompt in enumerate(ids):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(ids))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert engine.stats.draft_model_rounds > 0
+    for i, prompt in enumerate(ids):
+        assert tokens[str(i)] == greedy_tokens(loaded.target, prompt, max_tokens, [loaded.tokenizer.eos_token_id])

@@ -23,15 +23,9 @@ from fly_llm.decoding.policy import _forward_seconds
 from fly_llm.model.embedded import ensure_default_pair
 from fly_llm.model.huge_pages import in_huge_pages
 from fly_llm.model.pair import load_models
+from fly_llm.model.quantization import place_packed
 
 WIDTHS = (1, 4, 16)
-
-
-def place(model: torch.nn.Module, where) -> None:
-    """Put every packed w4a8 weight of `model` where `where` copies it."""
-    for module in model.modules():
-        if hasattr(module, "packed"):
-            module.packed = module.packed.map(where)
 
 
 def main() -> None:
@@ -51,7 +45,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for label, where in placements.items():
                 for role, model in (("target", loaded.target), ("draft", loaded.draft)):
-                    place(model, where)
+                    place_packed(model, where)
                     seconds = _forward_seconds(model, args.context, WIDTHS, args.reps)
                     key = f"{role}|{label}"
                     best[key] = [min(a, b) for a, b in zip(best.get(key, seconds), seconds)]

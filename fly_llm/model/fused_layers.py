@@ -26,7 +26,6 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from fly_llm.model.huge_pages import in_huge_pages
 from fly_llm.model.kernels import layer_ops, w4a8
 
 _ATTENTION = {"LlamaAttention", "Qwen2Attention", "MistralAttention"}
@@ -43,9 +42,8 @@ class FusedW4A8(nn.Module):
         self.widths = [layer.out_features for layer in layers]
         self.out_features = sum(self.widths)
         parts = [layer.packed for layer in layers]  # whole groups of COLUMNS each (see `fusable`)
-        packed = w4a8.PackedWeight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")),
-                                   n=self.out_features)
-        self.packed = packed.map(in_huge_pages)  # streamed every step: 2 MiB pages
+        self.packed = w4a8.PackedWeight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")),
+                                        n=self.out_features)
         biases = [layer.bias if layer.bias is not None else torch.zeros(layer.out_features) for layer in layers]
         any_bias = any(layer.bias is not None for layer in layers)
         self.register_buffer("bias", torch.cat(biases).float().contiguous() if any_bias else None)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 
 from fly_llm.common.config import QUANTIZATIONS
 from fly_llm.common.errors import ModelError
-from fly_llm.model.fused_layers import fuse
+from fly_llm.model.fused_layers import FusedW4A8, fuse
 from fly_llm.model.huge_pages import in_huge_pages
 from fly_llm.model.attention import use_row_attention
 from fly_llm.model.kernels import row_attention as native_attention
@@ -135,8 +135,7 @@ class W4A8Linear(nn.Module):
         if weight is not None and tuple(weight.q.shape) != (self.out_features, self.in_features):
             raise ValueError(f"a published weight of shape {tuple(weight.q.shape)} for a "
                              f"{self.out_features}x{self.in_features} Linear")
-        packed = w4a8.pack(weight if weight is not None else w4a8.quantize_weight(linear.weight))
-        self.packed = packed.map(in_huge_pages)  # streamed every step: 2 MiB pages
+        self.packed = w4a8.pack(weight if weight is not None else w4a8.quantize_weight(linear.weight))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,9 +235,17 @@ def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "tar
         log.info("%s: %d Linear layers kept in float (widths the %s kernel cannot pack)", role, kept, scheme)
     if scheme == "w4a8":
         fuse(model)  # q/k/v and gate/up as one matmul each: the same outputs, bit for bit
+        place_packed(model, in_huge_pages)  # streamed every step: 2 MiB pages, one copy each once fused
     if isinstance(model, PreTrainedModel) and (role == "target" or native_attention.available()):
         use_row_attention(model)  # exact mode needs it; a draft gains batch invariance where it is native
     return scheme
+
+
+def place_packed(model: nn.Module, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Put every packed w4a8 weight of `model` (its W4A8Linear and fused layers) where `place` copies it."""
+    for module in model.modules():
+        if isinstance(module, (W4A8Linear, FusedW4A8)):
+            module.packed = module.packed.map(place)
 
 
 def quantization_of(model: nn.Module) -> str:

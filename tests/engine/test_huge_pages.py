@@ -8,7 +8,7 @@ import torch
 from fly_llm.model import huge_pages
 from fly_llm.model.huge_pages import HUGE_PAGE, in_huge_pages
 from fly_llm.model.kernels import w4a8
-from fly_llm.model.quantization import W4A8Linear
+from fly_llm.model.quantization import W4A8Linear, quantize
 
 can_ask = pytest.mark.skipif(huge_pages._madvise() is None, reason="transparent huge pages cannot be asked for here")
 
@@ -35,8 +35,10 @@ def test_small_tensors_and_unsupported_systems_are_left_as_they_are(monkeypatch)
 @pytest.mark.skipif(not w4a8.available(), reason="the w4a8 kernel cannot be built or run here")
 def test_a_w4a8_layer_streams_its_weight_from_huge_pages_with_the_same_result():
     torch.manual_seed(0)
-    linear = torch.nn.Linear(1024, 4160)  # 2 MiB of packed levels
-    layer = W4A8Linear(linear)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4160))  # 2 MiB of packed levels
+    quantize(model, "w4a8", torch.device("cpu"))
+    layer = model[0]
+    assert isinstance(layer, W4A8Linear)
     assert layer.packed.q.data_ptr() % HUGE_PAGE == 0
     plain = layer.packed.map(torch.clone)
     x = torch.randn(3, 1024)

@@ -32,6 +32,7 @@ from benchmarks.quality_run import (DEFAULT_BATCH, QUALITY_METHODS, QualityModeE
                                     engine_config, policy_costs, run_quality)
 from benchmarks.report import REFERENCE, ItemResult, compare_to_best_hf, summarize, write
 from fly_llm.common.config import QUANTIZATIONS
+from fly_llm.model.kernels.cpu import cpu_model
 
 DEFAULT_LIMIT = 4
 """Items per dataset in the default run: 4 HumanEval + 4 GSM8K items x 256 tokens x the five main
@@ -146,19 +147,9 @@ def environment(models: Any, runner: Runner) -> dict[str, Any]:
         "target_quantization": models.target_quantization,
         "draft_quantization": models.draft_quantization, "policy_costs": runner.policy_costs(),
         "device": str(models.device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        "cpu": _cpu_name(), "platform": platform.platform(), "python": platform.python_version(),
+        "cpu": cpu_model(), "platform": platform.platform(), "python": platform.python_version(),
         "versions": versions, "git_commit": _git_commit(), "eos_ids": runner.eos_ids,
     }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _git_commit() -> str | None:

@@ -30,6 +30,7 @@ from fly_llm.decoding.policy import _forward_seconds
 from fly_llm.model.embedded import ensure_default_pair
 from fly_llm.model.fused_layers import FusedW4A8
 from fly_llm.model.kernels import w4a8
+from fly_llm.model.kernels.cpu import cpu_flags, cpu_model
 from fly_llm.model.pair import load_models
 from fly_llm.model.quantization import Int4Linear, Int8Linear, W4A8Linear
 
@@ -40,11 +41,9 @@ _LINEAR_TYPES = (nn.Linear, Int8Linear, Int4Linear, W4A8Linear, FusedW4A8)  # fu
 
 def cpu_name() -> str:
     """The CPU's model name and its widest matmul instruction set (AVX-512 VNNI or AVX2)."""
-    with open("/proc/cpuinfo") as f:
-        info = f.read()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    isa = "AVX-512 VNNI" if "avx512_vnni" in info else "AVX2" if "avx2" in info else "no AVX2"
-    return f"{name} ({isa})"
+    flags = cpu_flags()
+    isa = "AVX-512 VNNI" if "avx512_vnni" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{cpu_model()} ({isa})"
 
 
 def linears_ms(model: nn.Module, rows: int, reps: int) -> float:

@@ -15,7 +15,6 @@ the batch-1 latency of the other tables.
 from __future__ import annotations
 
 import json
-import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -30,6 +29,7 @@ from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.policy import AdaptivePolicy, Costs, PolicyState
 from fly_llm.decoding.stages import DraftPlan, Stage
 from fly_llm.common.stats import RequestStats
+from fly_llm.model.kernels.cpu import cpu_model
 
 PLAIN = FLyConfig(loose=False, adaptive=False, ngram=False, draft_model=False)
 """Speculation off: one target forward per token (the quality runs' `target`)."""
@@ -75,19 +75,8 @@ def machine_kind(model: Any) -> str:
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
-        hardware = f"{torch.backends.cpu.get_cpu_capability()} {_cpu_name()}"
+        hardware = f"{torch.backends.cpu.get_cpu_capability()} {cpu_model()}"
     return f"{device.type} {hardware} {str(model.dtype).removeprefix('torch.')} {torch.get_num_threads()} threads"
-
-
-def _cpu_name() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 class QualityModeError(ValueError):

@@ -11,13 +11,11 @@ unreadable file is logged and measured again; `FLY_REMEASURE_COSTS=1` forces a n
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 import math
 import os
-import platform
 import tempfile
 import time
 from dataclasses import asdict
@@ -30,7 +28,7 @@ from fly_llm.decoding.policy import Costs
 from fly_llm.model import kernels
 from fly_llm.model.cache import MANIFEST, cache_root
 from fly_llm.model.kernels.build import build_directory
-from fly_llm.model.kernels.cpu import cpu_flags
+from fly_llm.model.kernels.cpu import cpu_flags, cpu_model
 from fly_llm.model.kernels.w4a8 import ISA_ENV
 from fly_llm.model.pair import LoadedModels
 
@@ -111,18 +109,7 @@ def _device_identity(device: torch.device) -> dict[str, str]:
     if device.type == "cuda":
         return {"gpu": torch.cuda.get_device_name(device)}
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-    return {"cpu": _cpu_model(), "flags": flags}
-
-
-@functools.cache
-def _cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo ('model name'), else what `platform` says."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("model name")), "")
-    except OSError:
-        line = ""
-    return line.partition(":")[2].strip() or platform.processor()
+    return {"cpu": cpu_model(), "flags": flags}
 
 
 def _read(path: Path, identity: dict[str, Any]) -> Costs | None:

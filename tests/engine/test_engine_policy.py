@@ -59,6 +59,17 @@ def test_failing_ngrams_and_draft_fall_back_to_plain_decoding_then_probe():
     assert 0 < len(model_rounds) < 10  # probes, spaced further and further apart
     gaps = [b - a for a, b in zip(model_rounds, model_rounds[1:])]
     assert gaps == sorted(gaps)
+    assert gaps[1] > 3 * gaps[0]  # each losing probe multiplies the wait by four (up to the cap)
+
+
+@pytest.mark.parametrize("alpha, chosen", [(0.5, False), (0.55, False), (0.6, True), (0.8, True)])
+def test_a_model_round_is_chosen_only_when_expected_to_beat_plain_by_the_margin(alpha, chosen):
+    """At the default costs a one-token model round is valued at 1.05× plain at α 0.5, 1.09× at 0.55,
+    1.12× at 0.6: within the cost model's error below 10%, those rounds are not run."""
+    policy = AdaptivePolicy()
+    state = PolicyState(models={MODEL: ModelHistory(alpha=_Rate(100 * alpha, 100 * (1 - alpha)), since=0)})
+    plan = policy.plan(state, FLyConfig(stages=ALONE, loose=False), budget=100, batch_size=1, offered=BOTH)
+    assert plan.model == chosen and (plan.model or plan == PLAIN)
 
 
 def test_good_draft_model_is_used_when_ngrams_miss():

@@ -16,6 +16,10 @@ ops differ from transformers' in float32's last bits at most (a sum's order, exp
 logits are the unfused model's to a tolerance, not bit for bit; every op is row-independent, so
 exact mode still reproduces the fused model's own greedy output. Where the native ops cannot run,
 their torch fallbacks are transformers' arithmetic and the fused model is the unfused one bit for bit.
+
+Such a layer is also lean in Python: it looks the kernel's path ($FLY_W4A8_ISA) up once, not once
+a matmul, and calls its attention, MLP and W4A8 projections as plain functions (`PackedW4A8.project`),
+not through nn.Module's call; the same kernels in the same order, so the same outputs bit for bit.
 """
 
 from __future__ import annotations
@@ -33,7 +37,21 @@ _MLP = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
 _LAYER = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer"}
 
 
-class FusedW4A8(nn.Module):
+class PackedW4A8(nn.Module):
+    """A layer on a packed W4A8 weight (`packed`, and `bias` float32 [n] or None): W4A8Linear, FusedW4A8."""
+
+    packed: w4a8.PackedWeight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features] in x's dtype."""
+        return self.project(x, w4a8.isa_code())
+
+    def project(self, x: torch.Tensor, code: int) -> torch.Tensor:
+        """`forward` on the kernel's path `code` (`w4a8.isa_code`), looked up once by the caller."""
+        return w4a8.project(x, self.packed, self.bias, code)
+
+
+class FusedW4A8(PackedW4A8):
     """Several W4A8 linears over the same input as one: their outputs side by side, [..., sum of widths]."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
@@ -48,11 +66,6 @@ class FusedW4A8(nn.Module):
         any_bias = any(layer.bias is not None for layer in layers)
         self.register_buffer("bias", torch.cat(biases).float().contiguous() if any_bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in_features] -> the outputs side by side, [..., out_features] in x's dtype."""
-        out = w4a8.linear(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias)
-        return out.reshape(*x.shape[:-1], self.out_features)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, widths={self.widths}, w4a8 block {w4a8.BLOCK}"
 
@@ -60,8 +73,14 @@ class FusedW4A8(nn.Module):
 def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                        attention_mask: torch.Tensor | None, cache=None, **kwargs):
     """transformers' Llama/Qwen2 attention forward with q, k and v from one `qkv_proj` call, rotated in place."""
+    return _attend(self, hidden_states, position_embeddings, attention_mask, cache, w4a8.isa_code(), kwargs)
+
+
+def _attend(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+            attention_mask: torch.Tensor | None, cache, code: int, kwargs: dict):
+    """`_attention_forward` with the projections on the kernel's path `code`."""
     input_shape = hidden_states.shape[:-1]
-    qkv = self.qkv_proj(hidden_states)  # [B, S, (H + 2 Hkv) * D]
+    qkv = self.qkv_proj.project(hidden_states, code)  # [B, S, (H + 2 Hkv) * D]
     cos, sin = position_embeddings
     heads, kv_heads, _ = self.head_counts
     layer_ops.rotary_(qkv, cos, sin, heads + kv_heads, self.head_dim)
@@ -69,27 +88,42 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: t
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
     attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-    if getattr(self, "sliding_window", None) is not None:
+    if self.sliding_window is not None:
         kwargs["sliding_window"] = self.sliding_window
     out, weights = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
-    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+    return _project(self.o_proj, out.reshape(*input_shape, -1), code), weights
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up from one `gate_up_proj` call, then down."""
-    return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
+    return _mlp(self, x, w4a8.isa_code())
+
+
+def _mlp(self, x: torch.Tensor, code: int) -> torch.Tensor:
+    """`_mlp_forward` with the projections on the kernel's path `code`."""
+    return _project(self.down_proj, layer_ops.silu_mul(self.gate_up_proj.project(x, code)), code)
+
+
+def _project(layer: nn.Module, x: torch.Tensor, code: int) -> torch.Tensor:
+    """`layer(x)`, on the kernel's path `code` if it is a W4A8 layer (an o_proj or down_proj may be float)."""
+    return layer.project(x, code) if isinstance(layer, PackedW4A8) else layer(x)
 
 
 def _layer_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
                    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
-    """transformers' Llama/Qwen2 decoder layer with its norms and first residual add as native calls."""
+    """transformers' Llama/Qwen2 decoder layer with its norms and first residual add as native calls.
+
+    Lean (issue 34): the kernel's path is looked up once a layer, and the attention, the MLP and
+    their W4A8 projections are called as plain functions, not through nn.Module's call: hooks
+    registered on those submodules do not run (the layer's own do)."""
+    code = w4a8.isa_code()
     first, second = self.input_layernorm, self.post_attention_layernorm
     normed = layer_ops.rms_norm(hidden_states, first.weight, first.variance_epsilon)
-    attended, _ = self.self_attn(hidden_states=normed, attention_mask=attention_mask, position_ids=position_ids,
-                                 cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    kwargs.update(position_ids=position_ids, use_cache=use_cache)  # what the attention module got before
+    attended, _ = _attend(self.self_attn, normed, position_embeddings, attention_mask, cache, code, kwargs)
     hidden_states, normed = layer_ops.add_rms_norm(attended, hidden_states, second.weight, second.variance_epsilon)
-    return hidden_states + self.mlp(normed)
+    return hidden_states + _mlp(self.mlp, normed, code)
 
 
 def fusable(*layers: nn.Module) -> bool:
@@ -112,6 +146,7 @@ def fuse(model: nn.Module) -> int:
         if kind in _ATTENTION and fusable(module.q_proj, module.k_proj, module.v_proj):
             module.qkv_proj = FusedW4A8([module.q_proj, module.k_proj, module.v_proj])
             module.head_counts = [width // module.head_dim for width in module.qkv_proj.widths]
+            module.sliding_window = getattr(module, "sliding_window", None)  # Llama has none: no look-up miss
             del module.q_proj, module.k_proj, module.v_proj
             module.forward = types.MethodType(_attention_forward, module)
             fused += 1

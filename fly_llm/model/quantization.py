@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 
 from fly_llm.common.config import QUANTIZATIONS
 from fly_llm.common.errors import ModelError
-from fly_llm.model.fused_layers import FusedW4A8, fuse
+from fly_llm.model.fused_layers import FusedW4A8, PackedW4A8, fuse
 from fly_llm.model.huge_pages import in_huge_pages
 from fly_llm.model.attention import use_row_attention
 from fly_llm.model.kernels import row_attention as native_attention
@@ -124,7 +124,7 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {INT4_GROUP}"
 
 
-class W4A8Linear(nn.Module):
+class W4A8Linear(PackedW4A8):
     """A Linear with 4-bit weights (blocks of 32 inputs, scale and minimum each) and int8 activations."""
 
     def __init__(self, linear: nn.Linear, weight: w4a8.QuantizedWeight | None = None) -> None:
@@ -137,13 +137,6 @@ class W4A8Linear(nn.Module):
                              f"{self.out_features}x{self.in_features} Linear")
         self.packed = w4a8.pack(weight if weight is not None else w4a8.quantize_weight(linear.weight))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype not in (torch.float32, torch.bfloat16):
-            rows = rows.float()
-        out = w4a8.linear(rows.contiguous(), self.packed, self.bias)  # in the input's dtype
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, w4a8 block {w4a8.BLOCK}"

@@ -76,3 +76,41 @@ def test_other_schemes_are_not_fused():
     if quantization.int8_available():
         quantize(target, "int8", CPU)
     assert not any(isinstance(m, FusedW4A8) for m in target.modules())
+
+
+def _fused_llama() -> tuple[torch.nn.Module, torch.Tensor]:
+    target, _, tokenizer = make_pair("llama", device="cpu")
+    quantize(target, "w4a8", CPU)
+    return target, torch.tensor(tokenizer.encode("def fibonacci(n):\n    if n < 2:\n"))
+
+
+def test_every_forward_looks_the_kernel_path_up(monkeypatch):
+    """$FLY_W4A8_ISA is read by each layer forward (not once at import): a changed variable is seen."""
+    target, ids = _fused_llama()
+    expected = _logits(target, ids)
+    monkeypatch.setenv(w4a8.ISA_ENV, "avx2")
+    assert torch.equal(_logits(target, ids), expected)  # the paths agree bit for bit
+    monkeypatch.setenv(w4a8.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match="unknown w4a8 instruction set"):
+        _logits(target, ids)
+
+
+class _Counted(torch.nn.Module):
+    """Another module's forward, counting its calls (a projection that is not a W4A8 layer)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(x)
+
+
+def test_a_fused_layer_calls_an_o_proj_or_down_proj_that_is_not_w4a8_as_a_module():
+    target, ids = _fused_llama()
+    expected = _logits(target, ids)
+    layer = target.model.layers[0]
+    layer.self_attn.o_proj, layer.mlp.down_proj = _Counted(layer.self_attn.o_proj), _Counted(layer.mlp.down_proj)
+    assert torch.equal(_logits(target, ids), expected)
+    assert layer.self_attn.o_proj.calls == layer.mlp.down_proj.calls == 2  # the prefill and the 3-token forward

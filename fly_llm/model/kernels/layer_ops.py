@@ -37,8 +37,13 @@ def available() -> bool:
 
 def native(x: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether the native ops compute a call on `x` (and `others` of its dtype): CPU, float32 or bfloat16."""
-    return (x.device.type == "cpu" and x.dtype in _DTYPES and all(t.dtype == x.dtype for t in others)
-            and available())
+    dtype = x.dtype
+    if not (x.is_cpu and dtype in _DTYPES and _ops() is not None):
+        return False
+    for other in others:  # a loop, not all(): this runs ~4 times a layer
+        if other.dtype != dtype:
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -4,6 +4,7 @@ A weight is w = d * q - m with q in 0..15 and a float16 scale d and minimum m pe
 and block of BLOCK input features (the shape of GGUF's Q4_K sub-blocks). Activations are
 quantized per row and block to int8 with scale max|x| / 127 (llama.cpp's Q8 blocks). `linear`
 runs `w4a8.cpp` (AVX-512 VNNI, else AVX2), `reference_linear` is the same math in float64 torch.
+`project` is `linear` for a layer's forward, on a path that its caller looked up once (`isa_code`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ COLUMNS = 16  # output columns per packed group
 ISA_ENV = "FLY_W4A8_ISA"  # 'avx2' forces the AVX2 path (tests, benchmarks); unset or 'auto': the best
 ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2}
 _X86 = {"x86_64", "amd64", "i686", "i386"}
+_DTYPES = (torch.float32, torch.bfloat16)  # the kernel's input and output dtypes
 
 
 @dataclass(frozen=True)
@@ -135,22 +137,48 @@ def best_isa() -> str:
     return {code: name for name, code in ISAS.items()}[ops.cpu_isa()] if ops is not None else "none"
 
 
-def _isa_code(isa: str | None) -> int:
-    name = (isa or os.environ.get(ISA_ENV) or "auto").lower()
-    if name not in ISAS:
+@functools.cache
+def _code(name: str) -> int:
+    """The kernel's code for an instruction set's name (any case); ValueError for an unknown one."""
+    if name.lower() not in ISAS:
         raise ValueError(f"unknown w4a8 instruction set {name!r}: choose one of {', '.join(ISAS)}")
-    return ISAS[name]
+    return ISAS[name.lower()]
+
+
+def isa_code(isa: str | None = None) -> int:
+    """The path `linear` takes for `isa` (default: $FLY_W4A8_ISA, else 'auto'), as the kernel's code.
+
+    Reads the variable on every call (a changed variable is seen by the next call): a forward
+    resolves it once (fly_llm.model.fused_layers: once a layer) and passes the code on.
+    """
+    return _code(isa or os.environ.get(ISA_ENV) or "auto")
+
+
+def _native() -> ModuleType:
+    """The compiled kernel; RuntimeError where it is not available."""
+    ops = _ops()
+    if ops is None:
+        raise RuntimeError("the w4a8 kernel is not available here (see the log for why)")
+    return ops
 
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
            isa: str | None = None) -> torch.Tensor:
-    """x [M, k] times the packed weight's transpose (+ bias float32 [n]): [M, n] in x's dtype.
+    """x [..., k] times the packed weight's transpose (+ bias float32 [n]): [..., n] in x's dtype.
 
     x is float32 or bfloat16; a bfloat16 x gives exactly `linear(x.float()).bfloat16()`.
     `isa` ('auto', 'avx2', 'avx512_vnni'; default: $FLY_W4A8_ISA, else 'auto') picks the path;
     both give the same result bit for bit. Needs `available()`.
     """
-    ops = _ops()
-    if ops is None:
-        raise RuntimeError("the w4a8 kernel is not available here (see the log for why)")
-    return ops.linear(x, weight.q, weight.d, weight.m, bias, weight.n, _isa_code(isa))
+    return project(x, weight, bias, isa_code(isa))
+
+
+def project(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, code: int) -> torch.Tensor:
+    """`linear` over the last dimension of x [..., k] on the path `code` from `isa_code`: [..., n] in
+    x's dtype (a layer's forward: no look-up of the path per call). Other dtypes than float32 and
+    bfloat16 are computed in float32."""
+    if x.dtype not in _DTYPES:
+        return project(x.float(), weight, bias, code).to(x.dtype)
+    out = _native().linear(x.reshape(-1, x.shape[-1]).contiguous(), weight.q, weight.d, weight.m, bias, weight.n,
+                           code)
+    return out.view(*x.shape[:-1], weight.n)

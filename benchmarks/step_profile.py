@@ -39,16 +39,24 @@ def forward_ms(model: nn.Module, kv: BatchKV, context: int, width: int, reps: in
 
 
 def label_linears(model: nn.Module) -> None:
-    """Wrap every Linear layer's forward in a profiler range named 'linear'."""
+    """Wrap every Linear layer's forward (and a packed w4a8 layer's `project`, which fused layers call
+    directly) in a profiler range named 'linear'."""
     for layer in model.modules():
         if isinstance(layer, _LINEAR_TYPES):
-            forward = layer.forward
+            for name in ("forward", "project"):
+                method = getattr(layer, name, None)
+                if method is not None:
+                    setattr(layer, name, _labelled(method))
 
-            def labelled(x, forward=forward):
-                with torch.profiler.record_function("linear"):
-                    return forward(x)
 
-            layer.forward = labelled
+def _labelled(method):
+    """`method` inside a profiler range named 'linear'."""
+
+    def labelled(*args):
+        with torch.profiler.record_function("linear"):
+            return method(*args)
+
+    return labelled
 
 
 def profile_table(model: nn.Module, kv: BatchKV, context: int, width: int, rows: int) -> str:

@@ -74,8 +74,11 @@ def trace(runner: Runner, method: Method, prompt_ids: list[int], max_tokens: int
 
 
 def summary(rounds: list[Round]) -> dict[str, tuple[int, float, int]]:
-    """Per kind of round after the first: (rounds, extra ms over the median plain round, extra tokens)."""
+    """Per kind of round after the first: (rounds, extra ms over the median plain round, extra tokens);
+    empty for an answer of one round."""
     later = rounds[1:]
+    if not later:
+        return {}
     plain = [r.seconds for r in later if r.kind == "plain"] or [min(r.seconds for r in later)]
     base = statistics.median(plain)
     kinds: dict[str, tuple[int, float, int]] = {}

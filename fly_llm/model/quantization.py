@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 
 from fly_llm.common.config import QUANTIZATIONS
 from fly_llm.common.errors import ModelError
-from fly_llm.model.fused_layers import FusedW4A8, PackedW4A8, fuse
+from fly_llm.model.fused_layers import PackedW4A8, fuse
 from fly_llm.model.huge_pages import in_huge_pages
 from fly_llm.model.attention import use_row_attention
 from fly_llm.model.kernels import row_attention as native_attention
@@ -237,7 +237,7 @@ def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "tar
 def place_packed(model: nn.Module, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Put every packed w4a8 weight of `model` (its W4A8Linear and fused layers) where `place` copies it."""
     for module in model.modules():
-        if isinstance(module, (W4A8Linear, FusedW4A8)):
+        if isinstance(module, PackedW4A8):
             module.packed = module.packed.map(place)
 
 

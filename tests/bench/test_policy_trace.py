@@ -20,6 +20,7 @@ def test_every_round_is_traced_and_the_engine_is_restored():
     assert {r.kind for r in rounds} <= {"plain", "ngram", "model", "probe"}
     kinds = summary(rounds)
     assert kinds["base_ms"][1] > 0 and sum(n for kind, (n, _, _) in kinds.items() if kind != "base_ms") == len(rounds) - 1
+    assert summary(rounds[:1]) == {}  # an answer of one round has nothing to compare
     assert "plan" not in vars(runner.engine.policy) and "step" not in vars(runner.engine)  # unpatched
     with torch.inference_mode():
         assert runner.run(PLAIN_ENGINE, prompt, 24).token_ids  # the engine still decodes

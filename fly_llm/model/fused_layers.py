@@ -59,9 +59,7 @@ class FusedW4A8(PackedW4A8):
         self.in_features = layers[0].in_features
         self.widths = [layer.out_features for layer in layers]
         self.out_features = sum(self.widths)
-        parts = [layer.packed for layer in layers]  # whole groups of COLUMNS each (see `fusable`)
-        self.packed = w4a8.PackedWeight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")),
-                                        n=self.out_features)
+        self.packed = w4a8.concat([layer.packed for layer in layers])  # whole groups each (see `fusable`)
         biases = [layer.bias if layer.bias is not None else torch.zeros(layer.out_features) for layer in layers]
         any_bias = any(layer.bias is not None for layer in layers)
         self.register_buffer("bias", torch.cat(biases).float().contiguous() if any_bias else None)

@@ -61,6 +61,13 @@ class PackedWeight:
         return PackedWeight(place(self.q), place(self.d), place(self.m), self.n)
 
 
+def concat(parts: list[PackedWeight]) -> PackedWeight:
+    """Packed weights over the same input side by side: one weight whose outputs are the parts' in order
+    (every part but the last a whole number of COLUMNS-wide groups)."""
+    return PackedWeight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")),
+                        n=sum(p.n for p in parts))
+
+
 def check_width(k: int) -> None:
     """ValueError unless an input width `k` can be quantized (a positive multiple of BLOCK)."""
     if k <= 0 or k % BLOCK:

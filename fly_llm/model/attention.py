@@ -49,7 +49,20 @@ def _allowed(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tenso
     return mask.expand(query.shape[0], query.shape[2], key.shape[2])
 
 
-def _native(query: torch.Tensor) -> bool:
+def row_mask(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor:
+    """The boolean [B, q, kv] mask row attention gets in a forward of q tokens over a 2D padding mask
+    [B, kv] (nonzero: a kept column) after kv - q cached columns: what transformers' causal mask
+    (`sdpa_mask`) gives, built directly (fly_llm.model.fused_layers builds it once a forward)."""
+    kv_len = attention_mask.shape[1]
+    kept = attention_mask.bool()[:, None, :]
+    if q_len == 1:
+        return kept  # the one query sees every kept column
+    columns = torch.arange(kv_len, device=attention_mask.device)
+    causal = columns <= torch.arange(kv_len - q_len, kv_len, device=attention_mask.device)[:, None]
+    return kept & causal
+
+
+def native_runs(query: torch.Tensor) -> bool:
     """Whether the C++ op (fly_llm.model.kernels.row_attention) computes this call: CPU, float32 or bfloat16."""
     return query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16) and native.available()
 
@@ -61,7 +74,7 @@ def row_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     mask [B, 1, q, kv] (True: may attend) or None (causal, no padding). Returns [B, q, H, D].
 
     On a CPU where it builds, one call of the C++ op per layer; elsewhere `reference_row_attention`."""
-    if not (_native(query) and key.dtype == query.dtype and value.dtype == query.dtype):
+    if not (native_runs(query) and key.dtype == query.dtype and value.dtype == query.dtype):
         return reference_row_attention(module, query, key, value, attention_mask, scaling=scaling)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return native.attention(query, key, value, _allowed(query, key, attention_mask), scale), None

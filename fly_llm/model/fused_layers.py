@@ -20,21 +20,29 @@ their torch fallbacks are transformers' arithmetic and the fused model is the un
 Such a layer is also lean in Python: it looks the kernel's path ($FLY_W4A8_ISA) up once, not once
 a matmul, and calls its attention, MLP and W4A8 projections as plain functions (`PackedW4A8.project`),
 not through nn.Module's call; the same kernels in the same order, so the same outputs bit for bit.
+A model whose layers are all fused also gets a lean model forward (`_model_forward`) for the
+engine's calls: the row-attention mask built once a forward, no transformers decorators or
+per-layer module calls, and each layer's last residual add joined to the next layer's RMSNorm;
+the same logits bit for bit again (tests/engine/test_fused_layers.py).
 """
 
 from __future__ import annotations
 
 import types
+from typing import NamedTuple
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from fly_llm.model.kernels import layer_ops, w4a8
+from fly_llm.model import attention
+from fly_llm.model.kernels import layer_ops, row_attention, w4a8
 
 _ATTENTION = {"LlamaAttention", "Qwen2Attention", "MistralAttention"}
 _MLP = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
 _LAYER = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer"}
+_MODEL = {"LlamaModel", "Qwen2Model", "MistralModel"}
 
 
 class PackedW4A8(nn.Module):
@@ -78,11 +86,7 @@ def _attend(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.
             attention_mask: torch.Tensor | None, cache, code: int, kwargs: dict):
     """`_attention_forward` with the projections on the kernel's path `code`."""
     input_shape = hidden_states.shape[:-1]
-    qkv = self.qkv_proj.project(hidden_states, code)  # [B, S, (H + 2 Hkv) * D]
-    cos, sin = position_embeddings
-    heads, kv_heads, _ = self.head_counts
-    layer_ops.rotary_(qkv, cos, sin, heads + kv_heads, self.head_dim)
-    query, key, value = qkv.view(*input_shape, -1, self.head_dim).transpose(1, 2).split(self.head_counts, dim=1)
+    query, key, value = _qkv(self, hidden_states, position_embeddings, code)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
     attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
@@ -90,6 +94,17 @@ def _attend(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.
         kwargs["sliding_window"] = self.sliding_window
     out, weights = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
     return _project(self.o_proj, out.reshape(*input_shape, -1), code), weights
+
+
+def _qkv(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+         code: int) -> list[torch.Tensor]:
+    """Query [B, H, S, D], key and value [B, Hkv, S, D]: views of one `qkv_proj` output, q and k rotated in place."""
+    batch, length, _ = hidden_states.shape
+    qkv = self.qkv_proj.project(hidden_states, code)  # [B, S, (H + 2 Hkv) * D]
+    cos, sin = position_embeddings
+    heads, kv_heads, _ = self.head_counts
+    layer_ops.rotary_(qkv, cos, sin, heads + kv_heads, self.head_dim)
+    return torch.split_with_sizes(qkv.view(batch, length, -1, self.head_dim).transpose(1, 2), self.head_counts, 1)
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +137,63 @@ def _layer_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tens
     attended, _ = _attend(self.self_attn, normed, position_embeddings, attention_mask, cache, code, kwargs)
     hidden_states, normed = layer_ops.add_rms_norm(attended, hidden_states, second.weight, second.variance_epsilon)
     return hidden_states + _mlp(self.mlp, normed, code)
+
+
+def _lean_layer(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, step: "_Step",
+                cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_layer_forward` inside `_model_forward`: the residual stream comes in and goes out as (the MLP's
+    output, the residual before it); their sum, the layer's output, is added by the next layer's
+    first RMSNorm in one call (the same bf16 sum as `_layer_forward`'s last add). The attention is
+    row attention's native op with the forward's mask; the key/value cache write is `cache.update`."""
+    first, second, attention = self.input_layernorm, self.post_attention_layernorm, self.self_attn
+    if residual is None:
+        residual, normed = hidden_states, layer_ops.rms_norm(hidden_states, first.weight, first.variance_epsilon)
+    else:
+        residual, normed = layer_ops.add_rms_norm(hidden_states, residual, first.weight, first.variance_epsilon)
+    query, key, value = _qkv(attention, normed, step.rotary, step.code)
+    key, value = cache.update(key, value, attention.layer_idx)
+    out = row_attention.attention(query, key, value, step.mask, attention.scaling)  # [B, S, H, D]
+    attended = _project(attention.o_proj, out.view(*out.shape[:2], -1), step.code)
+    residual, normed = layer_ops.add_rms_norm(attended, residual, second.weight, second.variance_epsilon)
+    return _mlp(self.mlp, normed, step.code), residual
+
+
+class _Step(NamedTuple):
+    """What every layer of one `_model_forward` shares: the kernel's path, rotary's cos/sin, the row mask."""
+
+    code: int
+    rotary: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor
+
+
+def _model_forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None,
+                   use_cache: bool | None = None, **kwargs) -> BaseModelOutputWithPast:
+    """transformers' Llama/Qwen2 model forward (`LlamaModel.forward`) for a model whose layers are all fused,
+    lean (issue 34): the row-attention mask is built once (`attention.row_mask`, not transformers'
+    mask functions), the kernel's path is looked up once, and the layers run as `_lean_layer`
+    calls, each first RMSNorm adding the previous layer's residual. The same ops on the same
+    values as the stock forward with `_layer_forward`, so the same logits bit for bit.
+
+    It bypasses transformers' decorators (config defaults, output capture) and the layers' module
+    calls (their hooks do not run), so it runs only for the engine's kind of call: token ids, a 2D
+    mask, position ids, a cache, nothing else asked for, row attention native for the dtype.
+    Any other call is transformers' own forward (with `_layer_forward`)."""
+    if not (input_ids is not None and inputs_embeds is None and attention_mask is not None
+            and attention_mask.dim() == 2 and position_ids is not None and cache is not None and use_cache
+            and not kwargs and not self.training and self.config._attn_implementation == attention.ROW_ATTENTION):
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    hidden_states = self.embed_tokens(input_ids)
+    if not attention.native_runs(hidden_states):
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, use_cache=use_cache)
+    step = _Step(w4a8.isa_code(), self.rotary_emb(hidden_states, position_ids),
+                 attention.row_mask(attention_mask, input_ids.shape[1]))
+    residual = None
+    for layer in self.layers:
+        hidden_states, residual = _lean_layer(layer, hidden_states, residual, step, cache)
+    return BaseModelOutputWithPast(last_hidden_state=self.norm(residual + hidden_states), cache=cache)
 
 
 def fusable(*layers: nn.Module) -> bool:
@@ -158,4 +230,18 @@ def fuse(model: nn.Module) -> int:
                 and hasattr(module.mlp, "gate_up_proj")):
             module.forward = types.MethodType(_layer_forward, module)
             fused += 1
+    for module in model.modules():
+        if type(module).__name__ in _MODEL and _lean_model(module):
+            module.forward = types.MethodType(_model_forward, module)
+            fused += 1
     return fused
+
+
+def _lean_model(model: nn.Module) -> bool:
+    """Whether `_model_forward` can run `model` (a LlamaModel-like one): every layer fused, full attention only."""
+    layers = getattr(model, "layers", None)
+    return (layers is not None and len(layers) == model.config.num_hidden_layers
+            and not getattr(model, "has_sliding_layers", False)
+            and set(getattr(model.config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
+            and all(getattr(layer.forward, "__func__", None) is _layer_forward
+                    and layer.self_attn.sliding_window is None for layer in layers))

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
-from fly_llm.model.attention import FLOAT32_SDPA, float32_sdpa, row_attention, use_float32_attention
+from fly_llm.model.attention import FLOAT32_SDPA, float32_sdpa, row_attention, row_mask, use_float32_attention
 
 HEADS, KV_HEADS, DIM, LENGTH = 12, 2, 128, 101  # the embedded target's attention shape
 
@@ -88,3 +89,15 @@ def test_only_half_precision_models_switch_to_float32_sdpa(dtype, expected):
     assert model.config._attn_implementation == expected
     ids = torch.tensor([[1, 2, 3, 4]])
     assert model(ids).logits.dtype == dtype
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_row_mask_is_transformers_causal_mask_over_the_padding_mask(q_len):
+    """`row_mask` (built once a forward by fused models) allows what transformers' sdpa_mask allows."""
+    gen = torch.Generator().manual_seed(q_len)
+    padding = (torch.rand(3, 20, generator=gen) > 0.3).long()  # holes and left padding, as BatchKV has
+    padding[:, -q_len:] = 1
+    expected = sdpa_mask(batch_size=3, q_length=q_len, kv_length=20, q_offset=20 - q_len, attention_mask=padding.bool(),
+                         allow_is_causal_skip=False)[:, 0]
+    mask = row_mask(padding, q_len)
+    assert mask.is_contiguous() and torch.equal(mask.expand_as(expected), expected)

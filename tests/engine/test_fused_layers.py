@@ -3,11 +3,13 @@ small ops as native calls (fly_llm.model.kernels.layer_ops). With those ops' tor
 gives the unfused model's logits bit for bit (a prefill, then a 3-token forward on the cache); with the
 native ops within float32's last bits (1e-3 on logits of ~16, room for an int8 activation rounding
 to flip) or a bf16 step (0.25 on logits in [16, 32)); exact mode reproduces the fused model's own
-greedy output token for token."""
+greedy output token for token; the lean model forward (all layers fused) gives transformers' model
+forward's logits bit for bit, in a ragged batch with holes too."""
 
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -114,3 +116,41 @@ def test_a_fused_layer_calls_an_o_proj_or_down_proj_that_is_not_w4a8_as_a_module
     layer.self_attn.o_proj, layer.mlp.down_proj = _Counted(layer.self_attn.o_proj), _Counted(layer.mlp.down_proj)
     assert torch.equal(_logits(target, ids), expected)
     assert layer.self_attn.o_proj.calls == layer.mlp.down_proj.calls == 2  # the prefill and the 3-token forward
+
+
+@pytest.mark.parametrize("ops", ["native", "torch"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_lean_model_forward_gives_the_stock_forwards_logits(arch, ops, monkeypatch):
+    """A ragged two-row batch with holes, decode steps and a 3-token forward: the lean forward
+    (`_model_forward`) against transformers' own model forward over the same fused layers, bit for bit."""
+    target, _, tokenizer = make_pair(arch, dtype=torch.bfloat16, device="cpu")
+    quantize(target, "w4a8", CPU)
+    assert target.model.forward.__func__ is fused_layers._model_forward
+    if ops == "torch":
+        monkeypatch.setattr(layer_ops, "native", lambda *tensors: False)
+    ids = tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+
+    def run() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            kv = BatchKV.prefill(target, ids[:9], CPU)
+            kv.add_row(BatchKV.prefill(target, ids[:5], CPU))
+            out = [kv.forward(target, torch.tensor([ids[9:12], ids[5:8]]), logits_to_keep=3)]
+            kv.truncate([10, 8])  # the first row keeps one of its three: two holes
+            for token in ids[12:15]:
+                out.append(kv.forward(target, torch.tensor([[token], [token]]), logits_to_keep=1))
+            return out
+
+    lean = run()
+    del target.model.forward  # transformers' forward (its decorators, mask functions, module calls)
+    for got, expected in zip(lean, run(), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_other_calls_and_partly_fused_models_take_transformers_forward():
+    target, ids = _fused_llama()
+    with torch.inference_mode():
+        out = target(input_ids=ids[None], output_hidden_states=True)  # no cache, hidden states asked for
+    assert len(out.hidden_states) == target.config.num_hidden_layers + 1
+    layer = target.model.layers[1]
+    layer.forward = types.MethodType(type(layer).forward, layer)  # a layer the lean forward cannot run
+    assert not fused_layers._lean_model(target.model)

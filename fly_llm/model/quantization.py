@@ -127,7 +127,8 @@ class Int4Linear(nn.Module):
 class W4A8Linear(PackedW4A8):
     """A Linear with 4-bit weights (blocks of 32 inputs, scale and minimum each) and int8 activations."""
 
-    def __init__(self, linear: nn.Linear, weight: w4a8.QuantizedWeight | None = None) -> None:
+    def __init__(self, linear: nn.Linear,
+                 weight: w4a8.QuantizedWeight | w4a8.SuperBlockWeight | None = None) -> None:
         """`weight`: the linear's weight already in 4-bit levels (e.g. a GGUF's published Q4_K
         blocks); None rounds `linear.weight` (`w4a8.quantize_weight`)."""
         super().__init__()
@@ -196,7 +197,7 @@ def _unpackable(scheme: str, linear: nn.Linear) -> bool:
 
 
 def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "target",
-             published: Mapping[str, w4a8.QuantizedWeight] | None = None) -> str:
+             published: Mapping[str, w4a8.QuantizedWeight | w4a8.SuperBlockWeight] | None = None) -> str:
     """Replace `model`'s Linear layers in place by quantized ones; returns the scheme applied.
 
     `published` maps Linear names (as `model.named_modules()` gives them) to 4-bit weights taken

@@ -49,8 +49,10 @@ def gguf_dequantize(blocks: np.ndarray) -> torch.Tensor:
 def test_decode_is_gguf_dequantize_bit_for_bit_where_the_scales_are_exact():
     blocks = random_q4k(24, 512, seed=1, exact=True)
     weight = decode(torch.from_numpy(blocks))
-    assert weight.q.shape == (24, 512) and weight.d.shape == weight.m.shape == (24, 16)
+    assert weight.q.shape == (24, 512) and weight.d.shape == weight.m.shape == (24, 2)
+    assert weight.sc.shape == weight.mn.shape == (24, 16) and weight.sc.dtype == weight.mn.dtype == torch.uint8
     assert int(weight.q.max()) == 15 and weight.d.dtype == weight.m.dtype == torch.float16
+    assert int(weight.sc.max()) == int(weight.mn.max()) == 63  # 6-bit multipliers, unpacked
     assert torch.equal(weight.dequantize(), gguf_dequantize(blocks))
 
 
@@ -121,8 +123,13 @@ def test_w4a8_takes_the_published_blocks_and_rounds_the_rest(q4k_gguf, tmp_path,
         if not isinstance(module, W4A8Linear):
             continue
         weight = published[name] if name in published else w4a8.quantize_weight(floats.get_submodule(name).weight)
-        assert torch.equal(module.packed.q, w4a8.pack(weight).q), name
-        assert torch.equal(module.packed.d, w4a8.pack(weight).d) and torch.equal(module.packed.m, w4a8.pack(weight).m)
+        expected = w4a8.pack(weight)
+        assert torch.equal(module.packed.q, expected.q), name
+        assert torch.equal(module.packed.d, expected.d) and torch.equal(module.packed.m, expected.m)
+        assert (module.packed.levels is not None) == (name in published)  # published: the two levels kept
+        if name in published:
+            assert all(torch.equal(getattr(module.packed.levels, f), getattr(expected.levels, f))
+                       for f in ("d", "m", "sc", "mn"))
     assert len(published) == 3
 
 

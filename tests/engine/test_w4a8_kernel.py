@@ -162,6 +162,72 @@ def test_a_w4a8_target_scores_a_token_the_same_however_it_is_scheduled(tiny_pair
 
 
 
+def _two_level(n: int, k: int, seed: int) -> w4a8.SuperBlockWeight:
+    """A random weight in GGUF Q4_K's two levels (6-bit multipliers, float16 d and m per 256 weights)."""
+    generator = torch.Generator().manual_seed(seed)
+    supers, blocks = k // (w4a8.SUPER * w4a8.BLOCK), k // w4a8.BLOCK
+    return w4a8.SuperBlockWeight(
+        torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator),
+        (torch.rand(n, supers, generator=generator) * 2**-6).half(),  # products far from exact in float16
+        (torch.rand(n, supers, generator=generator) * 2**-6).half(),
+        torch.randint(0, 64, (n, blocks), dtype=torch.uint8, generator=generator),
+        torch.randint(0, 64, (n, blocks), dtype=torch.uint8, generator=generator))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [(47, 512), (16, 256), (3, 768)])
+def test_two_level_scales_give_the_one_level_output_bit_for_bit(isa, n_threads, n, k, threads):
+    """Every row count (one tile of rows streams the two levels, more read d and m), both dtypes, and
+    the reference within its tolerance."""
+    threads(n_threads)
+    weight = _two_level(n, k, seed=n + k)
+    packed, plain = w4a8.pack(weight), w4a8.pack(weight.per_block())
+    assert packed.levels is not None and plain.levels is None
+    assert torch.equal(packed.d, plain.d) and torch.equal(packed.m, plain.m)
+    bias = torch.randn(n)
+    torch.manual_seed(5)
+    for rows in range(1, 34):
+        x = torch.randn(rows, k)
+        out = w4a8.linear(x, packed, bias, isa=isa)
+        assert torch.equal(out, w4a8.linear(x, plain, bias, isa=isa)), f"{rows} rows"
+        error = (out.double() - w4a8.reference_linear(x, weight, bias)).abs()
+        assert (error <= _bound(x, weight.per_block())).all(), f"{rows} rows: max error {error.max().item():.3g}"
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    assert torch.equal(w4a8.linear(x, packed, bias, isa=isa), w4a8.linear(x, plain, bias, isa=isa))
+
+
+def test_the_rebuilt_scales_are_the_float16_rounding_of_the_product():
+    """float16(d * sc) rounds once, to nearest even: 1.5 * 2^-10 * 3 needs rounding, 2^-14 * 63 is subnormal."""
+    top = torch.tensor([[1.5 * 2**-10, 2**-14, 0.0]]).half()
+    sub = torch.tensor([[3] * 8 + [63] * 8 + [255] * 8], dtype=torch.uint8)
+    weight = w4a8.SuperBlockWeight(torch.zeros(1, 768, dtype=torch.uint8), top, top, sub, sub).per_block()
+    expected = (top.double().repeat_interleave(8, dim=1) * sub.double()).half()
+    assert torch.equal(weight.d, expected) and torch.equal(weight.m, expected)
+
+
+def test_fused_weights_keep_two_levels_only_where_every_part_has_them():
+    two, other = w4a8.pack(_two_level(32, 256, seed=1)), w4a8.pack(_two_level(16, 256, seed=2))
+    both = w4a8.concat([two, other])
+    assert both.levels is not None and both.n == 48
+    mixed = w4a8.concat([two, other.one_level()])
+    assert mixed.levels is None and torch.equal(mixed.d, both.d) and torch.equal(mixed.m, both.m)
+    x = torch.randn(2, 256)
+    assert torch.equal(w4a8.linear(x, both), torch.cat([w4a8.linear(x, two), w4a8.linear(x, other)], dim=1))
+    assert torch.equal(w4a8.linear(x, mixed), w4a8.linear(x, both))
+
+
+def test_two_level_scales_of_the_wrong_shape_are_refused():
+    packed = w4a8.pack(_two_level(16, 256, seed=3))
+    levels = packed.levels
+    short = w4a8.TwoLevelScales(levels.d[:, :0], levels.m[:, :0], levels.sc, levels.mn)
+    with pytest.raises(RuntimeError, match="top_d and top_m"):
+        w4a8.linear(torch.randn(1, 256), w4a8.PackedWeight(packed.q, packed.d, packed.m, 16, short))
+    wide = w4a8.TwoLevelScales(levels.d, levels.m, levels.sc.half(), levels.mn)
+    with pytest.raises(RuntimeError, match="sc and mn"):
+        w4a8.linear(torch.randn(1, 256), w4a8.PackedWeight(packed.q, packed.d, packed.m, 16, wide))
+
+
 def test_published_weights_are_taken_as_they_are_not_rounded_again():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32, bias=False))

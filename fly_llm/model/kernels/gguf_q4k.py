@@ -1,10 +1,11 @@
-"""A GGUF's published Q4_K weights as the w4a8 kernel's QuantizedWeight, without a second rounding.
+"""A GGUF's published Q4_K weights as the w4a8 kernel's SuperBlockWeight, without a second rounding.
 
 A Q4_K super-block holds 256 weights in 144 bytes: float16 d and dmin, 12 bytes packing eight 6-bit
 scales and eight 6-bit minimums, and 128 bytes of 4-bit levels. Its sub-block s (32 weights)
-stands for w = d*sc[s]*q - dmin*mn[s] (llama.cpp's `dequantize_row_q4_K`, gguf-py's `quants.Q4_K`),
-which is the kernel's w = d'*q - m' with d' = f16(d*sc[s]) and m' = f16(dmin*mn[s]): the levels are
-taken as they are, only the two products are rounded to float16 (relative error <= 2^-11).
+stands for w = d*sc[s]*q - dmin*mn[s] (llama.cpp's `dequantize_row_q4_K`, gguf-py's `quants.Q4_K`).
+The kernel takes d, dmin, sc and mn as they are (its two-level layout) and computes with
+w = d'*q - m', d' = f16(d*sc[s]) and m' = f16(dmin*mn[s]): the levels are exact, only the two
+products are rounded to float16 (relative error <= 2^-11).
 
 `published_blocks` picks the Q4_K tensors of a GGUF that are weights of a model's Linear layers,
 named as the model names them and with rows in the model's order (transformers' own GGUF name map
@@ -27,33 +28,34 @@ from torch import nn
 from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
                                                       read_field)
 
-from fly_llm.model.kernels.w4a8 import BLOCK, QuantizedWeight
+from fly_llm.model.kernels.w4a8 import SUPER, SuperBlockWeight
 
 log = logging.getLogger(__name__)
 
 SUPER_BLOCK = 256  # weights per Q4_K super-block
 BLOCK_BYTES = 144  # bytes per Q4_K super-block
-SUB_BLOCKS = SUPER_BLOCK // BLOCK
+SUB_BLOCKS = SUPER  # 32-weight sub-blocks per super-block
 FORMAT = "gguf-q4_k"  # the safetensors metadata tag of a file `save_published` wrote
 
 
-def decode(blocks: torch.Tensor) -> QuantizedWeight:
-    """Raw Q4_K rows (uint8 [n, k/256*144]) as levels q (uint8 [n, k]) and float16 d, m per 32 weights."""
+def decode(blocks: torch.Tensor) -> SuperBlockWeight:
+    """Raw Q4_K rows (uint8 [n, k/256*144]) as levels q (uint8 [n, k]), float16 d and dmin per 256
+    weights and their 6-bit multipliers per 32 (uint8)."""
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % BLOCK_BYTES:
         raise ValueError(f"Q4_K rows are uint8 [n, multiple of {BLOCK_BYTES}], not {blocks.dtype} "
                          f"{list(blocks.shape)}")
     n, supers = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES
     raw = blocks.reshape(n, supers, BLOCK_BYTES)
-    d = raw[..., 0:2].contiguous().view(torch.float16).float()  # [n, supers, 1]
-    dmin = raw[..., 2:4].contiguous().view(torch.float16).float()
+    d = raw[..., 0:2].contiguous().view(torch.float16).reshape(n, supers)
+    dmin = raw[..., 2:4].contiguous().view(torch.float16).reshape(n, supers)
     packed = raw[..., 4:16].to(torch.int32)
     low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     scales = torch.cat([low & 63, (extra & 15) | ((low >> 2) & 48)], dim=-1)  # [n, supers, 8]
     minimums = torch.cat([high & 63, (extra >> 4) | ((high >> 2) & 48)], dim=-1)
     nibbles = raw[..., 16:].reshape(n, supers, 4, 1, 32)  # 32 bytes: sub-blocks 2j (low) and 2j + 1 (high)
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=3).reshape(n, supers * SUPER_BLOCK)
-    return QuantizedWeight(q.contiguous(), (d * scales).half().reshape(n, supers * SUB_BLOCKS),
-                           (dmin * minimums).half().reshape(n, supers * SUB_BLOCKS))
+    return SuperBlockWeight(q.contiguous(), d, dmin, scales.to(torch.uint8).reshape(n, supers * SUB_BLOCKS),
+                            minimums.to(torch.uint8).reshape(n, supers * SUB_BLOCKS))
 
 
 def _row_order(processor: TensorProcessor, name: str, rows: int,
@@ -99,7 +101,7 @@ def save_published(blocks: Mapping[str, torch.Tensor], path: Path) -> None:
     save_file(dict(blocks), str(path), metadata={"format": FORMAT})
 
 
-class PublishedWeights(Mapping[str, QuantizedWeight]):
+class PublishedWeights(Mapping[str, SuperBlockWeight]):
     """The Linear weights of a `save_published` file, each decoded when asked for (for `quantize(published=)`)."""
 
     def __init__(self, path: Path) -> None:
@@ -108,7 +110,7 @@ class PublishedWeights(Mapping[str, QuantizedWeight]):
             raise ValueError(f"{path} is not a file of published Q4_K weights")
         self._names = list(self._file.keys())
 
-    def __getitem__(self, name: str) -> QuantizedWeight:
+    def __getitem__(self, name: str) -> SuperBlockWeight:
         if name not in self._names:
             raise KeyError(name)
         return decode(self._file.get_tensor(name))

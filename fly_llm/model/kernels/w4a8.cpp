@@ -6,6 +6,12 @@
 //   q: uint8 [groups, blocks, 4, 64]: chunk c holds k = 8c..8c+7 of the block; byte 4*col + j has
 //      k = 8c + j in its low nibble and k = 8c + 4 + j in its high nibble (col 0..15, j 0..3).
 //   d, m: float16 [groups, blocks, 16].
+// Optionally the same d and m in two levels too (GGUF Q4_K's): top_d, top_m float16 [groups, blocks / 8,
+// 16] per super-block of 8 blocks and sc, mn uint8 [groups, blocks, 16] per block, d being
+// float16(top_d * sc) and m float16(top_m * mn) (the float32 product rounded to nearest even, as
+// torch's .half()). Over up to 4 rows (memory-bound) the kernel streams these (296 bytes a block and
+// group instead of 320) and rebuilds d and m; over more rows (compute-bound: measured, 8 rows were
+// already 1-2% slower so) it reads d and m. Same values either way: the same output bit for bit.
 // Activations are quantized per row per block of 32 (as llama.cpp's Q8 blocks): s = max|x| / 127,
 // a = round(x / s) in -127..127. For a row and a block the integer sum of q * a is exact, then
 //   acc += (d * s) * sum(q * a) - m * (s * sum(a))
@@ -43,8 +49,62 @@ struct Weights {
   const uint8_t* q;
   const uint16_t* d;
   const uint16_t* m;
+  const uint16_t* top_d;  // two levels (null where the weight has none)
+  const uint16_t* top_m;
+  const uint8_t* sc;
+  const uint8_t* mn;
   int64_t blocks;
 };
+
+constexpr int kSuper = 8;  // blocks per super-block of the two-level layout
+constexpr int kTwoLevelRows = 4;  // the most rows for which the kernel streams two-level scales
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// float16(top * sub) for 16 columns: the float32 product (exact: 11 x 8 bits) rounded to float16.
+__attribute__((target("avx512f,f16c")))
+__m512 rebuild16(const uint16_t* top, const uint8_t* sub) {
+  const __m512 t = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top)));
+  const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub))));
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(t, u), kNearest));
+}
+
+// The same for 8 columns.
+__attribute__((target("avx2,f16c")))
+__m256 rebuild8(const uint16_t* top, const uint8_t* sub) {
+  const __m256 t = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(top)));
+  const __m256 u = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub))));
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(t, u), kNearest));
+}
+
+// Block b of a group: its d and m for the 8 columns from `col`, in either layout.
+template <bool kTwoLevel>
+__attribute__((target("avx2,f16c")))
+void scales8(const Weights& w, int64_t group, int64_t b, int col, __m256& d, __m256& m) {
+  const int64_t at = (group * w.blocks + b) * kCols + col;
+  if constexpr (kTwoLevel) {
+    const int64_t top = (group * (w.blocks / kSuper) + b / kSuper) * kCols + col;
+    d = rebuild8(w.top_d + top, w.sc + at);
+    m = rebuild8(w.top_m + top, w.mn + at);
+  } else {
+    d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + at)));
+    m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m + at)));
+  }
+}
+
+// Block b of a group: its d and m for all 16 columns.
+template <bool kTwoLevel>
+__attribute__((target("avx512f,f16c")))
+void scales16(const Weights& w, int64_t group, int64_t b, __m512& d, __m512& m) {
+  const int64_t at = (group * w.blocks + b) * kCols;
+  if constexpr (kTwoLevel) {
+    const int64_t top = (group * (w.blocks / kSuper) + b / kSuper) * kCols;
+    d = rebuild16(w.top_d + top, w.sc + at);
+    m = rebuild16(w.top_m + top, w.mn + at);
+  } else {
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + at)));
+    m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + at)));
+  }
+}
 
 int32_t load4(const int8_t* p) {
   int32_t v;
@@ -53,7 +113,7 @@ int32_t load4(const int8_t* p) {
 }
 
 // Rows [row0, row0 + R) of one group over blocks [b0, b1): acc[r * 16 + col] updated in place.
-template <int R>
+template <int R, bool kTwoLevel>
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c,fma")))
 void tile_vnni(const Weights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
                float* acc) {
@@ -63,8 +123,8 @@ void tile_vnni(const Weights& w, const Activations& a, int64_t group, int64_t ro
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t at = group * w.blocks + b;
     const uint8_t* q = w.q + at * kGroupBytes;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + at * kCols)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + at * kCols)));
+    __m512 d, m;
+    scales16<kTwoLevel>(w, group, b, d, m);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
@@ -88,7 +148,7 @@ void tile_vnni(const Weights& w, const Activations& a, int64_t group, int64_t ro
 
 // The same steps on 256-bit registers: each group as two halves of 8 columns; u8 x s8 pairs summed
 // to int16 (vpmaddubsw: at most 2 * 15 * 127 each, 8 of them per block fit int16), then to int32.
-template <int R>
+template <int R, bool kTwoLevel>
 __attribute__((target("avx2,f16c,fma")))
 void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
                float* acc) {
@@ -113,8 +173,8 @@ void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t ro
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + at * kCols + h * 8)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m + at * kCols + h * 8)));
+      __m256 d, m;
+      scales8<kTwoLevel>(w, group, b, h * 8, d, m);
       for (int r = 0; r < R; ++r) {
         const int64_t i = (row0 + r) * a.blocks + b;
         float* out = acc + r * kCols + h * 8;
@@ -131,9 +191,13 @@ void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t ro
 using Tile = void (*)(const Weights&, const Activations&, int64_t, int64_t, int64_t, int64_t, float*);
 constexpr int kVnniRows = 8;  // 8 int32 + 8 float accumulators + weights fit 32 zmm registers
 constexpr int kAvx2Rows = 4;  // 8 int16 accumulators + weights fit 16 ymm registers
-const Tile kVnniTiles[] = {tile_vnni<1>, tile_vnni<2>, tile_vnni<3>, tile_vnni<4>,
-                           tile_vnni<5>, tile_vnni<6>, tile_vnni<7>, tile_vnni<8>};
-const Tile kAvx2Tiles[] = {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
+template <bool kTwoLevel>
+constexpr Tile kVnniTiles[] = {tile_vnni<1, kTwoLevel>, tile_vnni<2, kTwoLevel>, tile_vnni<3, kTwoLevel>,
+                               tile_vnni<4, kTwoLevel>, tile_vnni<5, kTwoLevel>, tile_vnni<6, kTwoLevel>,
+                               tile_vnni<7, kTwoLevel>, tile_vnni<8, kTwoLevel>};
+template <bool kTwoLevel>
+constexpr Tile kAvx2Tiles[] = {tile_avx2<1, kTwoLevel>, tile_avx2<2, kTwoLevel>, tile_avx2<3, kTwoLevel>,
+                               tile_avx2<4, kTwoLevel>};
 
 int64_t best_isa() {
   __builtin_cpu_init();
@@ -219,11 +283,14 @@ void run(const T* x, T* out, const Weights& w, int64_t rows, int64_t n, const fl
   auto ms = torch::empty({rows, w.blocks}, torch::kFloat32);
   quantize_rows(x, rows, k, q.data_ptr<int8_t>(), s.data_ptr<float>(), ms.data_ptr<float>());
   const Activations act{q.data_ptr<int8_t>(), s.data_ptr<float>(), ms.data_ptr<float>(), k, w.blocks};
-  const Tile* tiles = isa == kAvx512Vnni ? kVnniTiles : kAvx2Tiles;
-  const int tile_rows = isa == kAvx512Vnni ? kVnniRows : kAvx2Rows;
+  const bool vnni = isa == kAvx512Vnni;
+  const int tile_rows = vnni ? kVnniRows : kAvx2Rows;
 
   for (int64_t panel = 0; panel < rows; panel += kPanel) {  // prefill: a panel's activations stay in cache
     const int64_t panel_rows = std::min<int64_t>(kPanel, rows - panel);
+    const bool two_level = w.sc != nullptr && panel_rows <= kTwoLevelRows;  // see the top of this file
+    const Tile* tiles = vnni ? (two_level ? kVnniTiles<true> : kVnniTiles<false>)
+                             : (two_level ? kAvx2Tiles<true> : kAvx2Tiles<false>);
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       alignas(64) float acc[kPanel * kCols];
       for (int64_t g = g0; g < g1; ++g) {
@@ -251,9 +318,13 @@ void run(const T* x, T* out, const Weights& w, int64_t rows, int64_t n, const fl
 int64_t cpu_isa() { return best_isa(); }
 
 // y = x W^T (+ bias) for x [M, K] float32 or bfloat16 (y in the same dtype; the bias float32), W packed
-// as above with n output columns; isa 0 = the best this CPU has.
+// as above with n output columns (top_d, top_m, sc, mn: its scales in two levels too, or none of them);
+// isa 0 = the best this CPU has.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const torch::Tensor& wd,
-                     const torch::Tensor& wm, const c10::optional<torch::Tensor>& bias, int64_t n, int64_t isa) {
+                     const torch::Tensor& wm, const c10::optional<torch::Tensor>& top_d,
+                     const c10::optional<torch::Tensor>& top_m, const c10::optional<torch::Tensor>& sc,
+                     const c10::optional<torch::Tensor>& mn, const c10::optional<torch::Tensor>& bias, int64_t n,
+                     int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               "w4a8: x must be a 2-D float32 or bfloat16 tensor");
   TORCH_CHECK(wq.scalar_type() == torch::kUInt8 && wq.dim() == 4 && wq.size(2) * wq.size(3) == kGroupBytes,
@@ -267,14 +338,29 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const torc
   TORCH_CHECK(wd.numel() == groups * blocks * kCols && wm.numel() == wd.numel(), "w4a8: scale shapes");
   TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n),
               "w4a8: bias must be a contiguous float32 [n]");
+  const bool two_level = sc.has_value();
+  TORCH_CHECK(top_d.has_value() == two_level && top_m.has_value() == two_level && mn.has_value() == two_level,
+              "w4a8: two-level scales need all of top_d, top_m, sc and mn");
+  if (two_level) {
+    TORCH_CHECK(blocks % kSuper == 0, "w4a8: two-level scales need whole super-blocks of ", kSuper, " blocks");
+    for (const auto* t : {&*top_d, &*top_m})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat16 && t->is_contiguous() &&
+                  t->numel() == groups * (blocks / kSuper) * kCols, "w4a8: top_d and top_m must be contiguous "
+                  "float16 [groups, blocks / 8, 16]");
+    for (const auto* t : {&*sc, &*mn})
+      TORCH_CHECK(t->scalar_type() == torch::kUInt8 && t->is_contiguous() && t->numel() == groups * blocks * kCols,
+                  "w4a8: sc and mn must be contiguous uint8 [groups, blocks, 16]");
+  }
   const int64_t available = best_isa();
   if (isa == kAuto) isa = available;
   TORCH_CHECK(isa != kAuto, "w4a8: this CPU has neither AVX-512 VNNI nor AVX2 with FMA");
   TORCH_CHECK(isa <= available, "w4a8: the requested instruction set is not available on this CPU");
 
   const torch::Tensor xc = x.contiguous(), qc = wq.contiguous(), dc = wd.contiguous(), mc = wm.contiguous();
-  const Weights w{qc.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>()),
-                  reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>()), blocks};
+  const auto half = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+  const Weights w{qc.data_ptr<uint8_t>(), half(dc), half(mc), two_level ? half(*top_d) : nullptr,
+                  two_level ? half(*top_m) : nullptr, two_level ? sc->data_ptr<uint8_t>() : nullptr,
+                  two_level ? mn->data_ptr<uint8_t>() : nullptr, blocks};
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   auto y = torch::empty({rows, n}, x.options());
   if (x.scalar_type() == torch::kBFloat16)
@@ -286,7 +372,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const torc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear", &linear, "W4A8 linear: y = x W^T (+ bias)", pybind11::arg("x"), pybind11::arg("q"),
-             pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("bias"), pybind11::arg("n"),
+             pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("top_d"), pybind11::arg("top_m"), pybind11::arg("sc"),
+             pybind11::arg("mn"), pybind11::arg("bias"), pybind11::arg("n"),
              pybind11::arg("isa"));
   module.def("cpu_isa", &cpu_isa, "2: AVX-512 VNNI, 1: AVX2, 0: neither");
 }

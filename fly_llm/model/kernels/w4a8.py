@@ -1,7 +1,11 @@
 """4-bit weights × int8 activations: the layout, its quantization from float, and the native matmul.
 
 A weight is w = d * q - m with q in 0..15 and a float16 scale d and minimum m per output column
-and block of BLOCK input features (the shape of GGUF's Q4_K sub-blocks). Activations are
+and block of BLOCK input features (the shape of GGUF's Q4_K sub-blocks): `QuantizedWeight`. A GGUF's
+published Q4_K weight stores d and m in two levels (`SuperBlockWeight`: a float16 per SUPER blocks
+and an integer multiplier per block); packed, it keeps them (`TwoLevelScales`) beside d and m, and
+the kernel streams whichever is cheaper for the number of rows (the same values: the same output
+bit for bit). Activations are
 quantized per row and block to int8 with scale max|x| / 127 (llama.cpp's Q8 blocks). `linear`
 runs `w4a8.cpp` (AVX-512 VNNI, else AVX2), `reference_linear` is the same math in float64 torch.
 `project` is `linear` for a layer's forward, on a path that its caller looked up once (`isa_code`).
@@ -25,6 +29,7 @@ from fly_llm.model.kernels.build import load_extension
 log = logging.getLogger(__name__)
 
 BLOCK = 32  # input features per scale
+SUPER = 8  # blocks per super-block of a two-level weight (GGUF's Q4_K: 256 weights)
 COLUMNS = 16  # output columns per packed group
 ISA_ENV = "FLY_W4A8_ISA"  # 'avx2' forces the AVX2 path (tests, benchmarks); unset or 'auto': the best
 ISAS = {"auto": 0, "avx2": 1, "avx512_vnni": 2}
@@ -47,25 +52,82 @@ class QuantizedWeight:
         return (self.d.float()[..., None] * blocks - self.m.float()[..., None]).reshape(n, k)
 
 
+def _rebuild(top: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """float16(top * sub) per block: `top` float16 per super-block and `sub` uint8 per block (last
+    dimension; the float32 product is exact, then one rounding to float16, to nearest even)."""
+    return (top.float().repeat_interleave(SUPER, dim=-1) * sub.float()).half()
+
+
+@dataclass(frozen=True)
+class SuperBlockWeight:
+    """A [n, k] weight as GGUF's Q4_K holds it: levels `q` (uint8 [n, k]), float16 `d` and `m` per
+    super-block of SUPER blocks ([n, k/(SUPER*BLOCK)]) and uint8 multipliers `sc`, `mn` per block
+    ([n, k/BLOCK]): block j's scale is float16(d * sc[j]), its minimum float16(m * mn[j])."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    sc: torch.Tensor
+    mn: torch.Tensor
+
+    def per_block(self) -> QuantizedWeight:
+        """The same weight with its float16 scale and minimum per block."""
+        return QuantizedWeight(self.q, _rebuild(self.d, self.sc), _rebuild(self.m, self.mn))
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight these levels stand for, float32 [n, k]."""
+        return self.per_block().dequantize()
+
+
+@dataclass(frozen=True)
+class TwoLevelScales:
+    """A packed weight's d and m as GGUF's Q4_K stores them: float16 `d`, `m` per super-block of SUPER
+    blocks ([groups, blocks / SUPER, COLUMNS]) and uint8 multipliers `sc`, `mn` per block ([groups,
+    blocks, COLUMNS]); block j's d is float16(d * sc[j]), its m float16(m * mn[j])."""
+
+    d: torch.Tensor
+    m: torch.Tensor
+    sc: torch.Tensor
+    mn: torch.Tensor
+
+    def map(self, place: Callable[[torch.Tensor], torch.Tensor]) -> TwoLevelScales:
+        """These scales with `place` applied to each tensor."""
+        return TwoLevelScales(place(self.d), place(self.m), place(self.sc), place(self.mn))
+
+
 @dataclass(frozen=True)
 class PackedWeight:
-    """A QuantizedWeight in the kernel's layout (w4a8.cpp): groups of COLUMNS outputs, blocks of BLOCK inputs."""
+    """A weight in the kernel's layout (w4a8.cpp): groups of COLUMNS outputs, blocks of BLOCK inputs.
+
+    `levels` (a published Q4_K weight's): the same d and m in two levels, which the kernel streams
+    instead of d and m over up to 4 rows (memory-bound: 4.625 bits a weight instead of 5); over more
+    rows (compute-bound) it reads d and m, saving the rebuild. Same output either way."""
 
     q: torch.Tensor  # uint8 [groups, blocks, 4, 64]
     d: torch.Tensor  # float16 [groups, blocks, COLUMNS]
     m: torch.Tensor  # float16 [groups, blocks, COLUMNS]
     n: int  # output columns (the last group is padded with zero weights)
+    levels: TwoLevelScales | None = None
 
     def map(self, place: Callable[[torch.Tensor], torch.Tensor]) -> PackedWeight:
         """This weight with `place` applied to each of its tensors (e.g. to put them in other memory)."""
-        return PackedWeight(place(self.q), place(self.d), place(self.m), self.n)
+        return PackedWeight(place(self.q), place(self.d), place(self.m), self.n,
+                            self.levels.map(place) if self.levels is not None else None)
+
+    def one_level(self) -> PackedWeight:
+        """The same weight without its two-level scales (the kernel then always reads d and m)."""
+        return PackedWeight(self.q, self.d, self.m, self.n)
 
 
 def concat(parts: list[PackedWeight]) -> PackedWeight:
     """Packed weights over the same input side by side: one weight whose outputs are the parts' in order
-    (every part but the last a whole number of COLUMNS-wide groups)."""
-    return PackedWeight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")),
-                        n=sum(p.n for p in parts))
+    (every part but the last a whole number of COLUMNS-wide groups); with two-level scales if every
+    part has them."""
+    q, d, m = (torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m"))
+    levels = None
+    if all(p.levels is not None for p in parts):
+        levels = TwoLevelScales(*(torch.cat([getattr(p.levels, f) for p in parts]) for f in ("d", "m", "sc", "mn")))
+    return PackedWeight(q, d, m, sum(p.n for p in parts), levels)
 
 
 def check_width(k: int) -> None:
@@ -86,8 +148,9 @@ def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(q.reshape(n, k), d, m)
 
 
-def pack(weight: QuantizedWeight) -> PackedWeight:
-    """The kernel's layout: byte 4*col + j of chunk c holds k = 8c + j (low nibble) and 8c + 4 + j (high)."""
+def pack(weight: QuantizedWeight | SuperBlockWeight) -> PackedWeight:
+    """The kernel's layout: byte 4*col + j of chunk c holds k = 8c + j (low nibble) and 8c + 4 + j (high);
+    a SuperBlockWeight keeps its two levels."""
     n, k = weight.q.shape
     pad = -n % COLUMNS
     groups, blocks = (n + pad) // COLUMNS, k // BLOCK
@@ -96,8 +159,12 @@ def pack(weight: QuantizedWeight) -> PackedWeight:
     q = (q[..., 0] | (q[..., 1] << 4)).reshape(groups, blocks, 4, 64).contiguous()
 
     def per_group(values: torch.Tensor) -> torch.Tensor:
-        return F.pad(values, (0, 0, 0, pad)).reshape(groups, COLUMNS, blocks).transpose(1, 2).contiguous()
+        return F.pad(values, (0, 0, 0, pad)).reshape(groups, COLUMNS, -1).transpose(1, 2).contiguous()
 
+    if isinstance(weight, SuperBlockWeight):
+        levels = TwoLevelScales(*(per_group(getattr(weight, f)) for f in ("d", "m", "sc", "mn")))
+        per_block = weight.per_block()
+        return PackedWeight(q, per_group(per_block.d), per_group(per_block.m), n, levels)
     return PackedWeight(q, per_group(weight.d), per_group(weight.m), n)
 
 
@@ -111,7 +178,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8).reshape(rows, k), scale
 
 
-def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference_linear(x: torch.Tensor, weight: QuantizedWeight | SuperBlockWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's math in float64 torch: quantized activations times the dequantized weight (+ bias)."""
     q, scale = quantize_activations(x)
     rows, k = q.shape
@@ -186,6 +254,8 @@ def project(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, co
     bfloat16 are computed in float32."""
     if x.dtype not in _DTYPES:
         return project(x.float(), weight, bias, code).to(x.dtype)
-    out = _native().linear(x.reshape(-1, x.shape[-1]).contiguous(), weight.q, weight.d, weight.m, bias, weight.n,
-                           code)
+    levels = weight.levels
+    two = (levels.d, levels.m, levels.sc, levels.mn) if levels is not None else (None, None, None, None)
+    out = _native().linear(x.reshape(-1, x.shape[-1]).contiguous(), weight.q, weight.d, weight.m, *two, bias,
+                           weight.n, code)
     return out.view(*x.shape[:-1], weight.n)

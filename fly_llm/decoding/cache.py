@@ -35,13 +35,21 @@ class BufferLayer(DynamicLayer):
         """Write the new columns after the used ones; return views of all used columns."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[-2]
-        self._reserve(self._n + q)
-        self._k[:, :, self._n:self._n + q] = key_states
-        self._v[:, :, self._n:self._n + q] = value_states
-        self._n += q
-        self._refresh()
+        _, _, start = self.open_columns(key_states.shape[-2])
+        self._k[:, :, start:self._n] = key_states
+        self._v[:, :, start:self._n] = value_states
         return self.keys, self.values
+
+    def open_columns(self, q: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Count q more columns as used (in `keys`/`values`) without writing them: returns the key and value
+        buffers [B, H, capacity, D] and the first new column, for the caller to write in place before
+        reading `keys`/`values` (fly_llm.model.fused_layers: rotary and the write in one native call).
+        The layer must be initialized."""
+        start = self._n
+        self._reserve(start + q)
+        self._n = start + q
+        self._refresh()
+        return self._k, self._v, start
 
     def get_seq_length(self) -> int:
         return self._n if self.is_initialized else 0

@@ -144,18 +144,34 @@ def _lean_layer(self, hidden_states: torch.Tensor, residual: torch.Tensor | None
     """`_layer_forward` inside `_model_forward`: the residual stream comes in and goes out as (the MLP's
     output, the residual before it); their sum, the layer's output, is added by the next layer's
     first RMSNorm in one call (the same bf16 sum as `_layer_forward`'s last add). The attention is
-    row attention's native op with the forward's mask; the key/value cache write is `cache.update`."""
+    row attention's native op with the forward's mask; the cache write joins rotary (`_rows_qkv`)."""
     first, second, attention = self.input_layernorm, self.post_attention_layernorm, self.self_attn
     if residual is None:
         residual, normed = hidden_states, layer_ops.rms_norm(hidden_states, first.weight, first.variance_epsilon)
     else:
         residual, normed = layer_ops.add_rms_norm(hidden_states, residual, first.weight, first.variance_epsilon)
-    query, key, value = _qkv(attention, normed, step.rotary, step.code)
-    key, value = cache.update(key, value, attention.layer_idx)
+    query, key, value = _rows_qkv(attention, normed, step, cache)
     out = row_attention.attention(query, key, value, step.mask, attention.scaling)  # [B, S, H, D]
     attended = _project(attention.o_proj, out.view(*out.shape[:2], -1), step.code)
     residual, normed = layer_ops.add_rms_norm(attended, residual, second.weight, second.variance_epsilon)
     return _mlp(self.mlp, normed, step.code), residual
+
+
+def _rows_qkv(self, hidden_states: torch.Tensor, step: "_Step", cache) -> tuple[torch.Tensor, ...]:
+    """The query [B, H, S, D] and the layer's cached keys and values [B, Hkv, kv, D] with this forward's
+    appended. A cache layer with `open_columns` (fly_llm.decoding.cache.BufferLayer, once it holds
+    something) gets them written by the native call that rotates q and k (`layer_ops.rotary_store_`);
+    any other goes through `_qkv` and `cache.update`."""
+    index = self.layer_idx
+    layer = cache.layers[index] if index < len(cache.layers) else None
+    if not (getattr(layer, "is_initialized", False) and hasattr(layer, "open_columns")):
+        query, key, value = _qkv(self, hidden_states, step.rotary, step.code)
+        return (query, *cache.update(key, value, index))
+    batch, length, _ = hidden_states.shape
+    qkv = self.qkv_proj.project(hidden_states, step.code)  # [B, S, (H + 2 Hkv) * D]
+    heads, kv_heads, _ = self.head_counts
+    layer_ops.rotary_store_(qkv, *step.rotary, heads, kv_heads, self.head_dim, *layer.open_columns(length))
+    return qkv.view(batch, length, -1, self.head_dim)[:, :, :heads].transpose(1, 2), layer.keys, layer.values
 
 
 class _Step(NamedTuple):

@@ -2,11 +2,11 @@
 arithmetic), and a row's output the same bit for bit however many rows the call holds and at any
 thread count.
 
-Tolerances against torch: rotary and the residual add are bit-exact (every rounding written out);
-RMSNorm's sum of squares and SiLU's exp are computed in another order / by another polynomial, so in
-float32 they may differ in the last bits (rtol 2e-6), and in bfloat16 where that difference crosses a
-rounding boundary by one bf16 step, two for RMSNorm (its normed value is rounded before the weight
-multiply, then the product): rtol 2^-6."""
+Tolerances against torch: rotary (alone or with the cache write) and the residual add are bit-exact
+(every rounding written out); RMSNorm's sum of squares and SiLU's exp are computed in another order /
+by another polynomial, so in float32 they may differ in the last bits (rtol 2e-6), and in bfloat16
+where that difference crosses a rounding boundary by one bf16 step, two for RMSNorm (its normed value
+is rounded before the weight multiply, then the product): rtol 2^-6."""
 
 from __future__ import annotations
 
@@ -79,6 +79,24 @@ def test_rotary_is_transformers_rotary_bit_for_bit(dtype, batch, tokens, threads
     assert torch.equal(rotated[..., (HEADS + KV_HEADS) * DIM:], qkv[..., (HEADS + KV_HEADS) * DIM:])  # v as it was
     shared = layer_ops.rotary_(qkv[:1].clone(), cos[:1], sin[:1], HEADS + KV_HEADS, DIM)  # cos [1, S, D]: broadcast
     assert torch.equal(shared, rotated[:1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("batch", "tokens"), [(1, 1), (2, 16)])
+def test_rotary_store_rotates_then_writes_k_and_v_into_the_cache_bit_for_bit(dtype, batch, tokens):
+    qkv, cos, sin = _rotary_inputs(batch, tokens, dtype)
+    buffers = [torch.randn(batch, KV_HEADS, 40, DIM).to(dtype) for _ in range(2)]
+    expected = [b.clone() for b in buffers]
+    rotated = layer_ops.rotary_store_(qkv.clone(), cos, sin, HEADS, KV_HEADS, DIM, *buffers, 7)
+    assert torch.equal(rotated, layer_ops.rotary_(qkv.clone(), cos, sin, HEADS + KV_HEADS, DIM))
+    _, key, value = rotated.view(batch, tokens, -1, DIM).transpose(1, 2).split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+    expected[0][:, :, 7:7 + tokens], expected[1][:, :, 7:7 + tokens] = key, value  # the other columns untouched
+    assert torch.equal(buffers[0], expected[0]) and torch.equal(buffers[1], expected[1])
+    twins = [b.clone() for b in buffers]
+    layer_ops.reference_rotary_store_(qkv.clone(), cos, sin, HEADS, KV_HEADS, DIM, *twins, 7)
+    assert torch.equal(twins[0], expected[0]) and torch.equal(twins[1], expected[1])
+    with pytest.raises(RuntimeError, match="do not fit a capacity"):
+        layer_ops.rotary_store_(qkv.clone(), cos, sin, HEADS, KV_HEADS, DIM, *buffers, 41 - tokens)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

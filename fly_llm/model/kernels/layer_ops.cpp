@@ -5,7 +5,8 @@
 // residual first (rounded to the input dtype, as a bf16 `residual + x` is). rotary_: transformers'
 // apply_rotary_pos_emb (rotate_half convention) in place on the first heads of each token, every
 // product and the sum rounded to the input dtype as torch rounds them. silu_mul: SiLU(gate) * up
-// of a fused [.., 2F] gate/up output, each rounded to the input dtype.
+// of a fused [.., 2F] gate/up output, each rounded to the input dtype. rotary_store_: rotary_, then the
+// key and value heads copied into a KV cache's buffers.
 //
 // Inputs are float32 or bfloat16 (weight, cos and sin in the same dtype), rows contiguous. The
 // arithmetic is float32 with every rounding written out; a row's result depends on that row only
@@ -265,6 +266,35 @@ torch::Tensor rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::T
   return x;
 }
 
+// rotary_ on the query and key heads of a fused q/k/v output x [B, S, (heads + 2 kv_heads) * dim], then its
+// key and value heads copied into a cache's buffers keys/values [B, kv_heads, capacity, dim] at columns
+// start .. start + S - 1: a layer's rotary and cache write in one call (copies: the bits of the rotated x).
+torch::Tensor rotary_store_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+                            int64_t kv_heads, int64_t dim, torch::Tensor& keys, torch::Tensor& values, int64_t start) {
+  TORCH_CHECK(x.dim() == 3 && heads >= 0 && kv_heads > 0 && x.size(2) == (heads + 2 * kv_heads) * dim,
+              "rotary_store_: x must be [B, S, (heads + 2 kv_heads) * dim]");
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == x.size(0) &&
+                  keys.size(1) == kv_heads && keys.size(3) == dim && keys.is_contiguous() && values.is_contiguous() &&
+                  keys.scalar_type() == x.scalar_type() && values.scalar_type() == x.scalar_type(),
+              "rotary_store_: keys and values must be contiguous [B, kv_heads, capacity, dim] of x's dtype");
+  TORCH_CHECK(start >= 0 && start + x.size(1) <= keys.size(2), "rotary_store_: columns ", start, " .. ",
+              start + x.size(1), " do not fit a capacity of ", keys.size(2));
+  rotary_(x, cos, sin, heads + kv_heads, dim);
+  const int64_t tokens = x.size(1), width = x.size(2), capacity = keys.size(2), size = x.element_size();
+  const auto* source = static_cast<const char*>(x.data_ptr());
+  auto* key = static_cast<char*>(keys.data_ptr());
+  auto* value = static_cast<char*>(values.data_ptr());
+  for (int64_t b = 0; b < x.size(0); ++b)
+    for (int64_t s = 0; s < tokens; ++s)
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const char* row = source + ((b * tokens + s) * width + (heads + h) * dim) * size;
+        const int64_t column = ((b * kv_heads + h) * capacity + start + s) * dim * size;
+        std::memcpy(key + column, row, dim * size);
+        std::memcpy(value + column, row + kv_heads * dim * size, dim * size);
+      }
+  return x;
+}
+
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() >= 1 && gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0,
               "silu_mul: gate_up must be contiguous with an even last dimension");
@@ -285,5 +315,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rms_norm", &rms_norm, "RMSNorm of each row of x (transformers' arithmetic)");
   module.def("add_rms_norm", &add_rms_norm, "(x + residual, RMSNorm of it)");
   module.def("rotary_", &rotary_, "rotary embedding in place on the first `heads` heads of each [B, S] row");
+  module.def("rotary_store_", &rotary_store_, "rotary_ on q and k of a fused q/k/v output, then k and v into a cache");
   module.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [.., 2F] gate/up");
 }

@@ -1,6 +1,7 @@
 """A decoder layer's small per-token ops as one native call each (`layer_ops.cpp`), with torch fallbacks.
 
-RMSNorm (alone or after the residual add), rotary embedding of q and k, and SiLU(gate) * up: the
+RMSNorm (alone or after the residual add), rotary embedding of q and k (alone or with the KV cache
+write: `rotary_store_`), and SiLU(gate) * up: the
 non-matmul work of a Llama-family layer that transformers spreads over ~25 small aten calls
 (fly_llm.model.fused_layers uses them). Each op takes float32 or bfloat16 on the CPU and computes
 every row on its own in one fixed order, so a row's output is the same bit for bit whatever the
@@ -70,6 +71,17 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, d
     return _ops().rotary_(x, cos, sin, heads, dim)
 
 
+def rotary_store_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, dim: int,
+                  keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """`rotary_` on the query and key heads of a fused q/k/v output x [B, S, (heads + 2 kv_heads) * dim], then
+    its key and value heads written into a cache's buffers keys/values [B, kv_heads, capacity, dim] at
+    columns start .. start + S - 1 (a layer's rotary and cache write in one call); returns x."""
+    cos, sin = cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1)
+    if not (native(x, cos, sin, keys, values) and x.is_contiguous()):
+        return reference_rotary_store_(x, cos, sin, heads, kv_heads, dim, keys, values, start)
+    return _ops().rotary_store_(x, cos, sin, heads, kv_heads, dim, keys, values, start)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of a fused [..., 2F] gate/up output (gate first): [..., F]."""
     if not native(gate_up):
@@ -97,6 +109,15 @@ def reference_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hea
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     first, second = rotated.chunk(2, dim=-1)
     rotated.copy_(rotated * cos + torch.cat((-second, first), dim=-1) * sin)
+    return x
+
+
+def reference_rotary_store_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                            dim: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """`rotary_store_` in torch."""
+    reference_rotary_(x, cos, sin, heads + kv_heads, dim)
+    _, key, value = x.view(*x.shape[:2], -1, dim).transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)
+    keys[:, :, start:start + x.shape[1]], values[:, :, start:start + x.shape[1]] = key, value
     return x
 
 

@@ -9,9 +9,10 @@
 // Optionally the same d and m in two levels too (GGUF Q4_K's): top_d, top_m float16 [groups, blocks / 8,
 // 16] per super-block of 8 blocks and sc, mn uint8 [groups, blocks, 16] per block, d being
 // float16(top_d * sc) and m float16(top_m * mn) (the float32 product rounded to nearest even, as
-// torch's .half()). Over up to 4 rows (memory-bound) the kernel streams these (296 bytes a block and
-// group instead of 320) and rebuilds d and m; over more rows (compute-bound: measured, 8 rows were
-// already 1-2% slower so) it reads d and m. Same values either way: the same output bit for bit.
+// torch's .half()). On AVX-512 VNNI over up to 4 rows (memory-bound) the kernel streams these (296
+// bytes a block and group instead of 320) and rebuilds d and m; over more rows, and on the AVX2 path
+// (compute-bound: the rebuild cost more than the bytes saved, measured), it reads d and m. Same values
+// either way: the same output bit for bit.
 // Activations are quantized per row per block of 32 (as llama.cpp's Q8 blocks): s = max|x| / 127,
 // a = round(x / s) in -127..127. For a row and a block the integer sum of q * a is exact, then
 //   acc += (d * s) * sum(q * a) - m * (s * sum(a))
@@ -66,29 +67,6 @@ __m512 rebuild16(const uint16_t* top, const uint8_t* sub) {
   const __m512 t = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top)));
   const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub))));
   return _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(t, u), kNearest));
-}
-
-// The same for 8 columns.
-__attribute__((target("avx2,f16c")))
-__m256 rebuild8(const uint16_t* top, const uint8_t* sub) {
-  const __m256 t = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(top)));
-  const __m256 u = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub))));
-  return _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(t, u), kNearest));
-}
-
-// Block b of a group: its d and m for the 8 columns from `col`, in either layout.
-template <bool kTwoLevel>
-__attribute__((target("avx2,f16c")))
-void scales8(const Weights& w, int64_t group, int64_t b, int col, __m256& d, __m256& m) {
-  const int64_t at = (group * w.blocks + b) * kCols + col;
-  if constexpr (kTwoLevel) {
-    const int64_t top = (group * (w.blocks / kSuper) + b / kSuper) * kCols + col;
-    d = rebuild8(w.top_d + top, w.sc + at);
-    m = rebuild8(w.top_m + top, w.mn + at);
-  } else {
-    d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + at)));
-    m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m + at)));
-  }
 }
 
 // Block b of a group: its d and m for all 16 columns.
@@ -148,7 +126,7 @@ void tile_vnni(const Weights& w, const Activations& a, int64_t group, int64_t ro
 
 // The same steps on 256-bit registers: each group as two halves of 8 columns; u8 x s8 pairs summed
 // to int16 (vpmaddubsw: at most 2 * 15 * 127 each, 8 of them per block fit int16), then to int32.
-template <int R, bool kTwoLevel>
+template <int R>
 __attribute__((target("avx2,f16c,fma")))
 void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
                float* acc) {
@@ -173,8 +151,8 @@ void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t ro
       }
     }
     for (int h = 0; h < 2; ++h) {
-      __m256 d, m;
-      scales8<kTwoLevel>(w, group, b, h * 8, d, m);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + at * kCols + h * 8)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m + at * kCols + h * 8)));
       for (int r = 0; r < R; ++r) {
         const int64_t i = (row0 + r) * a.blocks + b;
         float* out = acc + r * kCols + h * 8;
@@ -195,9 +173,7 @@ template <bool kTwoLevel>
 constexpr Tile kVnniTiles[] = {tile_vnni<1, kTwoLevel>, tile_vnni<2, kTwoLevel>, tile_vnni<3, kTwoLevel>,
                                tile_vnni<4, kTwoLevel>, tile_vnni<5, kTwoLevel>, tile_vnni<6, kTwoLevel>,
                                tile_vnni<7, kTwoLevel>, tile_vnni<8, kTwoLevel>};
-template <bool kTwoLevel>
-constexpr Tile kAvx2Tiles[] = {tile_avx2<1, kTwoLevel>, tile_avx2<2, kTwoLevel>, tile_avx2<3, kTwoLevel>,
-                               tile_avx2<4, kTwoLevel>};
+constexpr Tile kAvx2Tiles[] = {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
 
 int64_t best_isa() {
   __builtin_cpu_init();
@@ -288,9 +264,8 @@ void run(const T* x, T* out, const Weights& w, int64_t rows, int64_t n, const fl
 
   for (int64_t panel = 0; panel < rows; panel += kPanel) {  // prefill: a panel's activations stay in cache
     const int64_t panel_rows = std::min<int64_t>(kPanel, rows - panel);
-    const bool two_level = w.sc != nullptr && panel_rows <= kTwoLevelRows;  // see the top of this file
-    const Tile* tiles = vnni ? (two_level ? kVnniTiles<true> : kVnniTiles<false>)
-                             : (two_level ? kAvx2Tiles<true> : kAvx2Tiles<false>);
+    const bool two_level = vnni && w.sc != nullptr && panel_rows <= kTwoLevelRows;  // see the top of this file
+    const Tile* tiles = vnni ? (two_level ? kVnniTiles<true> : kVnniTiles<false>) : kAvx2Tiles;
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       alignas(64) float acc[kPanel * kCols];
       for (int64_t g = g0; g < g1; ++g) {

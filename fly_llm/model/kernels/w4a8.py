@@ -99,9 +99,10 @@ class TwoLevelScales:
 class PackedWeight:
     """A weight in the kernel's layout (w4a8.cpp): groups of COLUMNS outputs, blocks of BLOCK inputs.
 
-    `levels` (a published Q4_K weight's): the same d and m in two levels, which the kernel streams
-    instead of d and m over up to 4 rows (memory-bound: 4.625 bits a weight instead of 5); over more
-    rows (compute-bound) it reads d and m, saving the rebuild. Same output either way."""
+    `levels` (a published Q4_K weight's): the same d and m in two levels, which the AVX-512 VNNI path
+    streams instead of d and m over up to 4 rows (memory-bound: 4.625 bits a weight instead of 5);
+    over more rows and on the AVX2 path (compute-bound) it reads d and m, saving the rebuild. Same
+    output either way."""
 
     q: torch.Tensor  # uint8 [groups, blocks, 4, 64]
     d: torch.Tensor  # float16 [groups, blocks, COLUMNS]

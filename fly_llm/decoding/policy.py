@@ -20,7 +20,9 @@ K > W, where the deferred window can act, are valued by what FLy accepts; ρ sta
 optimistic prior, so such plans are tried while a request has no history, and ρ then follows what
 the rule really rescued. Plain decoding (K = 0, time 1, one token) is always a candidate, so a plan
 is only chosen when it is expected to beat target-only decoding. n-gram proposals are nearly free,
-so n-gram rounds run whenever they are expected to pay; the draft model runs only when its
+so n-gram rounds run whenever they are expected to pay: a lookup that finds nothing drafts nothing
+(a plain round), so its share of hits h weighs both sides, (1 + h·gain) / (1 + h·B·target_token·K),
+and a falling hit rate cannot lock the lookup out (its hit rate is only learned when it runs); the draft model runs only when its
 acceptance is high enough to pay for its forwards. A stage that is not chosen is re-tried now and
 then with a short draft (its probe interval grows fourfold while it keeps losing), so the estimate can
 recover when the text changes.
@@ -247,7 +249,8 @@ class AdaptivePolicy:
         for name in lookups:
             history = state.lookup(name)
             k, gain = _best_k(history.alpha.value, k_max, per_token)  # lookup rounds are verified exactly
-            speed = (1 + history.hit * gain) / (1 + per_token * k)  # a miss is a plain round
+            # a miss drafts nothing: a plain round, so the hit rate weighs the verify's cost as well as its gain
+            speed = (1 + history.hit * gain) / (1 + history.hit * per_token * k)
             if speed > best_speed:
                 best, best_speed = DraftPlan(k=k, stages=(name,)), speed
         round_ = _Round(k_max, budget, per_token, _Loose(state.rescue.value, fly.window) if fly.loose else _Loose())

@@ -7,7 +7,7 @@ import torch
 
 from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.decoding.policy import PLAIN, AdaptivePolicy, Costs, ModelHistory, PolicyState, _Rate
+from fly_llm.decoding.policy import PLAIN, AdaptivePolicy, Costs, LookupHistory, ModelHistory, PolicyState, _Rate
 from fly_llm.decoding.stages import DraftModelStage, DraftPlan, NgramStage
 from support.tiny_models import make_pair
 
@@ -275,3 +275,16 @@ def test_a_long_prompt_never_pays_the_draft_prefill_for_a_short_answer(chunk):
         hook.remove()
     assert [t for out in outputs for t in out.new_token_ids] == ref[:12]
     assert outputs[-1].finished and outputs[-1].stats.draft_model_rounds == 0 and not calls
+
+
+def test_a_lookup_that_often_finds_nothing_is_still_tried_while_its_drafts_pay():
+    """A miss is a plain round, so the hit rate weighs the verify's cost too. With a verify token at 0.24 of
+    a step (the embedded target on w4a8: a cheap one-token step, a compute-bound 16-token verify), the old
+    valuation, (1 + h·gain) / (1 + cost·K), fell under plain at h 0.45 from the prior α and never learned
+    again (h is only updated when the lookup runs)."""
+    policy = AdaptivePolicy(Costs(target_token=0.24))
+    state = PolicyState(lookups={NGRAM: LookupHistory(hit=0.45)})
+    plan = policy.plan(state, FLY, budget=100, batch_size=1, offered=NGRAM_ONLY)
+    assert plan.stages == LOOKUP and plan.k >= 1
+    state = PolicyState(lookups={NGRAM: LookupHistory(alpha=_Rate(0.1, 5.0), hit=0.9)})
+    assert policy.plan(state, FLY, budget=100, batch_size=1, offered=NGRAM_ONLY) == PLAIN  # drafts that fail

@@ -19,12 +19,10 @@ import torch
 from torch import nn
 
 from benchmarks.kernel_bench import cpu_name
-from fly_llm.common.config import ModelSpec
+from benchmarks.step_profile import load_embedded_pair, write_report
 from fly_llm.decoding.cache import BatchKV
-from fly_llm.model.embedded import ensure_default_pair
 from fly_llm.model.fused_layers import PackedW4A8
 from fly_llm.model.kernels.w4a8 import PackedWeight
-from fly_llm.model.pair import load_models
 
 
 def layouts(model: nn.Module) -> tuple[dict[nn.Module, PackedWeight], dict[nn.Module, PackedWeight]]:
@@ -74,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target_dir, draft_dir = ensure_default_pair(progress=False)
-    loaded = load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), dtype="auto",
-                                   target_quantization="w4a8", draft_quantization="w4a8"), progress=False)
+    loaded = load_embedded_pair("w4a8", args.threads)
     lines = [f"# w4a8 scale layouts, side by side ({cpu_name()}, {args.threads} threads, {loaded.dtype}, "
              f"{args.context} cached, {args.rounds} forwards each)", "",
              "| model | MB streamed at w <= 4 (two / one level) | w | two levels fastest / median ms | one level fastest / median ms "
@@ -93,11 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"| {role} | {size} | {width} | {min(a):.1f} / {statistics.median(a):.1f} | "
                              f"{min(b):.1f} / {statistics.median(b):.1f} | "
                              f"{1 - statistics.median(a) / statistics.median(b):.1%} |")
-                print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text, encoding="utf-8")
+    write_report("\n".join(lines) + "\n", args.out)
     return 0
 
 

@@ -22,7 +22,7 @@ from benchmarks.kernel_bench import _LINEAR_TYPES, cpu_name, linears_ms
 from fly_llm.common.config import ModelSpec
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.model.embedded import ensure_default_pair
-from fly_llm.model.pair import load_models
+from fly_llm.model.pair import LoadedModels, load_models
 
 
 def forward_ms(model: nn.Module, kv: BatchKV, context: int, width: int, reps: int) -> float:
@@ -69,6 +69,22 @@ def profile_table(model: nn.Module, kv: BatchKV, context: int, width: int, rows:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
+def load_embedded_pair(quantization: str, threads: int) -> LoadedModels:
+    """The embedded pair with both models at `quantization`, torch on `threads` threads."""
+    torch.set_num_threads(threads)
+    target_dir, draft_dir = ensure_default_pair(progress=False)
+    return load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), dtype="auto",
+                                 target_quantization=quantization, draft_quantization=quantization), progress=False)
+
+
+def write_report(text: str, out: Path | None) -> None:
+    """Print `text` and write it to `out` (its folder made) if given."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--widths", type=int, nargs="+", default=[1, 16])
@@ -79,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="auto")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target_dir, draft_dir = ensure_default_pair(progress=False)
-    loaded = load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), dtype="auto",
-                                   target_quantization=args.quantization, draft_quantization=args.quantization),
-                         progress=False)
+    loaded = load_embedded_pair(args.quantization, args.threads)
     lines = [f"# Forward profile ({cpu_name()}, {args.threads} threads, torch {torch.__version__}, {loaded.dtype}, "
              f"target {loaded.target_quantization}, draft {loaded.draft_quantization}, {args.context} cached)", "",
              "| model | w | forward ms | Linear layers ms | rest ms | rest share |", "|---|---:|---:|---:|---:|---:|"]
@@ -101,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             for width in args.widths:
                 tables += ["", f"## {role}, w={width}: ops by self CPU time (5 forwards)", "", "```",
                            profile_table(model, kv, args.context, width, args.rows), "```"]
-    text = "\n".join(lines + tables) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text, encoding="utf-8")
+    write_report("\n".join(lines + tables) + "\n", args.out)
     return 0
 
 

@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_embedded_pair("w4a8", args.threads)
     lines = [f"# w4a8 scale layouts, side by side ({cpu_name()}, {args.threads} threads, {loaded.dtype}, "
              f"{args.context} cached, {args.rounds} forwards each)", "",
-             "| model | MB streamed at w <= 4 (two / one level) | w | two levels fastest / median ms | one level fastest / median ms "
-             "| median saved |", "|---|---|---:|---|---|---:|"]
+             "| model | MB streamed at w <= 4 (two / one level) | w | two levels fastest / median ms "
+             "| one level fastest / median ms | median saved |", "|---|---|---:|---|---|---:|"]
     with torch.inference_mode():
         for role, model in (("target", loaded.target), ("draft", loaded.draft)):
             two, one = layouts(model)

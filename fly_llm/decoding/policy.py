@@ -22,10 +22,10 @@ the rule really rescued. Plain decoding (K = 0, time 1, one token) is always a c
 is only chosen when it is expected to beat target-only decoding. n-gram proposals are nearly free,
 so n-gram rounds run whenever they are expected to pay: a lookup that finds nothing drafts nothing
 (a plain round), so its share of hits h weighs both sides, (1 + h·gain) / (1 + h·B·target_token·K),
-and a falling hit rate cannot lock the lookup out (its hit rate is only learned when it runs); the draft model runs only when its
-acceptance is high enough to pay for its forwards. A stage that is not chosen is re-tried now and
-then with a short draft (its probe interval grows fourfold while it keeps losing), so the estimate can
-recover when the text changes.
+and a falling hit rate cannot lock the lookup out (its hit rate is only learned when it runs); the
+draft model runs only when its acceptance is high enough to pay for its forwards. A stage that is
+not chosen is re-tried now and then with a short draft (its probe interval grows fourfold while it
+keeps losing), so the estimate can recover when the text changes.
 
 A model round is only chosen when it is expected to beat the best other plan by `_MODEL_MARGIN`
 (10%): the costs are timed on other shapes than the round's (a 16-token verify, 64 cached tokens) and

@@ -7,7 +7,8 @@ import torch
 
 from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.decoding.policy import PLAIN, AdaptivePolicy, Costs, LookupHistory, ModelHistory, PolicyState, _Rate
+from fly_llm.decoding.policy import (PLAIN, AdaptivePolicy, Costs, LookupHistory, ModelHistory, PolicyState,
+                                    _Rate)
 from fly_llm.decoding.stages import DraftModelStage, DraftPlan, NgramStage
 from support.tiny_models import make_pair
 

@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 SUPER_BLOCK = 256  # weights per Q4_K super-block
 BLOCK_BYTES = 144  # bytes per Q4_K super-block
-SUB_BLOCKS = SUPER  # 32-weight sub-blocks per super-block
 FORMAT = "gguf-q4_k"  # the safetensors metadata tag of a file `save_published` wrote
 
 
@@ -54,8 +53,8 @@ def decode(blocks: torch.Tensor) -> SuperBlockWeight:
     minimums = torch.cat([high & 63, (extra >> 4) | ((high >> 2) & 48)], dim=-1)
     nibbles = raw[..., 16:].reshape(n, supers, 4, 1, 32)  # 32 bytes: sub-blocks 2j (low) and 2j + 1 (high)
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=3).reshape(n, supers * SUPER_BLOCK)
-    return SuperBlockWeight(q.contiguous(), d, dmin, scales.to(torch.uint8).reshape(n, supers * SUB_BLOCKS),
-                            minimums.to(torch.uint8).reshape(n, supers * SUB_BLOCKS))
+    return SuperBlockWeight(q.contiguous(), d, dmin, scales.to(torch.uint8).reshape(n, supers * SUPER),
+                            minimums.to(torch.uint8).reshape(n, supers * SUPER))
 
 
 def _row_order(processor: TensorProcessor, name: str, rows: int,

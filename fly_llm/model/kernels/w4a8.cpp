@@ -169,11 +169,11 @@ void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t ro
 using Tile = void (*)(const Weights&, const Activations&, int64_t, int64_t, int64_t, int64_t, float*);
 constexpr int kVnniRows = 8;  // 8 int32 + 8 float accumulators + weights fit 32 zmm registers
 constexpr int kAvx2Rows = 4;  // 8 int16 accumulators + weights fit 16 ymm registers
-template <bool kTwoLevel>
-constexpr Tile kVnniTiles[] = {tile_vnni<1, kTwoLevel>, tile_vnni<2, kTwoLevel>, tile_vnni<3, kTwoLevel>,
-                               tile_vnni<4, kTwoLevel>, tile_vnni<5, kTwoLevel>, tile_vnni<6, kTwoLevel>,
-                               tile_vnni<7, kTwoLevel>, tile_vnni<8, kTwoLevel>};
-constexpr Tile kAvx2Tiles[] = {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
+const Tile kVnniTiles[] = {tile_vnni<1, false>, tile_vnni<2, false>, tile_vnni<3, false>, tile_vnni<4, false>,
+                           tile_vnni<5, false>, tile_vnni<6, false>, tile_vnni<7, false>, tile_vnni<8, false>};
+const Tile kVnniTwoLevelTiles[] = {tile_vnni<1, true>, tile_vnni<2, true>, tile_vnni<3, true>, tile_vnni<4, true>};
+static_assert(sizeof(kVnniTwoLevelTiles) / sizeof(Tile) == kTwoLevelRows, "a two-level tile for each row count");
+const Tile kAvx2Tiles[] = {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
 
 int64_t best_isa() {
   __builtin_cpu_init();
@@ -265,7 +265,7 @@ void run(const T* x, T* out, const Weights& w, int64_t rows, int64_t n, const fl
   for (int64_t panel = 0; panel < rows; panel += kPanel) {  // prefill: a panel's activations stay in cache
     const int64_t panel_rows = std::min<int64_t>(kPanel, rows - panel);
     const bool two_level = vnni && w.sc != nullptr && panel_rows <= kTwoLevelRows;  // see the top of this file
-    const Tile* tiles = vnni ? (two_level ? kVnniTiles<true> : kVnniTiles<false>) : kAvx2Tiles;
+    const Tile* tiles = two_level ? kVnniTwoLevelTiles : vnni ? kVnniTiles : kAvx2Tiles;
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       alignas(64) float acc[kPanel * kCols];
       for (int64_t g = g0; g < g1; ++g) {
@@ -347,8 +347,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const torc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear", &linear, "W4A8 linear: y = x W^T (+ bias)", pybind11::arg("x"), pybind11::arg("q"),
-             pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("top_d"), pybind11::arg("top_m"), pybind11::arg("sc"),
-             pybind11::arg("mn"), pybind11::arg("bias"), pybind11::arg("n"),
-             pybind11::arg("isa"));
+             pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("top_d"), pybind11::arg("top_m"),
+             pybind11::arg("sc"), pybind11::arg("mn"), pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"));
   module.def("cpu_isa", &cpu_isa, "2: AVX-512 VNNI, 1: AVX2, 0: neither");
 }

@@ -9,10 +9,13 @@ least W draft tokens after it: the last W are strict); lookup (n-gram) rounds ar
 picks the plan with the highest expected tokens per unit of time:
 
     tokens(K) = 1 + Σ_{j=1..K} Π_{i<j} a_i,   a_i = α + (1-α)·ρ where i < K-W, else α
-    time      = 1 + B·target_token·K  (+ draft_step·s·K when the draft model runs)
+    time      = 1 + verify(K)  (+ draft_step·s·K when the draft model runs),   verify(K) = B·(c(B+K) − c(B))
 
-in units of one plain target forward, with B the batch size (a longer verify forward delays every
-row, so a big batch speculates less), draft_step the model stage's `Costs.stages` entry (a lookup
+in units of one plain target forward, with c(w) a target forward over w new tokens (`Costs.target`:
+timed at a few widths, since it is not linear: on a CPU a forward is memory-bound up to a few
+tokens, so verifying 4 costs little more than 1, and compute-bound beyond), B the batch size (a
+longer verify forward delays every row, so a big batch speculates less), draft_step the model
+stage's `Costs.stages` entry (a lookup
 stage costs nothing) and s the request's measured draft-model forwards per drafted
 token (1 for the model alone, less in the n-gram → model cascade when the copies hold). With the
 loose rule off ρ = 0 and tokens(K) is the geometric 1 + α + … + α^K. So with FLy on, plans with
@@ -21,21 +24,21 @@ optimistic prior, so such plans are tried while a request has no history, and ρ
 the rule really rescued. Plain decoding (K = 0, time 1, one token) is always a candidate, so a plan
 is only chosen when it is expected to beat target-only decoding. n-gram proposals are nearly free,
 so n-gram rounds run whenever they are expected to pay: a lookup that finds nothing drafts nothing
-(a plain round), so its share of hits h weighs both sides, (1 + h·gain) / (1 + h·B·target_token·K),
+(a plain round), so its share of hits h weighs both sides, (1 + h·gain) / (1 + h·verify(K)),
 and a falling hit rate cannot lock the lookup out (its hit rate is only learned when it runs); the
 draft model runs only when its acceptance is high enough to pay for its forwards. A stage that is
 not chosen is re-tried now and then with a short draft (its probe interval grows fourfold while it
 keeps losing), so the estimate can recover when the text changes.
 
 A model round is only chosen when it is expected to beat the best other plan by `_MODEL_MARGIN`
-(10%): the costs are timed on other shapes than the round's (a 16-token verify, 64 cached tokens) and
+(10%): the costs are timed on other shapes than the round's (a few widths, 64 cached tokens) and
 acceptance over a few tokens is noisy, so rounds expected to gain less are coin flips that cost the
 draft's forwards. Measured on MT-Bench prose (embedded pair, w4a8, 2 AVX-512 threads): one-token model
 rounds, valued at 1.0–1.1× plain by the acceptance their request had shown, took 1.65 plain steps each
 (the model's 1.61) and emitted 1.6 tokens.
 
 The draft model must also pay in fact: per request, the tokens its rounds emitted and their time
-(`1 + B·target_token·drafted + draft_step·forwards`, with the forwards the round really took, a
+(`1 + verify(drafted) + draft_step·forwards`, with the forwards the round really took, a
 catch-up counted as one whatever its pieces) are kept as decayed sums, and once it has run, it is
 chosen only while those rounds yielded more tokens per unit of time than the best other plan is
 expected to. Acceptance
@@ -86,6 +89,7 @@ PLAIN = DraftPlan(k=0)
 _FIRST_PROBE = 8
 _OPTIMISTIC_ALPHA = 0.9  # a model stage is only probed if it could win at this acceptance
 _PREFILL_WIDTH = 128  # tokens of the timed catch-up forward (the daemon's default prefill chunk)
+_TIMED_WIDTHS = (1, 2, 4, 8, 16)  # new tokens of the timed target forwards
 _PRIOR_TOKENS = 64  # what a request is expected to emit before its history says more
 _PROBE_CATCH_UP_SHARE = 0.25  # a probe's catch-up may take this share of the request's expected remaining time
 _PROBE_BACKOFF = 4  # a probe that lost multiplies the rounds until the next one by this
@@ -105,6 +109,10 @@ class StageCost:
 class Costs:
     """Relative costs, in units of one target forward over one token, per drafter by name.
 
+    A target forward over w new tokens costs `target(w)`: between the timed widths of
+    `target_widths` ((w, cost) pairs, w ≥ 2 rising) linear, beyond the last at its last segment's
+    slope; without them 1 + target_token·(w − 1), the mean slope up to 16 tokens.
+
     Defaults measured on CPU with a 1.5B target / 0.5B draft in bf16: a target forward over 16
     tokens costs ≈ 1.1× one token; a draft-model forward ≈ 1/2.4 of a target forward. The draft
     prefills a token of its backlog for ≈ 1/20 of a target forward (measured 0.043–0.055 with the
@@ -114,6 +122,7 @@ class Costs:
     target_token: float = 0.007
     stages: Mapping[str, StageCost] = field(
         default_factory=lambda: {DraftModelStage.name: StageCost(step=0.42, prefill=0.05)})
+    target_widths: tuple[tuple[int, float], ...] = ()
 
     def of(self, stage: str) -> StageCost:
         """The cost of a drafter (nothing for one not listed)."""
@@ -123,33 +132,53 @@ class Costs:
         """These costs with some fields of one drafter's cost replaced."""
         return replace(self, stages={**self.stages, stage: replace(self.of(stage), **cost)})
 
+    def target(self, width: int) -> float:
+        """A target forward over `width` new tokens, in one-token forwards."""
+        points = [(1, 1.0), *self.target_widths]
+        if len(points) == 1:
+            points.append((2, 1.0 + self.target_token))
+        (w0, c0), (w1, c1) = next(((a, b) for a, b in zip(points, points[1:]) if width <= b[0]), points[-2:])
+        return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+
+    def verify(self, drafted: int, batch_size: int = 1) -> float:
+        """What verifying `drafted` tokens adds to a round of a batch of `batch_size` one-token rows,
+        for the whole batch (each row waits for the longer forward)."""
+        return batch_size * (self.target(batch_size + drafted) - self.target(batch_size))
+
     @classmethod
     def from_dict(cls, data: Mapping) -> Costs:
         """Costs from `dataclasses.asdict` of Costs, or from the flat form that results directories keep
         (`target_token`, `draft_step`, `draft_prefill`: the draft-model stage's step and prefill)."""
+        widths = tuple((int(w), float(c)) for w, c in data.get("target_widths", ()))
         if "stages" in data:
-            return cls(data["target_token"], {name: StageCost(**cost) for name, cost in data["stages"].items()})
+            stages = {name: StageCost(**cost) for name, cost in data["stages"].items()}
+            return cls(data["target_token"], stages, widths)
         default = cls().of(DraftModelStage.name)
         cost = StageCost(data.get("draft_step", default.step), data.get("draft_prefill", default.prefill))
-        return cls(data.get("target_token", cls.target_token), {DraftModelStage.name: cost})
+        return cls(data.get("target_token", cls.target_token), {DraftModelStage.name: cost}, widths)
 
     @classmethod
     def measure(cls, target, draft=None, context: int = 64, repeats: int = 5) -> Costs:
         """Time the models here (a few forwards on dummy tokens) instead of using the defaults.
 
+        The target is timed over `_TIMED_WIDTHS` new tokens (a cost never below a narrower one's).
         The draft is timed over 4 new tokens, a typical cascade forward (its own token plus a
         checked n-gram proposal), and over `_PREFILL_WIDTH` new tokens, a catch-up forward (per
         token). The engine's choices then depend on this machine, so FLy-mode output can differ
         between machines, and between two timings on one (exact mode is lossless either way):
         fly_llm.policy_costs keeps the first.
         """
-        one, many = _forward_seconds(target, context, (1, 16), repeats)
-        target_token = max(many - one, 0.0) / 15 / one
+        one, *wider = _forward_seconds(target, context, _TIMED_WIDTHS, repeats)
+        widths, cost = [], 1.0
+        for width, seconds in zip(_TIMED_WIDTHS[1:], wider):
+            cost = max(cost, seconds / one)
+            widths.append((width, cost))
+        target_token = (widths[-1][1] - 1) / (widths[-1][0] - 1)
         if draft is None:
-            return cls(target_token=target_token)
+            return cls(target_token=target_token, target_widths=tuple(widths))
         step, prefill = _forward_seconds(draft, context, (4, _PREFILL_WIDTH), repeats)
         cost = StageCost(step=step / one, prefill=prefill / _PREFILL_WIDTH / one)
-        return cls(target_token=target_token, stages={DraftModelStage.name: cost})
+        return cls(target_token, {DraftModelStage.name: cost}, tuple(widths))
 
 
 @dataclass
@@ -244,16 +273,16 @@ class AdaptivePolicy:
         models = [s.name for s in stages if s.runs_model]
         if not fly.adaptive:
             return DraftPlan(k=k_max, stages=tuple(s.name for s in stages), model=stages[-1].runs_model)
-        per_token = self.costs.target_token * batch_size
+        verify = tuple(self.costs.verify(k, batch_size) for k in range(k_max + 1))
         best, best_speed = PLAIN, 1.0
         for name in lookups:
             history = state.lookup(name)
-            k, gain = _best_k(history.alpha.value, k_max, per_token)  # lookup rounds are verified exactly
+            k, gain = _best_k(history.alpha.value, verify, 0.0)  # lookup rounds are verified exactly
             # a miss drafts nothing: a plain round, so the hit rate weighs the verify's cost as well as its gain
-            speed = (1 + history.hit * gain) / (1 + history.hit * per_token * k)
+            speed = (1 + history.hit * gain) / (1 + history.hit * verify[k])
             if speed > best_speed:
                 best, best_speed = DraftPlan(k=k, stages=(name,)), speed
-        round_ = _Round(k_max, budget, per_token, _Loose(state.rescue.value, fly.window) if fly.loose else _Loose())
+        round_ = _Round(budget, verify, _Loose(state.rescue.value, fly.window) if fly.loose else _Loose())
         for name in models:
             plan = self._model_plan(state, name, lookups, round_, best_speed)
             if plan is not None:
@@ -264,17 +293,17 @@ class AdaptivePolicy:
                     best_speed: float) -> DraftPlan | None:
         """A round of model stage `name` (with the lookups upstream) if it beats `best_speed` or is due a
         probe, else None."""
-        history, cost, k_max = state.model(name), self.costs.of(name), round_.k_max
-        model_cost = round_.per_token + cost.step * history.steps
+        history, cost, k_max = state.model(name), self.costs.of(name), len(round_.verify) - 1
+        draft_per_token = cost.step * history.steps
         expected = min(round_.budget + 1, max(state.emitted, _PRIOR_TOKENS))
         catch_up = _CatchUp(cost.prefill * state.behind.get(name, 0), expected)
         realized = history.realized
         paid = realized is None or realized > best_speed
-        expected_speed = catch_up.over(_speed(history.alpha.value, k_max, model_cost, round_.loose))
+        expected_speed = catch_up.over(_speed(history.alpha.value, round_.verify, draft_per_token, round_.loose))
         if paid and expected_speed > best_speed * (1 + _MODEL_MARGIN):
-            k, _ = _best_k(history.alpha.value, k_max, model_cost, round_.loose)
+            k, _ = _best_k(history.alpha.value, round_.verify, draft_per_token, round_.loose)
             return DraftPlan(k=k, stages=(*upstream, name), model=True)
-        could_win = _speed(_OPTIMISTIC_ALPHA, k_max, model_cost, round_.loose) > best_speed
+        could_win = _speed(_OPTIMISTIC_ALPHA, round_.verify, draft_per_token, round_.loose) > best_speed
         could_win = could_win and catch_up.cost <= _PROBE_CATCH_UP_SHARE * catch_up.tokens / best_speed
         if could_win and history.since >= history.probe_every:
             history.probing = True
@@ -303,7 +332,7 @@ class AdaptivePolicy:
             history = state.model(plan.drafter)
             history.alpha.update(native, misses, self.decay)
             step = self.costs.of(plan.drafter).step
-            round_time = 1 + self.costs.target_token * batch_size * drafted + step * forwards
+            round_time = 1 + self.costs.verify(drafted, batch_size) + step * forwards
             history.tokens = history.tokens * self.decay + accepted + 1
             history.time = history.time * self.decay + round_time
             if drafted:
@@ -322,9 +351,8 @@ class AdaptivePolicy:
 class _Round:
     """What every plan of one round is bounded and valued by."""
 
-    k_max: int
     budget: int
-    per_token: float  # a draft token's share of the verify forward, for the whole batch
+    verify: tuple[float, ...]  # per K in 0..k_max: what verifying K draft tokens adds (`Costs.verify`)
     loose: _Loose
 
 
@@ -349,20 +377,22 @@ class _CatchUp:
         return self.tokens / (self.cost + self.tokens / speed)
 
 
-def _speed(alpha: float, k_max: int, cost_per_token: float, loose: _Loose = _Loose()) -> float:
+def _speed(alpha: float, verify: Sequence[float], draft_per_token: float, loose: _Loose = _Loose()) -> float:
     """Expected tokens per unit of time at the best K."""
-    k, gain = _best_k(alpha, k_max, cost_per_token, loose)
-    return (1 + gain) / (1 + cost_per_token * k)
+    k, gain = _best_k(alpha, verify, draft_per_token, loose)
+    return (1 + gain) / (1 + verify[k] + draft_per_token * k)
 
 
-def _best_k(alpha: float, k_max: int, cost_per_token: float, loose: _Loose = _Loose()) -> tuple[int, float]:
-    """The K in 1..k_max with the best (expected extra tokens) / time, and those extra tokens."""
+def _best_k(alpha: float, verify: Sequence[float], draft_per_token: float,
+            loose: _Loose = _Loose()) -> tuple[int, float]:
+    """The K in 1..len(verify)-1 with the best (expected extra tokens) / time, and those extra tokens;
+    a round's time is 1 + verify[K] + draft_per_token·K."""
     rescued = alpha + (1 - alpha) * loose.rho
     best_k, best_gain, best_speed = 1, 0.0, 0.0
-    for k in range(1, k_max + 1):
+    for k in range(1, len(verify)):
         m = max(k - loose.window, 0)  # positions where the rule may rescue a mismatch
         gain = _geometric(rescued, m) + rescued ** m * _geometric(alpha, k - m)
-        speed = (1 + gain) / (1 + cost_per_token * k)
+        speed = (1 + gain) / (1 + verify[k] + draft_per_token * k)
         if speed > best_speed:
             best_k, best_gain, best_speed = k, gain, speed
     return best_k, best_gain

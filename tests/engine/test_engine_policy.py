@@ -110,6 +110,9 @@ def test_costs_can_be_measured():
     target, draft, _ = make_pair("llama")
     costs = Costs.measure(target, draft, context=16, repeats=1)
     assert costs.target_token >= 0 and costs.of(MODEL).step > 0
+    widths = [w for w, _ in costs.target_widths]
+    assert widths == [2, 4, 8, 16] and all(1 <= a[1] <= b[1] for a, b in zip(costs.target_widths, costs.target_widths[1:]))
+    assert costs.target(16) == pytest.approx(1 + 15 * costs.target_token)
 
 
 def test_cheap_cascade_rounds_make_the_draft_model_pay():
@@ -289,3 +292,32 @@ def test_a_lookup_that_often_finds_nothing_is_still_tried_while_its_drafts_pay()
     assert plan.stages == LOOKUP and plan.k >= 1
     state = PolicyState(lookups={NGRAM: LookupHistory(alpha=_Rate(0.1, 5.0), hit=0.9)})
     assert policy.plan(state, FLY, budget=100, batch_size=1, offered=NGRAM_ONLY) == PLAIN  # drafts that fail
+
+
+MEMORY_BOUND = ((2, 1.05), (4, 1.24), (8, 2.05), (16, 3.52))  # the embedded target on w4a8, 2 AVX-512 threads
+
+
+def test_a_target_forward_is_interpolated_between_its_timed_widths():
+    costs = Costs(target_token=0.17, target_widths=MEMORY_BOUND)
+    assert costs.target(1) == 1 and costs.target(4) == pytest.approx(1.24)
+    assert costs.target(3) == pytest.approx((1.05 + 1.24) / 2) and costs.target(6) == pytest.approx((1.24 + 2.05) / 2)
+    assert costs.target(20) == pytest.approx(3.52 + 4 * (3.52 - 2.05) / 8)  # beyond: the last segment's slope
+    assert costs.verify(0, batch_size=3) == 0 and costs.verify(2, batch_size=3) == pytest.approx(3 * (1.4425 - 1.145))
+    linear = Costs(target_token=0.17)  # no timed widths: the mean slope
+    assert [linear.verify(k, b) for k, b in ((3, 1), (2, 4))] == pytest.approx([0.51, 4 * 2 * 0.17])
+
+
+def test_a_memory_bound_verify_makes_short_model_rounds_pay():
+    """A forward over a few tokens costs little more than over one (memory-bound), so the draft model pays at
+    an acceptance where the mean slope up to 16 tokens, which charges a short verify about twice its cost, said
+    plain; and a sure draft is verified over more tokens."""
+    plans = {}
+    for name, costs in (("linear", Costs(target_token=0.17)), ("timed", Costs(0.17, target_widths=MEMORY_BOUND))):
+        costs = costs.with_stage(MODEL, step=0.45)
+        for alpha in (0.7, 0.9):
+            state = PolicyState(models={MODEL: ModelHistory(alpha=_Rate(alpha * 10, (1 - alpha) * 10), since=0)},
+                                emitted=100)
+            plans[name, alpha] = AdaptivePolicy(costs).plan(state, FLyConfig(loose=False), budget=100,
+                                                            batch_size=1, offered=(DraftModelStage,))
+    assert plans["linear", 0.7] == PLAIN and plans["timed", 0.7] == DraftPlan(1, ALONE, True)
+    assert plans["timed", 0.9].k > plans["linear", 0.9].k >= 1

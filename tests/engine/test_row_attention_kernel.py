@@ -60,7 +60,7 @@ def test_the_op_builds_where_a_compiler_exists():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "q", "kv", "dim"),
                          [(HEADS, KV_HEADS, 1, 300, DIM), (HEADS, KV_HEADS, 9, 300, DIM), (14, 2, 130, 400, 64),
-                          (4, 4, 5, 37, 72)])
+                          (4, 4, 5, 37, 72), (HEADS, KV_HEADS, 4, 1100, DIM)])  # the last: five column blocks
 def test_it_is_masked_attention(avx512, dtype, heads, kv_heads, q, kv, dim):
     query, key, value = _inputs(2, q, kv, dtype, heads, kv_heads, dim)
     mask = _holes_mask(2, q, kv)

@@ -91,8 +91,13 @@ void widen(const at::BFloat16* in, float* out, int64_t d) {
 
 void widen(const float* in, float* out, int64_t d) { std::memcpy(out, in, d * sizeof(float)); }
 
-// The three inner loops, on AVX-512 (d a multiple of 16) or AVX2: one path per process.
-// scores: out[t] = scale * (q . keys[own[t]]); values: acc += sum_t p[t] * values[own[t]], t ascending;
+// The three inner loops, on AVX-512 (d a multiple of 16) or AVX2: one path per process. `keys` and
+// `values` hold the unit columns from `first` on (one block of them); scores and values take the
+// `group` heads that share a kv head (head r's query at q + r * d, its scores at stride `stride`,
+// its accumulator at acc + r * d), so a key or value row read from L2 serves every head from L1;
+// each head's arithmetic is the same as alone:
+// scores: out_r[t] = scale * (q_r . keys[own[t] - first]);
+// values: acc_r += sum_t p_r[t] * values[own[t] - first], t ascending per lane;
 // exp_sum: s_t <- exp(s_t - top), returns their sum, t ascending.
 struct Avx512 {
   // Four dot products; each key's 16 lanes are summed in the same tree whatever slot it takes.
@@ -122,14 +127,16 @@ struct Avx512 {
                                                                           0, 0, 0, 0), z));
   }
   __attribute__((target("avx512f")))
-  static void scores(const float* q, const float* keys, const int32_t* own, int64_t n, int64_t d, float scale,
-                     float* out) {
+  static void scores(const float* q, int64_t group, const float* keys, const int32_t* own, int64_t n, int64_t d,
+                     float scale, float* out, int64_t stride, int32_t first) {
     for (int64_t t = 0; t < n; t += 4) {
       const float* k[4];
-      for (int j = 0; j < 4; ++j) k[j] = keys + own[std::min(t + j, n - 1)] * d;
-      alignas(16) float four[4];
-      _mm_store_ps(four, _mm_mul_ps(dot4(q, k[0], k[1], k[2], k[3], d), _mm_set1_ps(scale)));
-      for (int j = 0; j < 4 && t + j < n; ++j) out[t + j] = four[j];
+      for (int j = 0; j < 4; ++j) k[j] = keys + (own[std::min(t + j, n - 1)] - first) * d;
+      for (int64_t r = 0; r < group; ++r) {
+        alignas(16) float four[4];
+        _mm_store_ps(four, _mm_mul_ps(dot4(q + r * d, k[0], k[1], k[2], k[3], d), _mm_set1_ps(scale)));
+        for (int j = 0; j < 4 && t + j < n; ++j) out[r * stride + t + j] = four[j];
+      }
     }
   }
   __attribute__((target("avx512f")))
@@ -146,28 +153,57 @@ struct Avx512 {
     }
     return total;
   }
+  // H heads over L * 16 lanes from lane c: H * L accumulators in registers, each value loaded once.
+  template <int H, int L>
   __attribute__((target("avx512f")))
-  static void values(const float* p, const float* values, const int32_t* own, int64_t n, int64_t d, float* acc) {
-    for (int64_t c = 0; c < d; c += 128) {  // 8 registers of 16 accumulators
-      const int64_t lanes = std::min<int64_t>(8, (d - c) / 16);
-      __m512 sum[8];
-      for (int j = 0; j < lanes; ++j) sum[j] = _mm512_loadu_ps(acc + c + 16 * j);
-      for (int64_t t = 0; t < n; ++t) {
-        const __m512 w = _mm512_set1_ps(p[t]);
-        const float* v = values + own[t] * d + c;
-        for (int j = 0; j < lanes; ++j) sum[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * j), sum[j]);
+  static void value_tile(const float* p, int64_t stride, const float* values, const int32_t* own, int64_t n,
+                         int64_t d, float* acc, int32_t first, int64_t c) {
+    __m512 sum[H][L];
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < L; ++j) sum[h][j] = _mm512_loadu_ps(acc + h * d + c + 16 * j);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = values + (own[t] - first) * d + c;
+      __m512 x[L];
+      for (int j = 0; j < L; ++j) x[j] = _mm512_loadu_ps(v + 16 * j);
+      for (int h = 0; h < H; ++h) {
+        const __m512 w = _mm512_set1_ps(p[h * stride + t]);
+        for (int j = 0; j < L; ++j) sum[h][j] = _mm512_fmadd_ps(w, x[j], sum[h][j]);
       }
-      for (int j = 0; j < lanes; ++j) _mm512_storeu_ps(acc + c + 16 * j, sum[j]);
     }
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < L; ++j) _mm512_storeu_ps(acc + h * d + c + 16 * j, sum[h][j]);
+  }
+  template <int H>
+  __attribute__((target("avx512f")))
+  static void value_heads(const float* p, int64_t stride, const float* values, const int32_t* own, int64_t n,
+                          int64_t d, float* acc, int32_t first) {
+    int64_t c = 0;
+    for (; c + 64 <= d; c += 64) value_tile<H, 4>(p, stride, values, own, n, d, acc, first, c);
+    for (; c < d; c += 16) value_tile<H, 1>(p, stride, values, own, n, d, acc, first, c);
+  }
+  __attribute__((target("avx512f")))
+  static void values(const float* p, int64_t stride, int64_t group, const float* values, const int32_t* own,
+                     int64_t n, int64_t d, float* acc, int32_t first) {
+    int64_t r = 0;  // heads in tiles of 3 (12 accumulators, 4 values, a weight: registers to spare)
+    for (; r + 3 <= group; r += 3) value_heads<3>(p + r * stride, stride, values, own, n, d, acc + r * d, first);
+    for (; r < group; ++r) value_heads<1>(p + r * stride, stride, values, own, n, d, acc + r * d, first);
   }
 };
 
 struct Avx2 {  // plain loops the compiler vectorizes for AVX2 (any head size)
+  static void scores(const float* q, int64_t group, const float* keys, const int32_t* own, int64_t n, int64_t d,
+                     float scale, float* out, int64_t stride, int32_t first) {
+    for (int64_t r = 0; r < group; ++r) score_row(q + r * d, keys, own, n, d, scale, out + r * stride, first);
+  }
+  static void values(const float* p, int64_t stride, int64_t group, const float* values, const int32_t* own,
+                     int64_t n, int64_t d, float* acc, int32_t first) {
+    for (int64_t r = 0; r < group; ++r) value_row(p + r * stride, values, own, n, d, acc + r * d, first);
+  }
   __attribute__((target("avx2,fma")))
-  static void scores(const float* q, const float* keys, const int32_t* own, int64_t n, int64_t d, float scale,
-                     float* out) {
+  static void score_row(const float* q, const float* keys, const int32_t* own, int64_t n, int64_t d, float scale,
+                        float* out, int32_t first) {
     for (int64_t t = 0; t < n; ++t) {
-      const float* k = keys + own[t] * d;
+      const float* k = keys + (own[t] - first) * d;
       float lanes[16] = {};
       int64_t i = 0;
       for (; i + 16 <= d; i += 16)
@@ -185,9 +221,10 @@ struct Avx2 {  // plain loops the compiler vectorizes for AVX2 (any head size)
     return total;
   }
   __attribute__((target("avx2,fma")))
-  static void values(const float* p, const float* values, const int32_t* own, int64_t n, int64_t d, float* acc) {
+  static void value_row(const float* p, const float* values, const int32_t* own, int64_t n, int64_t d, float* acc,
+                        int32_t first) {
     for (int64_t t = 0; t < n; ++t) {
-      const float* v = values + own[t] * d;
+      const float* v = values + (own[t] - first) * d;
       for (int64_t i = 0; i < d; ++i) acc[i] = std::fma(p[t], v[i], acc[i]);
     }
   }
@@ -208,7 +245,7 @@ struct Scratch {
   std::vector<int32_t> columns;    // the unit's columns (those seen), ascending
   std::vector<int32_t> own;        // per query, its positions in `columns`, ascending (at `start`)
   std::vector<int64_t> start, at;  // per query: where its positions begin; the next one to process
-  std::vector<float> keys, values, queries, scores, acc;
+  std::vector<float> block, queries, scores, acc;  // block: one block's widened keys or values
 };
 
 // Whether query i of row b may see column j.
@@ -217,10 +254,11 @@ inline bool allowed(const bool* mask, const Shape& s, int64_t b, int64_t i, int6
 }
 
 // One unit: batch row b, kv head g, queries [i0, i1), each with the `group` heads sharing kv head g.
-// The keys and values of the columns any of its queries may see are widened once. Each (query,
-// head) row takes its own columns in ascending order, in two passes (scores, then values) over
-// blocks of kColumns unit columns, every row of the unit per block (its data stays in cache):
-// the blocks only interleave different rows' work, each row's arithmetic stays in column order.
+// Each (query, head) row takes its own columns in ascending order, in two passes (scores, then
+// values) over blocks of kColumns unit columns (those any of its queries may see), every row of the
+// unit per block: a block's keys (pass 0) or values (pass 1) are widened once into a buffer that
+// stays in L2, so a long context is read once per pass and never written back whole. The blocks
+// only interleave different rows' work, each row's arithmetic stays in column order.
 template <typename Ops, typename T>
 void unit(const T* query, const T* key, const T* value, const bool* mask, T* out, const Shape& s, float scale,
           int64_t b, int64_t g, int64_t i0, int64_t i1, Scratch& x) {
@@ -232,12 +270,7 @@ void unit(const T* query, const T* key, const T* value, const bool* mask, T* out
   for (int64_t j = 0; j < s.kv_len; ++j)
     if (x.seen[j]) x.columns.push_back(static_cast<int32_t>(j));
   const int64_t m = static_cast<int64_t>(x.columns.size());
-  x.keys.resize(m * d);
-  x.values.resize(m * d);
-  for (int64_t t = 0; t < m; ++t) {
-    widen(key + b * s.ks[0] + g * s.ks[1] + x.columns[t] * s.ks[2], x.keys.data() + t * d, d);
-    widen(value + b * s.vs[0] + g * s.vs[1] + x.columns[t] * s.vs[2], x.values.data() + t * d, d);
-  }
+  x.block.resize(std::min(m, kColumns) * d);
   x.own.clear();
   x.start.assign(nq + 1, 0);
   for (int64_t i = 0; i < nq; ++i) {
@@ -256,7 +289,12 @@ void unit(const T* query, const T* key, const T* value, const bool* mask, T* out
   };
   for (int pass = 0; pass < 2; ++pass) {  // 0: scores, 1: values
     x.at.assign(x.start.begin(), x.start.end() - 1);
+    const T* source = pass == 0 ? key + b * s.ks[0] + g * s.ks[1] : value + b * s.vs[0] + g * s.vs[1];
+    const int64_t stride = pass == 0 ? s.ks[2] : s.vs[2];
     for (int64_t c0 = 0; c0 < m; c0 += kColumns) {
+      for (int64_t t = c0; t < std::min(m, c0 + kColumns); ++t)
+        widen(source + x.columns[t] * stride, x.block.data() + (t - c0) * d, d);
+      const int32_t first = static_cast<int32_t>(c0);
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t from = x.at[i];
         int64_t to = from;
@@ -264,15 +302,13 @@ void unit(const T* query, const T* key, const T* value, const bool* mask, T* out
         x.at[i] = to;
         if (to == from) continue;
         const int32_t* own = x.own.data() + from;
-        const int64_t offset = from - x.start[i];
-        for (int64_t r = 0; r < group; ++r) {
-          if (pass == 0)
-            Ops::scores(x.queries.data() + (i * group + r) * d, x.keys.data(), own, to - from, d, scale,
-                        row_scores(i, r) + offset);
-          else
-            Ops::values(row_scores(i, r) + offset, x.values.data(), own, to - from, d,
-                        x.acc.data() + (i * group + r) * d);
-        }
+        const int64_t offset = from - x.start[i], stride = x.start[i + 1] - x.start[i];
+        if (pass == 0)
+          Ops::scores(x.queries.data() + i * group * d, group, x.block.data(), own, to - from, d, scale,
+                      row_scores(i, 0) + offset, stride, first);
+        else
+          Ops::values(row_scores(i, 0) + offset, stride, group, x.block.data(), own, to - from, d,
+                      x.acc.data() + i * group * d, first);
       }
     }
     if (pass == 1) break;

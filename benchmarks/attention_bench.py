@@ -2,11 +2,12 @@
 the embedded target's attention shape (12 query heads over 2 kv heads of 128, bfloat16) at a few
 context lengths and query counts (1: a decode step; 4-16: a verify), for one layer.
     git show 78cb4a5:fly_llm/model/kernels/row_attention.cpp > /tmp/row_attention_base.cpp
-    python -m benchmarks.attention_bench --baseline /tmp/row_attention_base.cpp --threads 2 \
+    python -m benchmarks.attention_bench --baseline /tmp/row_attention_base.cpp --threads 2 --forwards \
         --out benchmarks/results/step/attention-long-context.md
 The baseline is compiled as an extension of its own and the two run alternately, call by call, on the
 same inputs; their outputs must be equal (checked with and without a mask with holes) or the run stops.
-Without --baseline only the current op is timed.
+Without --baseline only the current op is timed. With --forwards (and a baseline) whole forwards of the
+embedded target (w4a8) are compared too, the op swapped forward by forward, logits equal every time.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch.utils.cpp_extension import load
 
 from benchmarks.kernel_bench import cpu_name
-from benchmarks.step_profile import write_report
+from benchmarks.step_profile import load_embedded_pair, write_report
+from fly_llm.decoding.cache import BatchKV
 from fly_llm.model.kernels import build
 from fly_llm.model.kernels import row_attention as current
 
@@ -31,14 +34,13 @@ HEADS, KV_HEADS, DIM = 12, 2, 128  # the embedded target's attention
 Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]
 
 
-def baseline_op(source: Path) -> Op:
-    """The row attention op compiled from `source` under another extension name."""
+def build_baseline(source: Path) -> ModuleType:
+    """The row attention extension compiled from `source` under another name (row_attention_baseline)."""
     directory = Path(tempfile.mkdtemp(prefix="row-attention-baseline-"))
     copy = directory / "row_attention_baseline.cpp"
     copy.write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
-    module = load(name="row_attention_baseline", sources=[str(copy)], extra_cflags=build._FLAGS,
-                  extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
-    return lambda q, k, v, mask, scale: module.attention(q, k, v, mask, scale, True)
+    return load(name="row_attention_baseline", sources=[str(copy)], extra_cflags=build._FLAGS,
+                extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
 
 
 def inputs(context: int, queries: int) -> tuple[torch.Tensor, ...]:
@@ -67,6 +69,45 @@ def compare(ops: dict[str, Op], context: int, queries: int, rounds: int) -> dict
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def compare_forwards(baseline: ModuleType, contexts: list[int], widths: list[int], rounds: int) -> list[str]:
+    """Rows of ms per target forward over each width after each context, with the current op and the
+    baseline's (swapped in as `row_attention._ops`), alternating; stops if the logits ever differ."""
+    target = load_embedded_pair("auto", torch.get_num_threads()).target
+    original = current._ops
+    modules = {"current": original(), "baseline": baseline}
+    rows = []
+    try:
+        for context in contexts:
+            kv = BatchKV.prefill(target, list(range(context)), torch.device("cpu"))
+            for width in widths:
+                median = _forward_medians(target, kv, context, width, modules, rounds)
+                rows.append(f"| {context} | {width} | {median['current']:.1f} | {median['baseline']:.1f} | "
+                            f"{median['current'] / median['baseline']:.3f} |")
+                print(rows[-1], flush=True)
+    finally:
+        current._ops = original
+    return rows
+
+
+def _forward_medians(target, kv: BatchKV, context: int, width: int, modules: dict[str, ModuleType],
+                     rounds: int) -> dict[str, float]:
+    """Median ms of a forward over `width` new tokens with each op module, alternating, logits equal."""
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    tokens = torch.arange(width)[None]
+    for r in range(rounds + 1):  # the first round warms up
+        logits = []
+        for name in (list(modules) if r % 2 else reversed(list(modules))):
+            current._ops = lambda module=modules[name]: module  # what row_attention.attention() calls
+            start = time.perf_counter()
+            logits.append(kv.forward(target, tokens, logits_to_keep=width))
+            if r:
+                times[name].append((time.perf_counter() - start) * 1000)
+            kv.truncate([context])
+        if not torch.equal(logits[0], logits[1]):
+            raise SystemExit(f"the target's logits differ at context {context}, width {width}")
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--baseline", type=Path, help="a row_attention.cpp to compare with")
@@ -74,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queries", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--forwards", action="store_true", help="also whole target forwards (loads the embedded pair)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -81,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         print("the row attention op cannot be built or run here", file=sys.stderr)
         return 1
     ops: dict[str, Op] = {"current": current.attention}
-    if args.baseline:
-        ops["baseline"] = baseline_op(args.baseline)
+    baseline = build_baseline(args.baseline) if args.baseline else None
+    if baseline is not None:
+        ops["baseline"] = lambda q, k, v, mask, scale: baseline.attention(q, k, v, mask, scale, True)
     names = list(ops)
     lines = [f"# Row attention, {HEADS} heads over {KV_HEADS} kv heads of {DIM}, bfloat16, one layer",
              "", f"`python -m benchmarks.attention_bench {' '.join(argv if argv is not None else sys.argv[1:])}`",
@@ -99,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
                 row += f" {median['current'] / median['baseline']:.2f} | {saved:+.2f} ms |"
             lines.append(row)
             print(row, flush=True)
+    if args.forwards and baseline is not None:
+        lines += ["", f"Whole forwards of the embedded target (w4a8), {args.rounds} each, alternating; logits equal:", "",
+                  "| context | new tokens | current ms | baseline ms | current / baseline |", "|---:|---:|---:|---:|---:|"]
+        lines += compare_forwards(baseline, args.contexts, args.queries, args.rounds)
     write_report("\n".join(lines) + "\n", args.out)
     return 0
 

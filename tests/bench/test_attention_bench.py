@@ -41,3 +41,26 @@ def test_ops_that_differ_stop_the_run():
 def test_without_a_baseline_only_the_current_op_is_timed(capsys):
     assert attention_bench.main(["--contexts", "20", "--queries", "2", "--rounds", "1", "--threads", "1"]) == 0
     assert "| 20 | 2 |" in capsys.readouterr().out
+
+
+def test_forwards_swap_the_op_and_stop_if_the_logits_differ(monkeypatch):
+    from support.tiny_models import make_pair
+
+    from fly_llm.decoding.cache import BatchKV
+    from fly_llm.model.attention import use_row_attention
+
+    target, _, _ = make_pair("llama", device="cpu")
+    use_row_attention(target)
+    kv = BatchKV.prefill(target, list(range(30)), torch.device("cpu"))
+    op = row_attention._ops()
+    monkeypatch.setattr(row_attention, "_ops", row_attention._ops)  # the helper swaps it: restored after the test
+    medians = attention_bench._forward_medians(target, kv, 30, 3, {"current": op, "baseline": op}, rounds=2)
+    assert set(medians) == {"current", "baseline"} and kv.lengths == [30]
+
+    class Shifted:  # an op module whose outputs are off by one
+        @staticmethod
+        def attention(*args):
+            return op.attention(*args) + 1
+
+    with pytest.raises(SystemExit, match="logits differ at context 30, width 3"):
+        attention_bench._forward_medians(target, kv, 30, 3, {"current": op, "baseline": Shifted}, rounds=1)

@@ -305,6 +305,9 @@ def test_a_target_forward_is_interpolated_between_its_timed_widths():
     assert costs.verify(0, batch_size=3) == 0 and costs.verify(2, batch_size=3) == pytest.approx(3 * (1.4425 - 1.145))
     linear = Costs(target_token=0.17)  # no timed widths: the mean slope
     assert [linear.verify(k, b) for k, b in ((3, 1), (2, 4))] == pytest.approx([0.51, 4 * 2 * 0.17])
+    policy = AdaptivePolicy(costs)  # keeps each (k_max, batch size)'s verify costs: the same values
+    for k_max, batch in ((3, 1), (3, 4), (5, 4), (3, 1)):
+        assert policy._verify_costs(k_max, batch) == tuple(costs.verify(k, batch) for k in range(k_max + 1))
 
 
 def test_a_memory_bound_verify_makes_short_model_rounds_pay():

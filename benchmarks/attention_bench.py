@@ -22,15 +22,14 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch.utils.cpp_extension import load
 
 from benchmarks.kernel_bench import cpu_name
 from benchmarks.step_profile import load_embedded_pair, write_report
 from fly_llm.decoding.cache import BatchKV
-from fly_llm.model.kernels import build
+from fly_llm.model.kernels.build import compile_extension
 from fly_llm.model.kernels import row_attention as current
 
-HEADS, KV_HEADS, DIM = 12, 2, 128  # the embedded target's attention
+HEADS, KV_HEADS, DIM, LAYERS = 12, 2, 128, 28  # the embedded target's attention
 Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]
 
 
@@ -39,8 +38,7 @@ def build_baseline(source: Path) -> ModuleType:
     directory = Path(tempfile.mkdtemp(prefix="row-attention-baseline-"))
     copy = directory / "row_attention_baseline.cpp"
     copy.write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
-    return load(name="row_attention_baseline", sources=[str(copy)], extra_cflags=build._FLAGS,
-                extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    return compile_extension("row_attention_baseline", copy, directory)
 
 
 def inputs(context: int, queries: int) -> tuple[torch.Tensor, ...]:
@@ -53,20 +51,30 @@ def inputs(context: int, queries: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, mask
 
 
-def compare(ops: dict[str, Op], context: int, queries: int, rounds: int) -> dict[str, float]:
-    """Median µs per call of each op, alternating call by call; stops if any output differs."""
-    q, k, v, mask = inputs(context, queries)
-    for m in (None, mask):
-        outs = [op(q, k, v, m, DIM ** -0.5) for op in ops.values()]
-        if not all(torch.equal(outs[0], out) for out in outs[1:]):
-            raise SystemExit(f"the ops differ at context {context}, {queries} queries")
-    times: dict[str, list[float]] = {name: [] for name in ops}
-    for r in range(rounds):
-        for name in (list(ops) if r % 2 else reversed(list(ops))):
+def alternate(calls: dict[str, Callable[[], torch.Tensor]], rounds: int, differ: str) -> dict[str, float]:
+    """Median seconds of each call over `rounds` rounds after a warm-up one, their order reversed every
+    other round; stops with the message `differ` if their outputs ever differ (rounds 0: only that check)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds + 1):
+        outputs = []
+        for name in (list(calls) if r % 2 else reversed(list(calls))):
             start = time.perf_counter()
-            ops[name](q, k, v, None, DIM ** -0.5)
-            times[name].append((time.perf_counter() - start) * 1e6)
-    return {name: statistics.median(t) for name, t in times.items()}
+            outputs.append(calls[name]())
+            if r:
+                times[name].append(time.perf_counter() - start)
+        if not all(torch.equal(outputs[0], out) for out in outputs[1:]):
+            raise SystemExit(differ)
+    return {name: statistics.median(t) for name, t in times.items()} if rounds else {}
+
+
+def compare(ops: dict[str, Op], context: int, queries: int, rounds: int) -> dict[str, float]:
+    """Median µs per call of each op, alternating call by call; stops if any output differs (with and without
+    a mask with holes)."""
+    q, k, v, mask = inputs(context, queries)
+    differ = f"the ops differ at context {context}, {queries} queries"
+    alternate({name: lambda op=op: op(q, k, v, mask, DIM ** -0.5) for name, op in ops.items()}, 0, differ)
+    calls = {name: lambda op=op: op(q, k, v, None, DIM ** -0.5) for name, op in ops.items()}
+    return {name: seconds * 1e6 for name, seconds in alternate(calls, rounds, differ).items()}
 
 
 def compare_forwards(baseline: ModuleType, contexts: list[int], widths: list[int], rounds: int) -> list[str]:
@@ -92,20 +100,17 @@ def compare_forwards(baseline: ModuleType, contexts: list[int], widths: list[int
 def _forward_medians(target, kv: BatchKV, context: int, width: int, modules: dict[str, ModuleType],
                      rounds: int) -> dict[str, float]:
     """Median ms of a forward over `width` new tokens with each op module, alternating, logits equal."""
-    times: dict[str, list[float]] = {name: [] for name in modules}
     tokens = torch.arange(width)[None]
-    for r in range(rounds + 1):  # the first round warms up
-        logits = []
-        for name in (list(modules) if r % 2 else reversed(list(modules))):
-            current._ops = lambda module=modules[name]: module  # what row_attention.attention() calls
-            start = time.perf_counter()
-            logits.append(kv.forward(target, tokens, logits_to_keep=width))
-            if r:
-                times[name].append((time.perf_counter() - start) * 1000)
-            kv.truncate([context])
-        if not torch.equal(logits[0], logits[1]):
-            raise SystemExit(f"the target's logits differ at context {context}, width {width}")
-    return {name: statistics.median(t) for name, t in times.items()}
+
+    def forward(module: ModuleType) -> torch.Tensor:
+        current._ops = lambda: module  # what row_attention.attention() calls
+        logits = kv.forward(target, tokens, logits_to_keep=width)
+        kv.truncate([context])
+        return logits
+
+    calls = {name: lambda module=module: forward(module) for name, module in modules.items()}
+    medians = alternate(calls, rounds, f"the target's logits differ at context {context}, width {width}")
+    return {name: seconds * 1000 for name, seconds in medians.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,14 +136,14 @@ def main(argv: list[str] | None = None) -> int:
              "", f"`python -m benchmarks.attention_bench {' '.join(argv if argv is not None else sys.argv[1:])}`",
              f"({cpu_name()}, {args.threads} threads, {args.rounds} calls each, alternating; outputs equal)", "",
              "| context | queries | " + " | ".join(f"{n} µs" for n in names) + " |"
-             + (" current / baseline | 28 layers saved |" if args.baseline else ""),
+             + (f" current / baseline | {LAYERS} layers saved |" if args.baseline else ""),
              "|---:|---:|" + "---:|" * len(names) + ("---:|---:|" if args.baseline else "")]
     for context in args.contexts:
         for queries in args.queries:
             median = compare(ops, context, queries, args.rounds)
             row = f"| {context} | {queries} | " + " | ".join(f"{median[n]:.1f}" for n in names) + " |"
             if args.baseline:
-                saved = 28 * (median["baseline"] - median["current"]) / 1000
+                saved = LAYERS * (median["baseline"] - median["current"]) / 1000
                 row += f" {median['current'] / median['baseline']:.2f} | {saved:+.2f} ms |"
             lines.append(row)
             print(row, flush=True)

@@ -30,19 +30,25 @@ def build_directory(name: str, source: Path) -> Path:
     return cache_root() / "kernels" / f"{name}-{key.hexdigest()[:12]}"
 
 
+def compile_extension(name: str, source: Path, directory: Path) -> ModuleType:
+    """Build (or load, if built) the extension `name` from `source` in `directory`, with this package's
+    flags; raises if it cannot be built."""
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name=name, sources=[str(source)], build_directory=str(directory),
+                              extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+
+
 @functools.cache
 def load_extension(name: str) -> ModuleType | None:
     """The extension built from `<name>.cpp` beside this file, or None (logged) if it cannot be built."""
-    from torch.utils import cpp_extension
-
     source = Path(__file__).with_name(f"{name}.cpp")
     directory = build_directory(name, source)
     if not any(directory.glob(f"{name}*.so")):
         log.info("compiling the %s CPU kernel (once, about a minute) in %s", name, directory)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=f"fly_{name}", sources=[str(source)], build_directory=str(directory),
-                                  extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        return compile_extension(f"fly_{name}", source, directory)
     except Exception as exc:  # no compiler, no ninja, a failed build: every cause means "use the fallback"
         log.warning("the %s CPU kernel could not be built (%s: %s); using the fallback",
                     name, type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")

@@ -45,7 +45,7 @@ def load_extension(name: str) -> ModuleType | None:
     """The extension built from `<name>.cpp` beside this file, or None (logged) if it cannot be built."""
     source = Path(__file__).with_name(f"{name}.cpp")
     directory = build_directory(name, source)
-    if not any(directory.glob(f"{name}*.so")):
+    if not any(directory.glob(f"fly_{name}*.so")):  # the built module is named fly_<name>
         log.info("compiling the %s CPU kernel (once, about a minute) in %s", name, directory)
     try:
         return compile_extension(f"fly_{name}", source, directory)

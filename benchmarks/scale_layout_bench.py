@@ -22,22 +22,18 @@ from benchmarks.kernel_bench import cpu_name
 from benchmarks.step_profile import load_embedded_pair, write_report
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.model.fused_layers import PackedW4A8
-from fly_llm.model.kernels.w4a8 import PackedWeight
+from fly_llm.model.kernels.w4a8 import Packed
 
 
-def layouts(model: nn.Module) -> tuple[dict[nn.Module, PackedWeight], dict[nn.Module, PackedWeight]]:
+def layouts(model: nn.Module) -> tuple[dict[nn.Module, Packed], dict[nn.Module, Packed]]:
     """Each packed layer's weight as loaded (two-level scales kept where published) and without them."""
     loaded = {m: m.packed for m in model.modules() if isinstance(m, PackedW4A8)}
     return loaded, {m: packed.one_level() for m, packed in loaded.items()}
 
 
-def streamed_bytes(packed: dict[nn.Module, PackedWeight]) -> int:
+def streamed_bytes(packed: dict[nn.Module, Packed]) -> int:
     """Bytes a forward over up to 4 rows streams: the levels and the scales (two levels where kept)."""
-    def tensors(p: PackedWeight) -> tuple[torch.Tensor, ...]:
-        scales = (p.levels.d, p.levels.m, p.levels.sc, p.levels.mn) if p.levels is not None else (p.d, p.m)
-        return (p.q, *scales)
-
-    return sum(t.numel() * t.element_size() for p in packed.values() for t in tensors(p))
+    return sum(p.streamed_bytes() for p in packed.values())
 
 
 def compare(model: nn.Module, kv: BatchKV, context: int, width: int, rounds: int) -> dict[str, list[float]]:

@@ -1,13 +1,15 @@
 """A safetensors cache of GGUF models: convert once (slow), load fast afterwards.
 
 Layout: `<root>/<key>/` is an ordinary Hugging Face model directory (config, generation config,
-bfloat16 safetensors, tokenizer) plus `fly-published.safetensors` (the GGUF's Q4_K Linear weights as
-published, raw, for the w4a8 kernel: fly_llm.model.kernels.gguf_q4k) and `fly-manifest.json`. It is built
+bfloat16 safetensors, tokenizer) plus `fly-published.safetensors` (the GGUF's Linear weights as
+published, raw, with their block types, for the w4a8 kernel: fly_llm.model.kernels.gguf_blocks) and
+`fly-manifest.json`. It is built
 in `<root>/.tmp-<key>-*` and renamed into place only when complete, so a crash leaves nothing that
 loads. The manifest (written last, atomically) records every file's size and sha256 — of the whole
 file below 64 MiB, of its first and last MiB above — and is checked on every load: a few MiB of
 reading, so a truncated, half-copied or overwritten cache is rebuilt instead of loaded. A cache
-built before the published weights were kept gets them added from the GGUF (the float weights stay).
+built before the published weights were kept (or when only its Q4_K ones were) gets them written
+anew from the GGUF (the float weights stay).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufCo
 from transformers.utils import logging as hf_logging
 
 from fly_llm.common.errors import ModelError
-from fly_llm.model.kernels.gguf_q4k import PublishedWeights, published_blocks, save_published
+from fly_llm.model.kernels.gguf_blocks import PublishedWeights, is_current, published_blocks, save_published
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +103,13 @@ def cache_problem(model_dir: Path) -> str | None:
 
 
 def has_published(model_dir: Path) -> bool:
-    """Whether a checked cache's manifest lists its published weights (caches built before them do not)."""
-    return PUBLISHED in _manifest(model_dir)["files"]
+    """Whether a checked cache's manifest lists its published weights in the current format (caches built
+    before them, or with Q4_K ones only, do not)."""
+    return PUBLISHED in _manifest(model_dir)["files"] and is_current(model_dir / PUBLISHED)
 
 
 def published_weights(model_dir: Path | str) -> PublishedWeights | None:
-    """The published Q4_K Linear weights of a model cache directory (as its manifest lists them);
+    """The published Linear weights of a model cache directory (as its manifest lists them);
     None for any other model directory or id."""
     model_dir = Path(model_dir)
     if not (model_dir / MANIFEST).is_file() or cache_problem(model_dir) or not has_published(model_dir):
@@ -115,7 +118,7 @@ def published_weights(model_dir: Path | str) -> PublishedWeights | None:
 
 
 def write_published(gguf: Path, model_dir: Path, path: Path) -> None:
-    """Save to `path` the GGUF's Q4_K Linear weights, named as in the model converted to `model_dir`."""
+    """Save to `path` the GGUF's published Linear weights, named as in the model converted to `model_dir`."""
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     save_published(published_blocks(gguf, skeleton), path)
@@ -135,7 +138,7 @@ def hf_progress(enabled: bool) -> Iterator[None]:
 def convert_gguf(gguf: Path, out: Path, *, name: str, progress: bool = True,
                  before_save: Callable[[], None] | None = None) -> None:
     """Dequantise a GGUF file and save it to `out` as a safetensors model directory, with its
-    published Q4_K Linear weights beside (`PUBLISHED`).
+    published Linear weights beside (`PUBLISHED`).
 
     transformers 5 refuses `save_pretrained` on a GGUF-loaded model, so the weights are moved
     (not copied) into a plain model built from the same config and saved from there.
@@ -199,7 +202,7 @@ def cached_conversion(root: Path, key: str, make_gguf: Callable[[Path], Path], *
             staged = workdir / "model"
             try:
                 if problem is None:  # a cache from before the published weights: add them, keep the rest
-                    log.info("adding the GGUF's published Q4_K weights to the model cache %s", final)
+                    log.info("adding the GGUF's published weights to the model cache %s", final)
                     staged.mkdir()
                     write_published(gguf, final, staged / PUBLISHED)
                     os.replace(staged / PUBLISHED, final / PUBLISHED)

@@ -48,7 +48,7 @@ _MODEL = {"LlamaModel", "Qwen2Model", "MistralModel"}
 class PackedW4A8(nn.Module):
     """A layer on a packed W4A8 weight (`packed`, and `bias` float32 [n] or None): W4A8Linear, FusedW4A8."""
 
-    packed: w4a8.PackedWeight
+    packed: w4a8.Packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] in x's dtype."""

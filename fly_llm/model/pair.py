@@ -3,8 +3,8 @@
 A source is a Hugging Face model id (resolved through the normal HF cache, so it works offline
 once cached), a local model directory, or a `.gguf` file (converted once to the safetensors
 cache, fly_llm.model.cache). No target means the embedded default pair (fly_llm.model.embedded).
-Under w4a8 a GGUF's Q4_K Linear weights are taken as published (fly_llm.model.kernels.gguf_q4k), the
-others rounded from their float weights.
+Under w4a8 a GGUF's Linear weights of the block types the kernel reads (Q4_K, Q6_K, Q8_0, Q5_0, Q4_0)
+are taken as published (fly_llm.model.kernels.gguf_blocks), the others rounded from their float weights.
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ from fly_llm.model.attention import use_row_attention
 from fly_llm.model.kernels import row_attention as native_attention
 from fly_llm.model.kernels import w4a8
 
+Published = w4a8.QuantizedWeight | w4a8.SuperBlockWeight | w4a8.SymmetricWeight
+
 log = logging.getLogger(__name__)
 
 # Rows scaled into [-1, 1] map onto 0..127 (zero at 64): 7-bit activations, as torch's x86 int8
@@ -127,16 +129,18 @@ class Int4Linear(nn.Module):
 class W4A8Linear(PackedW4A8):
     """A Linear with 4-bit weights (blocks of 32 inputs, scale and minimum each) and int8 activations."""
 
-    def __init__(self, linear: nn.Linear,
-                 weight: w4a8.QuantizedWeight | w4a8.SuperBlockWeight | None = None) -> None:
-        """`weight`: the linear's weight already in 4-bit levels (e.g. a GGUF's published Q4_K
-        blocks); None rounds `linear.weight` (`w4a8.quantize_weight`)."""
+    def __init__(self, linear: nn.Linear, weight: Published | None = None) -> None:
+        """`weight`: the linear's weight already in levels (a GGUF's published blocks: Q4_K, or Q6_K, Q8_0,
+        Q5_0, Q4_0 as symmetric blocks); None rounds `linear.weight` to 4 bits (`w4a8.quantize_weight`)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         if weight is not None and tuple(weight.q.shape) != (self.out_features, self.in_features):
             raise ValueError(f"a published weight of shape {tuple(weight.q.shape)} for a "
                              f"{self.out_features}x{self.in_features} Linear")
-        self.packed = w4a8.pack(weight if weight is not None else w4a8.quantize_weight(linear.weight))
+        if isinstance(weight, w4a8.SymmetricWeight):
+            self.packed = w4a8.pack_symmetric(weight)
+        else:
+            self.packed = w4a8.pack(weight if weight is not None else w4a8.quantize_weight(linear.weight))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
 
     def extra_repr(self) -> str:
@@ -197,10 +201,10 @@ def _unpackable(scheme: str, linear: nn.Linear) -> bool:
 
 
 def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "target",
-             published: Mapping[str, w4a8.QuantizedWeight | w4a8.SuperBlockWeight] | None = None) -> str:
+             published: Mapping[str, Published] | None = None) -> str:
     """Replace `model`'s Linear layers in place by quantized ones; returns the scheme applied.
 
-    `published` maps Linear names (as `model.named_modules()` gives them) to 4-bit weights taken
+    `published` maps Linear names (as `model.named_modules()` gives them) to weights in levels taken
     as they are under w4a8 instead of rounding the float weight again (other schemes ignore it).
 
     Every Linear is replaced, the output head included (a Linear whose input width is not a

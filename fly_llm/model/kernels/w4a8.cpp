@@ -43,6 +43,7 @@ struct Activations {
   const int8_t* q;   // [M, K]
   const float* s;    // [M, blocks]: the block's scale
   const float* ms;   // [M, blocks]: scale * sum of the block's quantized values
+  const int32_t* hs; // [M, blocks, 2]: sums of the block's first and last 16 quantized values
   int64_t k, blocks;
 };
 
@@ -166,7 +167,9 @@ void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t ro
   }
 }
 
-using Tile = void (*)(const Weights&, const Activations&, int64_t, int64_t, int64_t, int64_t, float*);
+template <typename W>
+using TileOf = void (*)(const W&, const Activations&, int64_t, int64_t, int64_t, int64_t, float*);
+using Tile = TileOf<Weights>;
 constexpr int kVnniRows = 8;  // 8 int32 + 8 float accumulators + weights fit 32 zmm registers
 constexpr int kAvx2Rows = 4;  // 8 int16 accumulators + weights fit 16 ymm registers
 const Tile kVnniTiles[] = {tile_vnni<1, false>, tile_vnni<2, false>, tile_vnni<3, false>, tile_vnni<4, false>,
@@ -174,6 +177,169 @@ const Tile kVnniTiles[] = {tile_vnni<1, false>, tile_vnni<2, false>, tile_vnni<3
 const Tile kVnniTwoLevelTiles[] = {tile_vnni<1, true>, tile_vnni<2, true>, tile_vnni<3, true>, tile_vnni<4, true>};
 static_assert(sizeof(kVnniTwoLevelTiles) / sizeof(Tile) == kTwoLevelRows, "a two-level tile for each row count");
 const Tile kAvx2Tiles[] = {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
+
+// ---- Symmetric blocks: GGUF's Q8_0, Q5_0, Q4_0 and Q6_K as published ----
+//
+// A weight is w = d * sc * (q - zero): q an unsigned level of 4 + HB bits (0 <= HB <= 4), zero a
+// fixed offset (Q8_0: 128 (its int8 levels + 128), Q6_K: 32, Q5_0: 16, Q4_0: 8), sc an int8 per 16
+// inputs (Q6_K; none: 1) and d a float16 per `span` blocks of 32 (Q6_K: 8, the others: 1).
+//   lo: uint8 [groups, blocks, 4, 64]: q's low nibbles, laid out as the 4-bit weights above.
+//   planes: uint64 [groups, blocks, 4, HB, 2]: bit p of q's high part, for chunk c and the low (0) and
+//      high (1) nibble positions: bit i of the mask is byte i of that chunk's 64 bytes.
+//   sc: int8 [groups, blocks, 2, 16]; d: float16 [groups, blocks / span, 16].
+// For a row and a block the integer isum = sum over halves h of sc_h * (sum_h(q * a) - zero * sum_h(a))
+// is exact (at most 2^23 in magnitude), then acc += float(isum) * (d * s), block after block: the same
+// float steps on both paths and in any batch, so both paths agree bit for bit.
+struct SymWeights {
+  const uint8_t* lo;
+  const uint64_t* planes;
+  const int8_t* sc;  // null: 1
+  const uint16_t* d;
+  int64_t blocks, span, zero;
+};
+
+uint64_t load8(const uint64_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// Block b's sub-scales for 16 columns (halves 0 and 1) as int32.
+__attribute__((target("avx512f")))
+void sub_scales16(const SymWeights& w, int64_t at, __m512i& sc0, __m512i& sc1) {
+  sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + at * 2 * kCols)));
+  sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + at * 2 * kCols + kCols)));
+}
+
+template <int R, int HB, bool kSub>
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c,fma")))
+void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
+                   float* acc) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = _mm512_loadu_ps(acc + r * kCols);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t at = group * w.blocks + b;
+    const uint8_t* q = w.lo + at * kGroupBytes;
+    const uint64_t* bits = w.planes + at * 4 * HB * 2;
+    __m512i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(q + c * 64);
+      __m512i lo = _mm512_and_si512(raw, nibble);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+      for (int p = 0; p < HB; ++p) {  // disjoint bits: adding them sets them
+        const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+        lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(load8(bits + (c * HB + p) * 2)), lo, bit);
+        hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(load8(bits + (c * HB + p) * 2 + 1)), hi, bit);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
+        dot[r][c / 2] = _mm512_dpbusd_epi32(dot[r][c / 2], lo, _mm512_set1_epi32(load4(x)));
+        dot[r][c / 2] = _mm512_dpbusd_epi32(dot[r][c / 2], hi, _mm512_set1_epi32(load4(x + 4)));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(w.d + (group * (w.blocks / w.span) + b / w.span) * kCols)));
+    __m512i sc0, sc1;
+    if constexpr (kSub) sub_scales16(w, at, sc0, sc1);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (row0 + r) * a.blocks + b;
+      const __m512i h0 = _mm512_sub_epi32(dot[r][0], _mm512_set1_epi32(static_cast<int32_t>(w.zero * a.hs[2 * i])));
+      const __m512i h1 = _mm512_sub_epi32(dot[r][1], _mm512_set1_epi32(static_cast<int32_t>(w.zero * a.hs[2 * i + 1])));
+      __m512i isum;
+      if constexpr (kSub) isum = _mm512_add_epi32(_mm512_mullo_epi32(sc0, h0), _mm512_mullo_epi32(sc1, h1));
+      else isum = _mm512_add_epi32(h0, h1);
+      sum[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(a.s[i])), sum[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * kCols, sum[r]);
+}
+
+// 32 bits of a plane as 32 bytes, 0xFF where the bit is set (bit i -> byte i).
+__attribute__((target("avx2")))
+__m256i expand_bits(uint32_t mask) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
+}
+
+// The same steps on 256-bit registers, a group as two halves of 8 columns. A level's nibble and its
+// high part (0..15) are multiplied apart (vpmaddubsw pairs stay within int16: 2 * 15 * 127 each, four
+// of them per half-block) and joined in int32 as nibble + 16 * high.
+template <int R, int HB, bool kSub>
+__attribute__((target("avx2,f16c,fma")))
+void sym_tile_avx2(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
+                   float* acc) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t at = group * w.blocks + b;
+    const uint8_t* q = w.lo + at * kGroupBytes;
+    const uint64_t* bits = w.planes + at * 4 * HB * 2;
+    for (int ch = 0; ch < 2; ++ch) {
+      __m256i dot[R][2], high[R][2];
+      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = high[r][0] = high[r][1] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64 + ch * 32));
+        const __m256i lo = _mm256_and_si256(raw, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        __m256i high_lo = _mm256_setzero_si256(), high_hi = _mm256_setzero_si256();
+        for (int p = 0; p < HB; ++p) {
+          const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << p));
+          const uint32_t mlo = static_cast<uint32_t>(load8(bits + (c * HB + p) * 2) >> (32 * ch));
+          const uint32_t mhi = static_cast<uint32_t>(load8(bits + (c * HB + p) * 2 + 1) >> (32 * ch));
+          high_lo = _mm256_or_si256(high_lo, _mm256_and_si256(expand_bits(mlo), bit));
+          high_hi = _mm256_or_si256(high_hi, _mm256_and_si256(expand_bits(mhi), bit));
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
+          const __m256i xl = _mm256_set1_epi32(load4(x)), xh = _mm256_set1_epi32(load4(x + 4));
+          dot[r][c / 2] = _mm256_add_epi16(dot[r][c / 2], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
+                                                                             _mm256_maddubs_epi16(hi, xh)));
+          if constexpr (HB > 0)
+            high[r][c / 2] = _mm256_add_epi16(high[r][c / 2], _mm256_add_epi16(_mm256_maddubs_epi16(high_lo, xl),
+                                                                                 _mm256_maddubs_epi16(high_hi, xh)));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(w.d + (group * (w.blocks / w.span) + b / w.span) * kCols + ch * 8)));
+      __m256i sc0 = _mm256_set1_epi32(1), sc1 = sc0;
+      if constexpr (kSub) {
+        sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + at * 2 * kCols + ch * 8)));
+        sc1 = _mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + at * 2 * kCols + kCols + ch * 8)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (row0 + r) * a.blocks + b;
+        __m256i h[2];
+        for (int half = 0; half < 2; ++half) {
+          __m256i v = _mm256_madd_epi16(dot[r][half], ones);
+          if constexpr (HB > 0) v = _mm256_add_epi32(v, _mm256_slli_epi32(_mm256_madd_epi16(high[r][half], ones), 4));
+          h[half] = _mm256_sub_epi32(v, _mm256_set1_epi32(static_cast<int32_t>(w.zero * a.hs[2 * i + half])));
+        }
+        __m256i isum;
+        if constexpr (kSub) isum = _mm256_add_epi32(_mm256_mullo_epi32(sc0, h[0]), _mm256_mullo_epi32(sc1, h[1]));
+        else isum = _mm256_add_epi32(h[0], h[1]);
+        float* out = acc + r * kCols + ch * 8;
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(a.s[i])),
+                                              _mm256_loadu_ps(out)));
+      }
+    }
+  }
+}
+
+using SymTile = TileOf<SymWeights>;
+constexpr int kSymAvx2Rows = 2;  // 8 int16 accumulators + weights fit 16 ymm registers
+template <int HB, bool kSub>
+struct SymTiles {
+  static constexpr SymTile vnni[] = {sym_tile_vnni<1, HB, kSub>, sym_tile_vnni<2, HB, kSub>, sym_tile_vnni<3, HB, kSub>,
+                                     sym_tile_vnni<4, HB, kSub>, sym_tile_vnni<5, HB, kSub>, sym_tile_vnni<6, HB, kSub>,
+                                     sym_tile_vnni<7, HB, kSub>, sym_tile_vnni<8, HB, kSub>};
+  static constexpr SymTile avx2[] = {sym_tile_avx2<1, HB, kSub>, sym_tile_avx2<2, HB, kSub>};
+};
 
 int64_t best_isa() {
   __builtin_cpu_init();
@@ -184,10 +350,19 @@ int64_t best_isa() {
   return kAuto;  // neither path can run
 }
 
+// The sum of 8 int32 lanes.
+__attribute__((target("avx2")))
+int32_t sum8(__m256i v) {
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(t);
+}
+
 // One block of 32: int8 values round(x / s) (ties to even, as torch.round), s = max|x| / 127, and
-// returns sum of the values. Divides (not multiplies by 1/s), so it equals the reference's rounding.
+// writes the sums of its first and last 16 values to half[0], half[1]. Divides (not multiplies by 1/s), so it equals the reference's rounding.
 __attribute__((target("avx2,fma")))
-int32_t quantize_block(const float* x, int8_t* q, float* scale) {
+void quantize_block(const float* x, int8_t* q, float* scale, int32_t* half) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 v[4], peak = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -201,20 +376,19 @@ int32_t quantize_block(const float* x, int8_t* q, float* scale) {
   *scale = s;
   if (!(s > 0.f)) {
     std::memset(q, 0, kBlock);
-    return 0;
+    half[0] = half[1] = 0;
+    return;
   }
   const __m256 sv = _mm256_set1_ps(s);
   __m256i n[4];
   for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], sv));  // MXCSR: nearest, ties even
-  __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  const __m256i first = _mm256_add_epi32(n[0], n[1]), last = _mm256_add_epi32(n[2], n[3]);
   const __m256i bytes = _mm256_permutevar8x32_epi32(
       _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])),
       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
-  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(t);
+  half[0] = sum8(first);
+  half[1] = sum8(last);
 }
 
 // 32 bfloat16 values as float32 (exact: a bfloat16 is the upper half of a float32).
@@ -226,9 +400,10 @@ void widen_block(const at::BFloat16* x, float* out) {
   }
 }
 
-// Per row and block of 32: int8 values, the scale, and scale * their sum (threads split rows).
+// Per row and block of 32: int8 values, the scale, scale * their sum and their two half sums (threads
+// split rows).
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* s, float* ms) {
+void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* s, float* ms, int32_t* hs) {
   const int64_t blocks = k / kBlock;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     alignas(32) float wide[kBlock];
@@ -243,29 +418,29 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* s, flo
         } else {
           block = in;
         }
-        const int32_t total = quantize_block(block, q + r * k + b * kBlock, s + i);
-        ms[i] = s[i] * static_cast<float>(total);
+        quantize_block(block, q + r * k + b * kBlock, s + i, hs + 2 * i);
+        ms[i] = s[i] * static_cast<float>(hs[2 * i] + hs[2 * i + 1]);
       }
     }
   });
 }
 
-// Quantize the rows of x, then out = x W^T (+ bias) in the panels and groups described above.
-template <typename T>
-void run(const T* x, T* out, const Weights& w, int64_t rows, int64_t n, const float* bias, int64_t isa) {
-  const int64_t k = w.blocks * kBlock, groups = (n + kCols - 1) / kCols;
-  auto q = torch::empty({rows, k}, torch::kInt8);
-  auto s = torch::empty({rows, w.blocks}, torch::kFloat32);
-  auto ms = torch::empty({rows, w.blocks}, torch::kFloat32);
-  quantize_rows(x, rows, k, q.data_ptr<int8_t>(), s.data_ptr<float>(), ms.data_ptr<float>());
-  const Activations act{q.data_ptr<int8_t>(), s.data_ptr<float>(), ms.data_ptr<float>(), k, w.blocks};
-  const bool vnni = isa == kAvx512Vnni;
-  const int tile_rows = vnni ? kVnniRows : kAvx2Rows;
+// Quantize the rows of x, then out = x W^T (+ bias) in the panels and groups described above;
+// `tiles(panel_rows)` gives the tile table for a panel and `tile_rows` its widest tile.
+template <typename T, typename W, typename Pick>
+void run(const T* x, T* out, const W& w, int64_t rows, int64_t n, const float* bias, int tile_rows, Pick tiles) {
+  const int64_t blocks = w.blocks, k = blocks * kBlock, groups = (n + kCols - 1) / kCols;
+  const torch::Tensor q = torch::empty({rows, k}, torch::kInt8);
+  const torch::Tensor s = torch::empty({rows, blocks}, torch::kFloat32);
+  const torch::Tensor ms = torch::empty({rows, blocks}, torch::kFloat32);
+  const torch::Tensor hs = torch::empty({rows, blocks, 2}, torch::kInt32);
+  quantize_rows(x, rows, k, q.data_ptr<int8_t>(), s.data_ptr<float>(), ms.data_ptr<float>(), hs.data_ptr<int32_t>());
+  const Activations act{q.data_ptr<int8_t>(), s.data_ptr<float>(), ms.data_ptr<float>(), hs.data_ptr<int32_t>(), k,
+                        blocks};
 
   for (int64_t panel = 0; panel < rows; panel += kPanel) {  // prefill: a panel's activations stay in cache
     const int64_t panel_rows = std::min<int64_t>(kPanel, rows - panel);
-    const bool two_level = vnni && w.sc != nullptr && panel_rows <= kTwoLevelRows;  // see the top of this file
-    const Tile* tiles = two_level ? kVnniTwoLevelTiles : vnni ? kVnniTiles : kAvx2Tiles;
+    const TileOf<W>* table = tiles(panel_rows);
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       alignas(64) float acc[kPanel * kCols];
       for (int64_t g = g0; g < g1; ++g) {
@@ -274,7 +449,7 @@ void run(const T* x, T* out, const Weights& w, int64_t rows, int64_t n, const fl
           const int64_t b1 = std::min(w.blocks, b0 + kChunk);
           for (int64_t r = 0; r < panel_rows; r += tile_rows) {
             const int64_t count = std::min<int64_t>(tile_rows, panel_rows - r);
-            tiles[count - 1](w, act, g, panel + r, b0, b1, acc + r * kCols);
+            table[count - 1](w, act, g, panel + r, b0, b1, acc + r * kCols);
           }
         }
         const int64_t col0 = g * kCols, cols = std::min<int64_t>(kCols, n - col0);
@@ -286,6 +461,47 @@ void run(const T* x, T* out, const Weights& w, int64_t rows, int64_t n, const fl
       }
     });
   }
+}
+
+// out = x W^T (+ bias) in x's dtype.
+template <typename W, typename Pick>
+torch::Tensor run_any(const torch::Tensor& x, const W& w, int64_t n, const float* bias, int tile_rows, Pick tiles) {
+  const torch::Tensor xc = x.contiguous();
+  auto y = torch::empty({x.size(0), n}, x.options());
+  if (x.scalar_type() == torch::kBFloat16)
+    run(xc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), w, x.size(0), n, bias, tile_rows, tiles);
+  else
+    run(xc.data_ptr<float>(), y.data_ptr<float>(), w, x.size(0), n, bias, tile_rows, tiles);
+  return y;
+}
+
+// The path to take: `isa` (0: the best here), checked against this CPU.
+int64_t resolve_isa(int64_t isa) {
+  const int64_t available = best_isa();
+  if (isa == kAuto) isa = available;
+  TORCH_CHECK(isa != kAuto, "w4a8: this CPU has neither AVX-512 VNNI nor AVX2 with FMA");
+  TORCH_CHECK(isa <= available, "w4a8: the requested instruction set is not available on this CPU");
+  return isa;
+}
+
+// Checks shared by both weight layouts: x, the input width, the output count and the bias.
+void check_common(const torch::Tensor& x, int64_t groups, int64_t blocks, int64_t n,
+                  const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "w4a8: x must be a 2-D float32 or bfloat16 tensor");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "w4a8: the input width ", k, " is not a multiple of ", kBlock);
+  TORCH_CHECK(blocks * kBlock == k, "w4a8: input width ", k, " does not match the weights' ", blocks * kBlock);
+  TORCH_CHECK(n > (groups - 1) * kCols && n <= groups * kCols, "w4a8: ", n, " outputs do not fit ", groups, " groups");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n),
+              "w4a8: bias must be a contiguous float32 [n]");
+}
+
+template <int HB, bool kSub>
+torch::Tensor run_sym(const torch::Tensor& x, const SymWeights& w, int64_t n, const float* bias, int64_t isa) {
+  using Table = SymTiles<HB, kSub>;
+  if (isa == kAvx512Vnni) return run_any(x, w, n, bias, kVnniRows, [](int64_t) { return Table::vnni; });
+  return run_any(x, w, n, bias, kSymAvx2Rows, [](int64_t) { return Table::avx2; });
 }
 
 }  // namespace
@@ -300,19 +516,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const torc
                      const c10::optional<torch::Tensor>& top_m, const c10::optional<torch::Tensor>& sc,
                      const c10::optional<torch::Tensor>& mn, const c10::optional<torch::Tensor>& bias, int64_t n,
                      int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
-              "w4a8: x must be a 2-D float32 or bfloat16 tensor");
   TORCH_CHECK(wq.scalar_type() == torch::kUInt8 && wq.dim() == 4 && wq.size(2) * wq.size(3) == kGroupBytes,
               "w4a8: packed weights must be uint8 [groups, blocks, 4, 64]");
   TORCH_CHECK(wd.scalar_type() == torch::kFloat16 && wm.scalar_type() == torch::kFloat16,
               "w4a8: scales and minimums must be float16");
-  const int64_t rows = x.size(0), k = x.size(1), groups = wq.size(0), blocks = wq.size(1);
-  TORCH_CHECK(k % kBlock == 0, "w4a8: the input width ", k, " is not a multiple of ", kBlock);
-  TORCH_CHECK(blocks * kBlock == k, "w4a8: input width ", k, " does not match the weights' ", blocks * kBlock);
-  TORCH_CHECK(n > (groups - 1) * kCols && n <= groups * kCols, "w4a8: ", n, " outputs do not fit ", groups, " groups");
+  const int64_t groups = wq.size(0), blocks = wq.size(1);
+  check_common(x, groups, blocks, n, bias);
   TORCH_CHECK(wd.numel() == groups * blocks * kCols && wm.numel() == wd.numel(), "w4a8: scale shapes");
-  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n),
-              "w4a8: bias must be a contiguous float32 [n]");
   const bool two_level = sc.has_value();
   TORCH_CHECK(top_d.has_value() == two_level && top_m.has_value() == two_level && mn.has_value() == two_level,
               "w4a8: two-level scales need all of top_d, top_m, sc and mn");
@@ -326,28 +536,64 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const torc
       TORCH_CHECK(t->scalar_type() == torch::kUInt8 && t->is_contiguous() && t->numel() == groups * blocks * kCols,
                   "w4a8: sc and mn must be contiguous uint8 [groups, blocks, 16]");
   }
-  const int64_t available = best_isa();
-  if (isa == kAuto) isa = available;
-  TORCH_CHECK(isa != kAuto, "w4a8: this CPU has neither AVX-512 VNNI nor AVX2 with FMA");
-  TORCH_CHECK(isa <= available, "w4a8: the requested instruction set is not available on this CPU");
-
-  const torch::Tensor xc = x.contiguous(), qc = wq.contiguous(), dc = wd.contiguous(), mc = wm.contiguous();
+  isa = resolve_isa(isa);
+  const torch::Tensor qc = wq.contiguous(), dc = wd.contiguous(), mc = wm.contiguous();
   const auto half = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
   const Weights w{qc.data_ptr<uint8_t>(), half(dc), half(mc), two_level ? half(*top_d) : nullptr,
                   two_level ? half(*top_m) : nullptr, two_level ? sc->data_ptr<uint8_t>() : nullptr,
                   two_level ? mn->data_ptr<uint8_t>() : nullptr, blocks};
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  auto y = torch::empty({rows, n}, x.options());
-  if (x.scalar_type() == torch::kBFloat16)
-    run(xc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), w, rows, n, b, isa);
-  else
-    run(xc.data_ptr<float>(), y.data_ptr<float>(), w, rows, n, b, isa);
-  return y;
+  if (isa != kAvx512Vnni) return run_any(x, w, n, b, kAvx2Rows, [](int64_t) { return kAvx2Tiles; });
+  return run_any(x, w, n, b, kVnniRows, [two_level](int64_t panel_rows) {  // see the top of this file
+    return two_level && panel_rows <= kTwoLevelRows ? kVnniTwoLevelTiles : kVnniTiles;
+  });
+}
+
+// y = x W^T (+ bias) for a weight of symmetric blocks (see SymWeights): `bits` high bits above the
+// nibble (0, 1, 2 or 4), `zero` the levels' offset, `sc` per 16 inputs or none, d per `span` blocks.
+torch::Tensor linear_sym(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& planes,
+                         const c10::optional<torch::Tensor>& sc, const torch::Tensor& d,
+                         const c10::optional<torch::Tensor>& bias, int64_t n, int64_t bits, int64_t zero, int64_t span,
+                         int64_t isa) {
+  TORCH_CHECK(lo.scalar_type() == torch::kUInt8 && lo.dim() == 4 && lo.size(2) * lo.size(3) == kGroupBytes &&
+              lo.is_contiguous(), "w4a8: symmetric levels must be contiguous uint8 [groups, blocks, 4, 64]");
+  const int64_t groups = lo.size(0), blocks = lo.size(1);
+  check_common(x, groups, blocks, n, bias);
+  TORCH_CHECK(bits == 0 || bits == 1 || bits == 2 || bits == 4, "w4a8: high bits must be 0, 1, 2 or 4, not ", bits);
+  TORCH_CHECK(zero >= 0 && zero < (int64_t{16} << bits), "w4a8: the offset ", zero, " is not a level");
+  TORCH_CHECK(span >= 1 && blocks % span == 0, "w4a8: ", blocks, " blocks are not whole spans of ", span);
+  TORCH_CHECK(planes.scalar_type() == torch::kUInt8 && planes.is_contiguous() &&
+              planes.numel() == groups * blocks * 4 * bits * 2 * 8,
+              "w4a8: planes must be contiguous uint8 [groups, blocks, 4, bits, 2, 8]");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.numel() == groups * (blocks / span) * kCols,
+              "w4a8: d must be contiguous float16 [groups, blocks / span, 16]");
+  TORCH_CHECK(!sc || (sc->scalar_type() == torch::kInt8 && sc->is_contiguous() &&
+                      sc->numel() == groups * blocks * 2 * kCols),
+              "w4a8: sc must be contiguous int8 [groups, blocks, 2, 16]");
+  isa = resolve_isa(isa);
+  const SymWeights w{lo.data_ptr<uint8_t>(), reinterpret_cast<const uint64_t*>(planes.data_ptr<uint8_t>()),
+                     sc ? sc->data_ptr<int8_t>() : nullptr,
+                     reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), blocks, span, zero};
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  switch (bits * 2 + (sc ? 1 : 0)) {
+    case 0: return run_sym<0, false>(x, w, n, b, isa);
+    case 1: return run_sym<0, true>(x, w, n, b, isa);
+    case 2: return run_sym<1, false>(x, w, n, b, isa);
+    case 3: return run_sym<1, true>(x, w, n, b, isa);
+    case 4: return run_sym<2, false>(x, w, n, b, isa);
+    case 5: return run_sym<2, true>(x, w, n, b, isa);
+    case 8: return run_sym<4, false>(x, w, n, b, isa);
+    default: return run_sym<4, true>(x, w, n, b, isa);
+  }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear", &linear, "W4A8 linear: y = x W^T (+ bias)", pybind11::arg("x"), pybind11::arg("q"),
              pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("top_d"), pybind11::arg("top_m"),
              pybind11::arg("sc"), pybind11::arg("mn"), pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"));
+  module.def("linear_sym", &linear_sym, "Symmetric-block linear: y = x W^T (+ bias)", pybind11::arg("x"),
+             pybind11::arg("lo"), pybind11::arg("planes"), pybind11::arg("sc"), pybind11::arg("d"),
+             pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("bits"), pybind11::arg("zero"),
+             pybind11::arg("span"), pybind11::arg("isa"));
   module.def("cpu_isa", &cpu_isa, "2: AVX-512 VNNI, 1: AVX2, 0: neither");
 }

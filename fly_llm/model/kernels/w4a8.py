@@ -5,7 +5,10 @@ and block of BLOCK input features (the shape of GGUF's Q4_K sub-blocks): `Quanti
 published Q4_K weight stores d and m in two levels (`SuperBlockWeight`: a float16 per SUPER blocks
 and an integer multiplier per block); packed, it keeps them (`TwoLevelScales`) beside d and m, and
 the kernel streams whichever is cheaper for the number of rows (the same values: the same output
-bit for bit). Activations are
+bit for bit). GGUF's other block types are taken as published too (`SymmetricWeight`: Q8_0, Q6_K,
+Q5_0, Q4_0; w = d * sc * (q - zero) with levels of 4 + `bits` bits), packed as `PackedSymmetric`:
+the same nibbles plus bit planes for the high bits, the same bytes per weight as the file.
+Weights of different layouts over one input run side by side (`PackedParts`). Activations are
 quantized per row and block to int8 with scale max|x| / 127 (llama.cpp's Q8 blocks). `linear`
 runs `w4a8.cpp` (AVX-512 VNNI, else AVX2), `reference_linear` is the same math in float64 torch.
 `project` is `linear` for a layer's forward, on a path that its caller looked up once (`isa_code`).
@@ -52,6 +55,11 @@ class QuantizedWeight:
         return (self.d.float()[..., None] * blocks - self.m.float()[..., None]).reshape(n, k)
 
 
+def _bytes(*tensors: torch.Tensor) -> int:
+    """The bytes the tensors hold."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _rebuild(top: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
     """float16(top * sub) per block: `top` float16 per super-block and `sub` uint8 per block (last
     dimension; the float32 product is exact, then one rounding to float16, to nearest even)."""
@@ -77,6 +85,29 @@ class SuperBlockWeight:
     def dequantize(self) -> torch.Tensor:
         """The weight these levels stand for, float32 [n, k]."""
         return self.per_block().dequantize()
+
+
+HALF = 16  # inputs per sub-scale of a SymmetricWeight (GGUF's Q6_K)
+HIGH_BITS = (0, 1, 2, 4)  # the kernel's high bits above a level's nibble
+
+
+@dataclass(frozen=True)
+class SymmetricWeight:
+    """A [n, k] weight w = d * sc * (q - zero), as GGUF's Q8_0, Q6_K, Q5_0 and Q4_0 hold it: unsigned
+    levels `q` (uint8 [n, k], below 2^(4 + bits)), a float16 `d` per `span` blocks ([n, k/(span*BLOCK)])
+    and an int8 `sc` per HALF inputs ([n, k/HALF]) or None (1)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    sc: torch.Tensor | None
+    bits: int
+    zero: int
+    span: int = 1
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight these levels stand for, float64 [n, k] (exact: at most 26 significant bits)."""
+        w = self.d.double().repeat_interleave(self.span * BLOCK, dim=1) * (self.q.double() - self.zero)
+        return w if self.sc is None else w * self.sc.double().repeat_interleave(HALF, dim=1)
 
 
 @dataclass(frozen=True)
@@ -119,16 +150,114 @@ class PackedWeight:
         """The same weight without its two-level scales (the kernel then always reads d and m)."""
         return PackedWeight(self.q, self.d, self.m, self.n)
 
+    def streamed_bytes(self) -> int:
+        """Bytes a forward over up to 4 rows streams: the levels and the scales (two levels where kept)."""
+        scales = (self.d, self.m) if self.levels is None else (self.levels.d, self.levels.m, self.levels.sc,
+                                                                 self.levels.mn)
+        return _bytes(self.q, *scales)
 
-def concat(parts: list[PackedWeight]) -> PackedWeight:
-    """Packed weights over the same input side by side: one weight whose outputs are the parts' in order
-    (every part but the last a whole number of COLUMNS-wide groups); with two-level scales if every
-    part has them."""
+    def weight_count(self) -> int:
+        """Weights held, the padding of the last group included."""
+        return self.q.numel() * 2
+
+
+@dataclass(frozen=True)
+class PackedSymmetric:
+    """A SymmetricWeight in the kernel's layout (w4a8.cpp, SymWeights): the low nibbles as PackedWeight's
+    `q`, the high bits as planes of 64-bit masks, sc and d per group of COLUMNS outputs."""
+
+    lo: torch.Tensor  # uint8 [groups, blocks, 4, 64]
+    planes: torch.Tensor  # uint8 [groups, blocks, 4, bits, 2, 8]
+    sc: torch.Tensor | None  # int8 [groups, blocks, 2, COLUMNS]
+    d: torch.Tensor  # float16 [groups, blocks / span, COLUMNS]
+    n: int
+    bits: int
+    zero: int
+    span: int
+
+    def map(self, place: Callable[[torch.Tensor], torch.Tensor]) -> PackedSymmetric:
+        """This weight with `place` applied to each of its tensors."""
+        return PackedSymmetric(place(self.lo), place(self.planes), None if self.sc is None else place(self.sc),
+                               place(self.d), self.n, self.bits, self.zero, self.span)
+
+    def one_level(self) -> PackedSymmetric:
+        """This weight (it has one layout only)."""
+        return self
+
+    def streamed_bytes(self) -> int:
+        """Bytes a forward streams: the levels, their planes and the scales."""
+        return _bytes(self.lo, self.planes, self.d, *(() if self.sc is None else (self.sc,)))
+
+    def weight_count(self) -> int:
+        """Weights held, the padding of the last group included."""
+        return self.lo.numel() * 2
+
+    def layout(self) -> tuple[int, int, int, bool]:
+        """What two weights must share to be concatenated: bits, zero, span and whether sc is kept."""
+        return self.bits, self.zero, self.span, self.sc is not None
+
+
+@dataclass(frozen=True)
+class PackedParts:
+    """Weights of different layouts over one input, their outputs side by side (a fused q/k/v whose v
+    keeps another block type): each part runs on its own and the outputs are joined."""
+
+    parts: tuple[PackedWeight | PackedSymmetric, ...]
+    n: int
+
+    def map(self, place: Callable[[torch.Tensor], torch.Tensor]) -> PackedParts:
+        """These parts with `place` applied to each of their tensors."""
+        return PackedParts(tuple(part.map(place) for part in self.parts), self.n)
+
+    def one_level(self) -> PackedParts:
+        """These parts without two-level scales."""
+        return PackedParts(tuple(part.one_level() for part in self.parts), self.n)
+
+    def streamed_bytes(self) -> int:
+        """Bytes a forward over up to 4 rows streams, all parts together."""
+        return sum(part.streamed_bytes() for part in self.parts)
+
+    def weight_count(self) -> int:
+        """Weights held, all parts together."""
+        return sum(part.weight_count() for part in self.parts)
+
+
+Packed = PackedWeight | PackedSymmetric | PackedParts
+
+
+def _concat_like(parts: list[PackedWeight] | list[PackedSymmetric]) -> PackedWeight | PackedSymmetric:
+    """Weights of one layout side by side as one weight of that layout."""
+    if isinstance(parts[0], PackedSymmetric):
+        first = parts[0]
+        sc = torch.cat([p.sc for p in parts]) if first.sc is not None else None
+        return PackedSymmetric(torch.cat([p.lo for p in parts]), torch.cat([p.planes for p in parts]), sc,
+                               torch.cat([p.d for p in parts]), sum(p.n for p in parts), first.bits, first.zero,
+                               first.span)
     q, d, m = (torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m"))
     levels = None
     if all(p.levels is not None for p in parts):
         levels = TwoLevelScales(*(torch.cat([getattr(p.levels, f) for p in parts]) for f in ("d", "m", "sc", "mn")))
     return PackedWeight(q, d, m, sum(p.n for p in parts), levels)
+
+
+def _layout(weight: PackedWeight | PackedSymmetric) -> tuple:
+    return weight.layout() if isinstance(weight, PackedSymmetric) else ("q4",)
+
+
+def concat(parts: list[Packed]) -> Packed:
+    """Packed weights over the same input side by side: one weight whose outputs are the parts' in order
+    (every part but the last a whole number of COLUMNS-wide groups). Neighbours of one layout are joined
+    into one weight (4-bit ones with two-level scales if every one has them); different layouts give
+    PackedParts."""
+    flat = [p for part in parts for p in (part.parts if isinstance(part, PackedParts) else (part,))]
+    runs: list[list] = []
+    for part in flat:
+        if runs and _layout(runs[-1][-1]) == _layout(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    joined = [_concat_like(run) for run in runs]
+    return joined[0] if len(joined) == 1 else PackedParts(tuple(joined), sum(p.n for p in joined))
 
 
 def check_width(k: int) -> None:
@@ -149,24 +278,55 @@ def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(q.reshape(n, k), d, m)
 
 
+def _nibble_layout(q: torch.Tensor, groups: int, pad: int) -> torch.Tensor:
+    """[n, k] values as [groups, blocks, 4 chunks, 2 halves, 64]: chunk c's byte 4*col + j holds k = 8c + j
+    (half 0, the low nibble) and 8c + 4 + j (half 1, the high nibble)."""
+    k = q.shape[1]
+    q = F.pad(q, (0, 0, 0, pad)).reshape(groups, COLUMNS, k // BLOCK, 4, 2, 4)  # [g, col, b, c, half, j]
+    return q.permute(0, 2, 3, 4, 1, 5).reshape(groups, k // BLOCK, 4, 2, 64)
+
+
+def _per_group(values: torch.Tensor, groups: int, pad: int) -> torch.Tensor:
+    """[n, m] values per output as [groups, m, COLUMNS]."""
+    return F.pad(values, (0, 0, 0, pad)).reshape(groups, COLUMNS, -1).transpose(1, 2).contiguous()
+
+
 def pack(weight: QuantizedWeight | SuperBlockWeight) -> PackedWeight:
     """The kernel's layout: byte 4*col + j of chunk c holds k = 8c + j (low nibble) and 8c + 4 + j (high);
     a SuperBlockWeight keeps its two levels."""
     n, k = weight.q.shape
     pad = -n % COLUMNS
-    groups, blocks = (n + pad) // COLUMNS, k // BLOCK
-    q = F.pad(weight.q, (0, 0, 0, pad)).reshape(groups, COLUMNS, blocks, 4, 2, 4)  # [g, col, b, c, half, j]
-    q = q.permute(0, 2, 3, 1, 5, 4)  # [g, b, c, col, j, half]
-    q = (q[..., 0] | (q[..., 1] << 4)).reshape(groups, blocks, 4, 64).contiguous()
-
-    def per_group(values: torch.Tensor) -> torch.Tensor:
-        return F.pad(values, (0, 0, 0, pad)).reshape(groups, COLUMNS, -1).transpose(1, 2).contiguous()
-
+    groups = (n + pad) // COLUMNS
+    values = _nibble_layout(weight.q, groups, pad)
+    q = (values[..., 0, :] | (values[..., 1, :] << 4)).reshape(groups, k // BLOCK, 4, 64).contiguous()
     if isinstance(weight, SuperBlockWeight):
-        levels = TwoLevelScales(*(per_group(getattr(weight, f)) for f in ("d", "m", "sc", "mn")))
+        levels = TwoLevelScales(*(_per_group(getattr(weight, f), groups, pad) for f in ("d", "m", "sc", "mn")))
         per_block = weight.per_block()
-        return PackedWeight(q, per_group(per_block.d), per_group(per_block.m), n, levels)
-    return PackedWeight(q, per_group(weight.d), per_group(weight.m), n)
+        return PackedWeight(q, _per_group(per_block.d, groups, pad), _per_group(per_block.m, groups, pad), n, levels)
+    return PackedWeight(q, _per_group(weight.d, groups, pad), _per_group(weight.m, groups, pad), n)
+
+
+def pack_symmetric(weight: SymmetricWeight) -> PackedSymmetric:
+    """The kernel's layout of symmetric blocks: nibbles as `pack` lays them, bit p of the high part as a
+    64-bit mask per chunk and nibble half (bit i: byte i), sc and d per group."""
+    n, k = weight.q.shape
+    check_width(k)
+    if weight.bits not in HIGH_BITS or k % (weight.span * BLOCK):
+        raise ValueError(f"symmetric blocks need bits in {HIGH_BITS} and whole spans of {weight.span} blocks")
+    pad = -n % COLUMNS
+    groups = (n + pad) // COLUMNS
+    values = _nibble_layout(weight.q, groups, pad)  # [g, b, c, half, 64]
+    lo = (values[..., 0, :] & 15) | ((values[..., 1, :] & 15) << 4)
+    high = values >> 4
+    planes = [(high >> p) & 1 for p in range(weight.bits)]
+    bits = torch.stack(planes, dim=3) if planes else high.new_zeros(*high.shape[:3], 0, *high.shape[3:])
+    weights = (1 << torch.arange(8, dtype=torch.int32))
+    planes = (bits.reshape(*bits.shape[:-1], 8, 8).int() * weights).sum(-1).to(torch.uint8)  # little-endian bytes
+    sc = None
+    if weight.sc is not None:
+        sc = _per_group(weight.sc, groups, pad).reshape(groups, k // BLOCK, 2, COLUMNS).contiguous()
+    return PackedSymmetric(lo.reshape(groups, k // BLOCK, 4, 64).contiguous(), planes.contiguous(), sc,
+                           _per_group(weight.d, groups, pad), n, weight.bits, weight.zero, weight.span)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +339,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8).reshape(rows, k), scale
 
 
-def reference_linear(x: torch.Tensor, weight: QuantizedWeight | SuperBlockWeight,
+def reference_linear(x: torch.Tensor, weight: QuantizedWeight | SuperBlockWeight | SymmetricWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's math in float64 torch: quantized activations times the dequantized weight (+ bias)."""
     q, scale = quantize_activations(x)
@@ -238,7 +398,7 @@ def _native() -> ModuleType:
     return ops
 
 
-def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
            isa: str | None = None) -> torch.Tensor:
     """x [..., k] times the packed weight's transpose (+ bias float32 [n]): [..., n] in x's dtype.
 
@@ -249,14 +409,27 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     return project(x, weight, bias, isa_code(isa))
 
 
-def project(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, code: int) -> torch.Tensor:
+def project(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None, code: int) -> torch.Tensor:
     """`linear` over the last dimension of x [..., k] on the path `code` from `isa_code`: [..., n] in
     x's dtype (a layer's forward: no look-up of the path per call). Other dtypes than float32 and
     bfloat16 are computed in float32."""
     if x.dtype not in _DTYPES:
         return project(x.float(), weight, bias, code).to(x.dtype)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return _rows(rows, weight, bias, code).view(*x.shape[:-1], weight.n)
+
+
+def _rows(rows: torch.Tensor, weight: Packed, bias: torch.Tensor | None, code: int) -> torch.Tensor:
+    """`project` of 2-D rows."""
+    if isinstance(weight, PackedParts):
+        outputs, start = [], 0
+        for part in weight.parts:
+            outputs.append(_rows(rows, part, None if bias is None else bias[start:start + part.n], code))
+            start += part.n
+        return torch.cat(outputs, dim=1)
+    if isinstance(weight, PackedSymmetric):
+        return _native().linear_sym(rows, weight.lo, weight.planes, weight.sc, weight.d, bias, weight.n,
+                                    weight.bits, weight.zero, weight.span, code)
     levels = weight.levels
     two = (levels.d, levels.m, levels.sc, levels.mn) if levels is not None else (None, None, None, None)
-    out = _native().linear(x.reshape(-1, x.shape[-1]).contiguous(), weight.q, weight.d, weight.m, *two, bias,
-                           weight.n, code)
-    return out.view(*x.shape[:-1], weight.n)
+    return _native().linear(rows, weight.q, weight.d, weight.m, *two, bias, weight.n, code)

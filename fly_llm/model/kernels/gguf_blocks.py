@@ -1,0 +1,212 @@
+"""A GGUF's published Linear weights as the w4a8 kernel takes them, without a second rounding.
+
+Every block type of a Q4_K_M file of a common model is read from the file's own bytes (the
+formulas of llama.cpp's `dequantize_row_*`, gguf-py's `quants`):
+
+- Q4_K: 256 weights in 144 bytes: float16 d and dmin, 12 bytes packing eight 6-bit scales and eight
+  6-bit minimums, 128 bytes of 4-bit levels; sub-block s (32 weights) is w = d*sc[s]*q - dmin*mn[s].
+  Decoded to a SuperBlockWeight; the kernel computes with d' = f16(d*sc[s]) and m' = f16(dmin*mn[s]):
+  the levels are exact, the two products rounded to float16 (relative error <= 2^-11).
+- Q6_K: 256 weights in 210 bytes: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales
+  (one per 16 weights) and a float16 d; w = d*sc*(q - 32), q in 0..63.
+- Q8_0: 32 weights in 34 bytes: float16 d and 32 int8 levels; w = d*q (taken as q + 128 - 128).
+- Q5_0: 32 weights in 22 bytes: float16 d, 32 high bits, 16 bytes of nibbles; w = d*(q - 16).
+- Q4_0: 32 weights in 18 bytes: float16 d, 16 bytes of nibbles; w = d*(q - 8).
+
+The last four decode to a SymmetricWeight whose values are exactly the file's (d*sc*(q - zero) has at
+most 19 significant bits: exact in float32).
+
+`published_blocks` picks the tensors of those types that are weights of a model's Linear layers,
+named as the model names them and with rows in the model's order (transformers' own GGUF name map
+and tensor processor, so e.g. a Llama's q/k row permutation is undone as for the float weights).
+They are stored raw with their types (`save_published`) and decoded one Linear at a time on load
+(`PublishedWeights`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
+                                                      read_field)
+
+from fly_llm.model.kernels.w4a8 import HALF, SUPER, SuperBlockWeight, SymmetricWeight
+
+log = logging.getLogger(__name__)
+
+FORMAT = "gguf-blocks"  # the safetensors metadata tag of a file `save_published` wrote
+Published = SuperBlockWeight | SymmetricWeight
+
+
+def _split(blocks: torch.Tensor, size: int, name: str) -> torch.Tensor:
+    """Raw rows (uint8 [n, blocks*size]) as [n, blocks, size]; ValueError for anything else."""
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
+        raise ValueError(f"{name} rows are uint8 [n, multiple of {size}], not {blocks.dtype} {list(blocks.shape)}")
+    return blocks.reshape(blocks.shape[0], -1, size)
+
+
+def _half(raw: torch.Tensor) -> torch.Tensor:
+    """Two bytes per entry as float16: [n, blocks, 2] -> [n, blocks]."""
+    return raw.contiguous().view(torch.float16).reshape(raw.shape[:2])
+
+
+def _nibbles(raw: torch.Tensor) -> torch.Tensor:
+    """16 bytes per block as 32 levels: weight j in the low nibble of byte j, j + 16 in the high one."""
+    return torch.cat([raw & 15, raw >> 4], dim=-1)
+
+
+def decode_q4_k(blocks: torch.Tensor) -> SuperBlockWeight:
+    """Raw Q4_K rows as levels q (uint8 [n, k]), float16 d and dmin per 256 weights and their 6-bit
+    multipliers per 32 (uint8)."""
+    raw = _split(blocks, 144, "Q4_K")
+    n, supers = raw.shape[:2]
+    packed = raw[..., 4:16].to(torch.int32)
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([low & 63, (extra & 15) | ((low >> 2) & 48)], dim=-1)  # [n, supers, 8]
+    minimums = torch.cat([high & 63, (extra >> 4) | ((high >> 2) & 48)], dim=-1)
+    nibbles = raw[..., 16:].reshape(n, supers, 4, 1, 32)  # 32 bytes: sub-blocks 2j (low) and 2j + 1 (high)
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=3).reshape(n, supers * 256)
+    return SuperBlockWeight(q.contiguous(), _half(raw[..., 0:2]), _half(raw[..., 2:4]),
+                            scales.to(torch.uint8).reshape(n, supers * SUPER),
+                            minimums.to(torch.uint8).reshape(n, supers * SUPER))
+
+
+def decode_q6_k(blocks: torch.Tensor) -> SymmetricWeight:
+    """Raw Q6_K rows: per 128 weights, weight 32g + l (g 0..3, l 0..31) has the low (g < 2) or high
+    (g >= 2) nibble of ql[l + 32 (g % 2)] and bits 2g, 2g + 1 of qh[l]."""
+    raw = _split(blocks, 210, "Q6_K")
+    n, supers = raw.shape[:2]
+    ql = raw[..., :128].reshape(n, supers, 2, 2, 32)  # [.., half of 256, g % 2, l]
+    qh = raw[..., 128:192].reshape(n, supers, 2, 1, 32)
+    low = torch.cat([ql & 15, ql >> 4], dim=3)  # [.., half, g, l]
+    high = torch.cat([(qh >> (2 * g)) & 3 for g in range(4)], dim=3)
+    q = (low | (high << 4)).reshape(n, supers * 256)
+    sc = raw[..., 192:208].contiguous().view(torch.int8).reshape(n, supers * 256 // HALF)
+    return SymmetricWeight(q.contiguous(), _half(raw[..., 208:210]), sc.contiguous(), bits=2, zero=32, span=SUPER)
+
+
+def decode_q8_0(blocks: torch.Tensor) -> SymmetricWeight:
+    """Raw Q8_0 rows: int8 levels taken as q + 128 in 0..255 with zero 128."""
+    raw = _split(blocks, 34, "Q8_0")
+    q = (raw[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return SymmetricWeight(q.reshape(raw.shape[0], -1), _half(raw[..., 0:2]), None, bits=4, zero=128)
+
+
+def decode_q5_0(blocks: torch.Tensor) -> SymmetricWeight:
+    """Raw Q5_0 rows: weight j's fifth bit is bit j of the little-endian 32 bits after d."""
+    raw = _split(blocks, 22, "Q5_0")
+    high = raw[..., 2:6].to(torch.int64)
+    bits = (high[..., None] >> torch.arange(8)) & 1  # [n, blocks, 4 bytes, 8]: bit j = byte j // 8, bit j % 8
+    q = _nibbles(raw[..., 6:]) | (bits.reshape(*raw.shape[:2], 32).to(torch.uint8) << 4)
+    return SymmetricWeight(q.reshape(raw.shape[0], -1), _half(raw[..., 0:2]), None, bits=1, zero=16)
+
+
+def decode_q4_0(blocks: torch.Tensor) -> SymmetricWeight:
+    """Raw Q4_0 rows: nibbles with zero 8."""
+    raw = _split(blocks, 18, "Q4_0")
+    return SymmetricWeight(_nibbles(raw[..., 2:]).reshape(raw.shape[0], -1), _half(raw[..., 0:2]), None, bits=0,
+                           zero=8)
+
+
+_T = GGMLQuantizationType
+DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], Published]] = {
+    _T.Q4_K: decode_q4_k, _T.Q6_K: decode_q6_k, _T.Q8_0: decode_q8_0, _T.Q5_0: decode_q5_0, _T.Q4_0: decode_q4_0}
+"""The block types taken as published, each with its decoder (raw uint8 rows -> the kernel's weight)."""
+_WEIGHTS = {_T.Q4_K: 256, _T.Q6_K: 256, _T.Q8_0: 32, _T.Q5_0: 32, _T.Q4_0: 32}  # weights per block
+
+
+def decode(kind: GGMLQuantizationType, blocks: torch.Tensor) -> Published:
+    """Raw rows of one of the DECODERS' block types as the kernel's weight."""
+    return DECODERS[kind](blocks)
+
+
+def _row_order(processor: TensorProcessor, name: str, rows: int,
+               names: dict[str, str]) -> tuple[str | None, np.ndarray] | None:
+    """(model tensor name, source row per model row) as transformers' processor maps `name`; None if it
+    does more than reorder rows (then the tensor is not taken as published)."""
+    index = np.arange(rows).reshape(rows, 1)
+    try:
+        result = processor.process(weights=index, name=name, tensor_key_mapping=names,
+                                   parsed_parameters={"tensors": {}, "config": {}})
+    except Exception as exc:  # a processor that cannot take a row index: not a plain reordering
+        log.info("GGUF tensor %s: not repacked (%s)", name, exc)
+        return None
+    order = np.asarray(result.weights)
+    if order.shape != (rows, 1) or not np.array_equal(np.sort(order[:, 0]), index[:, 0]):
+        return None
+    return names.get(result.name), order[:, 0]
+
+
+def published_blocks(gguf: Path, model: nn.Module) -> dict[str, tuple[GGMLQuantizationType, torch.Tensor]]:
+    """The GGUF's tensors of the DECODERS' types that are weights of `model`'s Linear layers (a meta-device
+    skeleton will do): (block type, raw rows) by Linear name, rows in the model's order."""
+    reader = GGUFReader(gguf)
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)
+    linears = {f"{name}.weight": module for name, module in model.named_modules() if type(module) is nn.Linear}
+    found = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type
+        if kind not in DECODERS or tensor.data.ndim != 2:
+            continue
+        rows, width = tensor.data.shape
+        mapped = _row_order(processor, tensor.name, rows, names)
+        linear = linears.get(mapped[0]) if mapped else None
+        block_bytes = width * _WEIGHTS[kind] // int(tensor.n_elements // rows)  # bytes per block
+        if linear is None or tuple(linear.weight.shape) != (rows, width // block_bytes * _WEIGHTS[kind]):
+            continue
+        found[mapped[0].removesuffix(".weight")] = (
+            kind, torch.from_numpy(np.ascontiguousarray(tensor.data[mapped[1]])))
+    return found
+
+
+def save_published(blocks: Mapping[str, tuple[GGMLQuantizationType, torch.Tensor]], path: Path) -> None:
+    """Write raw rows by Linear name, with their block types, to a safetensors file (possibly with none)."""
+    types = {name: kind.name for name, (kind, _) in blocks.items()}
+    save_file({name: rows for name, (_, rows) in blocks.items()}, str(path),
+              metadata={"format": FORMAT, "types": json.dumps(types)})
+
+
+def is_current(path: Path) -> bool:
+    """Whether `path` is a file `save_published` wrote in this format (older files held Q4_K only)."""
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            return (file.metadata() or {}).get("format") == FORMAT
+    except Exception:  # unreadable or not safetensors: not current
+        return False
+
+
+class PublishedWeights(Mapping[str, Published]):
+    """The Linear weights of a `save_published` file, each decoded when asked for (for `quantize(published=)`)."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = safe_open(str(path), framework="pt")
+        metadata = self._file.metadata() or {}
+        if metadata.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a file of published GGUF blocks")
+        self._types = {name: GGMLQuantizationType[kind] for name, kind in json.loads(metadata["types"]).items()}
+
+    def kind(self, name: str) -> GGMLQuantizationType:
+        """The block type of the weight `name`."""
+        return self._types[name]
+
+    def __getitem__(self, name: str) -> Published:
+        if name not in self._types:
+            raise KeyError(name)
+        return decode(self._types[name], self._file.get_tensor(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._types)
+
+    def __len__(self) -> int:
+        return len(self._types)

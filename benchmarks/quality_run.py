@@ -83,14 +83,22 @@ class QualityModeError(ValueError):
     """A quality run asked for something it cannot do (a method that does not batch)."""
 
 
+def check_method(method: Method) -> None:
+    """QualityModeError unless a quality run can take `method`: the engine's methods (batched) and
+    llama.cpp (one item at a time, on its own kernels)."""
+    if method.kind != "llamacpp":
+        engine_config(method)
+
+
 def engine_config(method: Method) -> FLyConfig:
     """The FLyConfig a method runs with in the engine; `target` is speculation off."""
     if method.kind == "engine":
         return method.fly
     if method.name == REFERENCE:
         return PLAIN
-    raise QualityModeError(f"method {method.name!r} does not run batched: quality runs take the target and "
-                           f"FLyEngine methods ({', '.join(QUALITY_METHODS)}, and the other fly-* ablations)")
+    raise QualityModeError(f"method {method.name!r} does not run batched: quality runs take the target, "
+                           f"FLyEngine methods ({', '.join(QUALITY_METHODS)}, and the other fly-* ablations) "
+                           f"and llamacpp")
 
 
 class SingleStreamPolicy(AdaptivePolicy):
@@ -201,8 +209,15 @@ def run_part(runner: Runner, method: Method, items: list[Item], prompts: list[li
         bar.update()
 
     start = time.perf_counter()
-    decode_batched(runner, engine_config(method), [(item.item_id, ids) for item, ids in todo], batch,
-                   runner.max_tokens, finished)
+    if method.kind == "llamacpp":  # llama.cpp decodes one sequence at a time
+        batch = 1
+        for item, ids in todo:
+            run = runner.run(method, ids)
+            finished(item.item_id, run.token_ids, len(run.token_ids) >= runner.max_tokens,
+                     RequestStats(rounds=run.target_forwards, emitted=len(run.token_ids)))
+    else:
+        decode_batched(runner, engine_config(method), [(item.item_id, ids) for item, ids in todo], batch,
+                       runner.max_tokens, finished)
     _append(path.with_suffix(".timing.jsonl"),
             asdict(Sitting(len(todo), tokens, round(time.perf_counter() - start, 3), batch,
                            machine_kind(runner.target))))

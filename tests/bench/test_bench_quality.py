@@ -234,3 +234,48 @@ def test_the_machine_kind_names_the_thread_count_that_changes_int8_numerics():
         assert machine_kind(model) != one and one.endswith("float32 1 threads")
     finally:
         torch.set_num_threads(before)
+
+
+class _GreedyLlama:
+    """A stand-in for llama_cpp.Llama over the tiny target: greedy tokens one at a time, as `generate` yields them."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def reset(self) -> None:
+        pass
+
+    def generate(self, prompt_ids, top_k, temp, repeat_penalty, reset):
+        assert (top_k, temp, repeat_penalty) == (1, 0.0, 1.0)  # greedy, nothing else
+        ids = list(prompt_ids)
+        with torch.inference_mode():
+            while True:
+                token = int(self.model(torch.tensor([ids])).logits[0, -1].argmax())
+                ids.append(token)
+                yield token
+
+
+def test_llamacpp_is_a_quality_method_decoding_one_item_at_a_time(tiny_pair_dirs, tmp_path, monkeypatch):
+    """The llamacpp part is decoded item by item on llama.cpp's own decoder (here a greedy stand-in over the
+    same float32 target), scored and reported beside the target: equal tokens when the decoders agree."""
+    from contextlib import contextmanager
+
+    from benchmarks import methods
+
+    monkeypatch.setattr(methods, "llamacpp_installed", lambda: True)
+    monkeypatch.setattr(cli, "llamacpp_installed", lambda: False)  # no llama_cpp module to ask for its build
+
+    @contextmanager
+    def some_gguf(target, wanted):
+        yield tmp_path / "target.gguf" if wanted else None
+
+    monkeypatch.setattr(cli, "target_gguf", some_gguf)
+    monkeypatch.setattr(methods.Runner, "llama", property(lambda runner: _GreedyLlama(runner.target)))
+    report = _quality(tiny_pair_dirs, tmp_path / "out", *RUN, "--methods", "target", "llamacpp", "--batch", "2")
+    for dataset in ("humaneval", "gsm8k"):
+        ours, theirs = (read_records(part_path(tmp_path / "out", dataset, m)) for m in ("target", "llamacpp"))
+        assert len(theirs) == 2 and {i: r.token_ids for i, r in theirs.items()} == {
+            i: r.token_ids for i, r in ours.items()}
+        assert [s.batch for s in read_sittings(part_path(tmp_path / "out", dataset, "llamacpp"))] == [1]
+    assert {(s["dataset"], s["method"]) for s in report["results"]} >= {("gsm8k", "llamacpp"),
+                                                                         ("humaneval", "llamacpp")}

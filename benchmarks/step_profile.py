@@ -69,11 +69,11 @@ def profile_table(model: nn.Module, kv: BatchKV, context: int, width: int, rows:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-def load_embedded_pair(quantization: str, threads: int) -> LoadedModels:
-    """The embedded pair with both models at `quantization`, torch on `threads` threads."""
+def load_embedded_pair(quantization: str, threads: int, dtype: str = "auto") -> LoadedModels:
+    """The embedded pair with both models at `quantization` and `dtype`, torch on `threads` threads."""
     torch.set_num_threads(threads)
     target_dir, draft_dir = ensure_default_pair(progress=False)
-    return load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), dtype="auto",
+    return load_models(ModelSpec(target=str(target_dir), draft=str(draft_dir), dtype=dtype,
                                  target_quantization=quantization, draft_quantization=quantization), progress=False)
 
 

@@ -211,10 +211,13 @@ void sub_scales16(const SymWeights& w, int64_t at, __m512i& sc0, __m512i& sc1) {
   sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + at * 2 * kCols + kCols)));
 }
 
+// kSub: the two halves' sums kept apart (each times its sub-scale); else one sum. Each starts at
+// -zero * (its half's sum of activations), so it ends as sum(q * a) - zero * sum(a): the same integers.
 template <int R, int HB, bool kSub>
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c,fma")))
 void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
                    float* acc) {
+  constexpr int kSums = kSub ? 2 : 1;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm512_loadu_ps(acc + r * kCols);
@@ -222,8 +225,16 @@ void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int
     const int64_t at = group * w.blocks + b;
     const uint8_t* q = w.lo + at * kGroupBytes;
     const uint64_t* bits = w.planes + at * 4 * HB * 2;
-    __m512i dot[R][2];
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    __m512i dot[R][kSums];
+    for (int r = 0; r < R; ++r) {
+      const int32_t* hs = a.hs + 2 * ((row0 + r) * a.blocks + b);
+      if constexpr (kSub) {
+        dot[r][0] = _mm512_set1_epi32(static_cast<int32_t>(-w.zero * hs[0]));
+        dot[r][1] = _mm512_set1_epi32(static_cast<int32_t>(-w.zero * hs[1]));
+      } else {
+        dot[r][0] = _mm512_set1_epi32(static_cast<int32_t>(-w.zero * (hs[0] + hs[1])));
+      }
+    }
     for (int c = 0; c < 4; ++c) {
       const __m512i raw = _mm512_loadu_si512(q + c * 64);
       __m512i lo = _mm512_and_si512(raw, nibble);
@@ -233,10 +244,12 @@ void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int
         lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(load8(bits + (c * HB + p) * 2)), lo, bit);
         hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(load8(bits + (c * HB + p) * 2 + 1)), hi, bit);
       }
+      constexpr int kStride = kSub ? 1 : 0;  // chunks 0, 1: the first half; 2, 3: the second
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
-        dot[r][c / 2] = _mm512_dpbusd_epi32(dot[r][c / 2], lo, _mm512_set1_epi32(load4(x)));
-        dot[r][c / 2] = _mm512_dpbusd_epi32(dot[r][c / 2], hi, _mm512_set1_epi32(load4(x + 4)));
+        __m512i& d = dot[r][(c / 2) * kStride];
+        d = _mm512_dpbusd_epi32(d, lo, _mm512_set1_epi32(load4(x)));
+        d = _mm512_dpbusd_epi32(d, hi, _mm512_set1_epi32(load4(x + 4)));
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
@@ -245,11 +258,8 @@ void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int
     if constexpr (kSub) sub_scales16(w, at, sc0, sc1);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (row0 + r) * a.blocks + b;
-      const __m512i h0 = _mm512_sub_epi32(dot[r][0], _mm512_set1_epi32(static_cast<int32_t>(w.zero * a.hs[2 * i])));
-      const __m512i h1 = _mm512_sub_epi32(dot[r][1], _mm512_set1_epi32(static_cast<int32_t>(w.zero * a.hs[2 * i + 1])));
-      __m512i isum;
-      if constexpr (kSub) isum = _mm512_add_epi32(_mm512_mullo_epi32(sc0, h0), _mm512_mullo_epi32(sc1, h1));
-      else isum = _mm512_add_epi32(h0, h1);
+      __m512i isum = dot[r][0];
+      if constexpr (kSub) isum = _mm512_add_epi32(_mm512_mullo_epi32(sc0, dot[r][0]), _mm512_mullo_epi32(sc1, dot[r][1]));
       sum[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(a.s[i])), sum[r]);
     }
   }

@@ -105,7 +105,7 @@ class SymmetricWeight:
     span: int = 1
 
     def dequantize(self) -> torch.Tensor:
-        """The weight these levels stand for, float64 [n, k] (exact: at most 26 significant bits)."""
+        """The weight these levels stand for, float64 [n, k] (exact: at most 27 significant bits)."""
         w = self.d.double().repeat_interleave(self.span * BLOCK, dim=1) * (self.q.double() - self.zero)
         return w if self.sc is None else w * self.sc.double().repeat_interleave(HALF, dim=1)
 
@@ -159,6 +159,10 @@ class PackedWeight:
     def weight_count(self) -> int:
         """Weights held, the padding of the last group included."""
         return self.q.numel() * 2
+
+    def layout(self) -> tuple:
+        """What two weights must share to be concatenated (any two of this kind may be)."""
+        return ("4-bit",)
 
 
 @dataclass(frozen=True)
@@ -240,10 +244,6 @@ def _concat_like(parts: list[PackedWeight] | list[PackedSymmetric]) -> PackedWei
     return PackedWeight(q, d, m, sum(p.n for p in parts), levels)
 
 
-def _layout(weight: PackedWeight | PackedSymmetric) -> tuple:
-    return weight.layout() if isinstance(weight, PackedSymmetric) else ("q4",)
-
-
 def concat(parts: list[Packed]) -> Packed:
     """Packed weights over the same input side by side: one weight whose outputs are the parts' in order
     (every part but the last a whole number of COLUMNS-wide groups). Neighbours of one layout are joined
@@ -252,7 +252,7 @@ def concat(parts: list[Packed]) -> Packed:
     flat = [p for part in parts for p in (part.parts if isinstance(part, PackedParts) else (part,))]
     runs: list[list] = []
     for part in flat:
-        if runs and _layout(runs[-1][-1]) == _layout(part):
+        if runs and runs[-1][-1].layout() == part.layout():
             runs[-1].append(part)
         else:
             runs.append([part])

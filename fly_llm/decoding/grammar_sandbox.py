@@ -21,6 +21,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import resource
 import select
 import signal
@@ -70,15 +71,24 @@ def compile_grammar(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidan
     compile or its language is empty (no token may start the output, and the empty output is not in it)."""
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
     if matcher.is_error():
-        raise BadRequest(f"the grammar does not compile: {matcher.get_error()}")
+        raise BadRequest(f"the grammar does not compile: {public_message(matcher.get_error())}")
     matcher.compute_bitmask()  # where an empty language shows: the matcher enters an error state
     if matcher.is_error():
-        raise BadRequest(f"the grammar's language is empty: no output satisfies it ({_first_line(matcher)})")
+        raise BadRequest(f"the grammar's language is empty: no output satisfies it "
+                         f"({public_message(matcher.get_error() or 'no error')})")
     return matcher
 
 
-def _first_line(matcher: llguidance.LLMatcher) -> str:
-    return matcher.get_error().splitlines()[0] if matcher.get_error() else "no error"
+def public_message(error: str) -> str:
+    """What a client may read of an llguidance error: its first line, unless it is a panic or names a
+    source file (a Rust panic's text carries build paths), which become one line of ours."""
+    first = (error.strip().splitlines() or ["no detail"])[0][:500]
+    if _INTERNAL_ERROR.search(first):
+        return "an internal error of the grammar engine"
+    return first
+
+
+_INTERNAL_ERROR = re.compile(r"panic|\.rs:\d|/rustc/|\.cargo/|/home/|/src/", re.IGNORECASE)
 
 
 def big_stack_call(fn: Callable[[], T], stack_bytes: int = BIG_STACK_BYTES) -> T:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -68,6 +68,11 @@ class RowRules:
             entropy_top_k=top_k,
         )
 
+    def rows(self, rows: slice) -> RowRules:
+        """These rows' rules."""
+        return replace(self, loose=self.loose[rows], window=self.window[rows],
+                       entropy_threshold=self.entropy_threshold[rows])
+
 
 @dataclass
 class RowSampling:
@@ -76,6 +81,10 @@ class RowSampling:
     temperature: torch.Tensor  # [B] float (any device; read on the host once)
     top_p: torch.Tensor  # [B] float in (0, 1]
     generators: list[torch.Generator | None]  # per row, on the logits' device; None = torch's default
+
+    def rows(self, rows: slice) -> RowSampling:
+        """These rows' sampling."""
+        return RowSampling(self.temperature[rows], self.top_p[rows], self.generators[rows])
 
 
 @dataclass

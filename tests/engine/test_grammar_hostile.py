@@ -27,7 +27,7 @@ from benchmarks.grammar_compile_bench import agent_tools
 import fly_llm
 from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.decoding.grammar_sandbox import GrammarSandbox
+from fly_llm.decoding.grammar_sandbox import GrammarSandbox, public_message
 from fly_llm.common.schema_limits import SchemaCaps, check_schema, hoist_defs
 from fly_llm.common.errors import BadRequest
 from fly_llm.common.tool_formats import Constraints
@@ -325,3 +325,15 @@ def test_cached_tokens_count_whole_blocks_and_scopes_do_not_share(pair):
     assert cached("alice") == 0
     assert cached("bob") == 0  # alice's prompt is not bob's hit
     assert cached("alice") == (len(prompt) - 1) // 4 * 4 > 0  # whole blocks, though all but one token are reused
+
+
+@pytest.mark.parametrize("raw,public", [
+    ("panicked at /home/runner/.cargo/registry/src/index.crates.io/llguidance-1.9/src/earley/parser.rs:812:9:\n"
+     "index out of bounds", "an internal error of the grammar engine"),
+    ("panic: attempt to subtract with overflow", "an internal error of the grammar engine"),
+    ("called `Option::unwrap()` on a `None` value at parser/src/api.rs:40:7", "an internal error of the grammar engine"),
+    ("unknown name: 'item'\n  --> line 3\n  item*", "unknown name: 'item'"),
+])
+def test_grammar_engine_errors_reach_clients_as_one_line_without_paths(raw, public):
+    """Issue 45 finding 6: llguidance panic messages (with build paths) were returned to clients."""
+    assert public_message(raw) == public

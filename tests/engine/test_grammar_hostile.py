@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -27,6 +28,7 @@ from benchmarks.grammar_compile_bench import agent_tools
 import fly_llm
 from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
+from fly_llm.decoding import grammar_sandbox
 from fly_llm.decoding.grammar_sandbox import GrammarSandbox, public_message
 from fly_llm.common.schema_limits import SchemaCaps, check_schema, hoist_defs
 from fly_llm.common.errors import BadRequest
@@ -114,18 +116,46 @@ def json_grammar(schema: dict) -> str:
 
 
 def test_the_sandbox_names_a_crash_and_keeps_serving(setup):
-    """Past the caps (called directly): the worker dies, the verdict names the crash, the next grammar
-    gets a new worker, and the crash is remembered without another one."""
+    """Past the caps (called directly): the worker dies, the grammar is tried once more in a fresh worker
+    (a death by a signal may be the worker's own), which dies too; the verdict names the crash, the next
+    grammar gets a new worker, and the crash is remembered without another one."""
     sandbox = GrammarSandbox(setup)
     try:
         with pytest.raises(BadRequest, match="crashed on this grammar"):
             sandbox.check(json_grammar(ref_chain(3000)))
+        assert (sandbox.starts, sandbox.retries) == (2, 1)
         sandbox.check(json_grammar(ref_chain(10)))
-        assert sandbox.starts == 2
+        assert sandbox.starts == 3
         start = time.perf_counter()
         with pytest.raises(BadRequest, match="crashed"):
             sandbox.check(json_grammar(ref_chain(3000)))
-        assert time.perf_counter() - start < 0.05 and sandbox.starts == 2
+        assert time.perf_counter() - start < 0.05 and sandbox.starts == 3
+    finally:
+        sandbox.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_worker_stopped_or_killed_mid_request_is_no_verdict(setup, monkeypatch, sig):
+    """Issue 45 finding 5: a worker stopped (SIGSTOP: it never answers) or killed (an OOM killer) while a
+    valid grammar was sent to it made that grammar's timeout or crash the cached verdict, refused forever.
+    Now the worker is replaced and the grammar tried again: accepted, and that is what is remembered."""
+    sandbox = GrammarSandbox(setup, timeout_s=2.0)
+    stopped: list[int] = []
+
+    def send(process, message):
+        if "grammar" in message and not stopped:  # the first grammar's worker is hit as the grammar is sent
+            stopped.append(process.pid)
+            os.kill(process.pid, sig)
+        real_send(process, message)
+
+    real_send = grammar_sandbox._send
+    monkeypatch.setattr(grammar_sandbox, "_send", send)
+    try:
+        valid = json_grammar({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+        sandbox.check(valid)
+        assert stopped and (sandbox.starts, sandbox.retries) == (2, 1)
+        sandbox.check(valid)  # remembered as good: no worker asked
+        assert (sandbox.starts, sandbox.retries) == (2, 1)
     finally:
         sandbox.close()
 

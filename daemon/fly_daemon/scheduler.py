@@ -12,8 +12,8 @@ request's new text to `emit` (which the server sends on; it is thread-safe).
 
 A job is in exactly one place: queued, preparing, prepared or in the engine (`check()`). Each
 client (a ZeroMQ socket, an HTTP connection) may have `max_requests_per_client` of them, all
-clients together `queue_size` outside the engine. Each request's prefix-cache scope is its tenant
-(the credential it came with) unless `share_prefix_cache`.
+clients together `queue_size` outside the engine. Each request's cache scope (prefix cache, compiled
+grammars) is its tenant (the credential it came with) unless `share_prefix_cache`.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ class Limits(BaseModel):
                                          "token limit.")
     max_requests_per_client: int = Field(64, ge=1, description="Requests one client (a ZeroMQ socket, an HTTP "
                                          "connection) may have queued or running; more get BUSY.")
-    share_prefix_cache: bool = Field(False, description="Let every client reuse every other's cached prompts "
-                                     "(a single-tenant deployment); else each credential has its own.")
+    share_prefix_cache: bool = Field(False, description="Let every client reuse every other's cached prompts and "
+                                     "compiled grammars (a single-tenant deployment); else each credential has "
+                                     "its own.")
     heartbeat_timeout: float = Field(5.0, ge=0, description="Seconds without a client heartbeat before a "
                                                              "request is cancelled; 0 = never.")
     drain_timeout: float = Field(10.0, ge=0, description="Seconds running requests get to finish on stop.")
@@ -390,9 +391,13 @@ class Scheduler:
         if job.prompt_tokens > cap:
             raise TooLong(f"prompt of {job.prompt_tokens} tokens exceeds the limit of {cap}")
         job.constraint = self._constraints.constraint(request.structure)
-        job.matcher = self.engine.compile_constraint(job.constraint)
+        job.matcher = self.engine.compile_constraint(job.constraint, self._scope(job))
         parser = self._constraints.parser(request.structure)
         job.tool_calls = None if parser is None else CallText(parser)
+
+    def _scope(self, job: Job) -> str:
+        """Whose caches (prefixes, compiled grammars) a job reads and fills: its tenant's, unless shared."""
+        return "" if self.limits.share_prefix_cache else job.tenant
 
     def _token_cap(self) -> int:
         return self.limits.max_prompt_tokens or self.engine.context_window - 1
@@ -540,7 +545,7 @@ class Scheduler:
                 self.engine.add_request(job.engine_id, job.prompt_ids, job.request.sampling,
                                         job.request.fly.apply(self.engine.config), job.constraint,
                                         matcher=job.matcher,
-                                        cache_scope="" if self.limits.share_prefix_cache else job.tenant,
+                                        cache_scope=self._scope(job),
                                         logprobs=job.request.logprobs, prompt_logprobs=job.request.prompt_logprobs)
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the model thread
                 self._end(job, _error_of(exc, f"admitting request {job.request.id} failed"))

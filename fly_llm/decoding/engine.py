@@ -167,11 +167,11 @@ class FLyEngine:
             raise BadRequest(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def compile_constraint(self, constraint: Constraint | None):
+    def compile_constraint(self, constraint: Constraint | None, scope: str = ""):
         """The grammar matcher for a constraint (fly_llm.common.constraints), None when the output is free;
         BadRequest for a bad grammar. Safe from any thread while `step()` runs (a grammar not seen
-        before compiles in the sandbox first, then here; a repeated one is a copy)."""
-        return self.grammars.for_constraint(constraint)
+        before in `scope`, a tenant, compiles in the sandbox first, then here; a repeated one is a copy)."""
+        return self.grammars.for_constraint(constraint, scope)
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     fly: FLyConfig | None = None, constraint: Constraint | None = None, *, matcher=None,
@@ -184,7 +184,7 @@ class FLyEngine:
         `constraint` (a grammar, regex or JSON Schema) constrains its output through a grammar
         compiled here, so a bad one raises BadRequest before the request is queued; a `matcher` from
         `compile_constraint` is used as it is instead. `cache_scope`: the prefix-cache scope (tenant)
-        whose cached prefixes it may use and where its own are kept.
+        whose cached prefixes (and compiled grammars) it may use and where its own are kept.
         """
         if not prompt_ids:
             raise BadRequest("the prompt is empty")
@@ -198,7 +198,7 @@ class FLyEngine:
             raise BadRequest("the entropy measure is set per engine, not per request")
         compiled_before = self.grammars.compile_s
         if matcher is None:
-            matcher = self.grammars.for_constraint(constraint)
+            matcher = self.grammars.for_constraint(constraint, cache_scope)
         generator = None
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)

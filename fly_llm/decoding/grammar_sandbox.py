@@ -142,16 +142,17 @@ class GrammarSandbox:
         self.memory_bytes = memory_bytes
         self._process: subprocess.Popen | None = None
         self._lock = threading.Lock()
-        self._verdicts: LruCache[bytes, str | None] = LruCache(VERDICTS)
+        self._verdicts: LruCache[bytes, str | None] = LruCache(VERDICTS)  # sha256 of scope and grammar
         self.starts = 0
         """Worker processes started so far (one more after each crash or timeout)."""
         self.retries = 0
         """Grammars tried a second time, in a fresh worker, after a death by a signal or a timeout."""
 
-    def check(self, grammar: str) -> None:
+    def check(self, grammar: str, scope: str = "") -> None:
         """Return if `grammar` compiles in the worker to a non-empty language; else BadRequest naming
-        the problem (its compile error, an empty language, a crash, a timeout, the memory limit)."""
-        key = hashlib.sha256(grammar.encode()).digest()
+        the problem (its compile error, an empty language, a crash, a timeout, the memory limit).
+        Verdicts are kept per `scope` (a tenant): one tenant's never answers another's at once."""
+        key = hashlib.sha256(scope.encode() + b"\0" + grammar.encode()).digest()
         with self._lock:  # one worker: grammars are judged one at a time
             problem = self._verdicts.get_or_make(key, lambda: self._verdict(grammar))
         if problem is not None:

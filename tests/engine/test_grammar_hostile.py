@@ -313,6 +313,26 @@ def test_a_repeated_tool_list_costs_nothing_the_second_time(pair):
     assert (eng.grammars.compile_s, eng.grammars.sandbox.starts) == (compiled_s, starts)
 
 
+def test_grammar_caches_are_scoped_per_tenant(pair, monkeypatch):
+    """Issue 45 finding 6: one grammar cache for all let a tenant tell by timing that another had sent a
+    schema. Each scope (tenant) now compiles, and is judged by the sandbox, on its own; within a scope a
+    repeat is a copy."""
+    eng = engine(pair)
+    sandboxed, compiled = [], []
+    real_check, real_compile = GrammarSandbox.check, type(eng.grammars)._compile
+    monkeypatch.setattr(GrammarSandbox, "check", lambda self, grammar, scope="": (
+        sandboxed.append(scope), real_check(self, grammar, scope))[1])
+    monkeypatch.setattr(type(eng.grammars), "_compile", lambda self, grammar, scope: (
+        compiled.append(scope), real_compile(self, grammar, scope))[1])
+    constraint = constraint_of(eng, schema_structure({"type": "object", "properties": {"q": {"type": "string"}}}))
+    for scope in ["tenant-a", "tenant-a", "tenant-b", "tenant-a", "tenant-b"]:
+        assert eng.compile_constraint(constraint, scope) is not None
+    assert compiled == sandboxed == ["tenant-a", "tenant-b"]
+    verdicts = len(eng.grammars.sandbox._verdicts)
+    eng.grammars.sandbox.check(eng.grammars.grammar(constraint, "tenant-c"), "tenant-c")
+    assert len(eng.grammars.sandbox._verdicts) == verdicts + 1  # its own verdict, not tenant-a's
+
+
 def test_compiling_on_another_thread_while_the_model_thread_steps(pair):
     """compile_constraint from a worker thread, add_request(matcher=) on the model thread; the batch's
     constrained rows stay valid and the engine's invariants hold after every step."""

@@ -266,10 +266,12 @@ def _receive(process: subprocess.Popen, deadline: float) -> dict:
 
 
 def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
+    poller = select.poll()  # not select.select: the daemon may hold more than 1,024 descriptors (HTTP connections)
+    poller.register(fd, select.POLLIN)
     data = b""
     while len(data) < n:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not poller.poll(left * 1000):
             raise TimeoutError
         chunk = os.read(fd, n - len(data))
         if not chunk:

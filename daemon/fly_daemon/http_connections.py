@@ -41,6 +41,8 @@ sandbox's pipes, logs): the connection cap is lowered to fit the process's descr
 MAX_HEAD_BYTES = 64 * 1024
 """Bytes a request's head may have (h11 refuses more than 16 KiB itself; httptools has no such limit): a
 connection that sends more before its head is complete is answered 431 and closed."""
+MAX_LINGERING = 64
+"""Refused connections that may linger at once (within FD_RESERVE); past it one is closed as soon as answered."""
 REFUSED_LINGER_S = 1.0
 """How long a refused connection (503, 431) may stay to read its answer (until the client closes, at most this)."""
 
@@ -164,13 +166,13 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
 
         def _answer_and_close(self, status: bytes, body: dict, headers: bytes = b"") -> None:
             """Send one answer and close: half-close and drop what the client still sends until it closes
-            (so the answer is not lost to a reset), at most REFUSED_LINGER_S; at once when many linger."""
+            (so the answer is not lost to a reset), at most REFUSED_LINGER_S; at once past MAX_LINGERING."""
             self._refused = True
             gate.lingering += 1
             content = json.dumps(body).encode() if body else b""
             self.transport.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n%sconnection: close\r\n"
                                  b"content-length: %d\r\n\r\n%s" % (status, headers, len(content), content))
-            if gate.lingering > gate.max_connections or not self.transport.can_write_eof():
+            if gate.lingering > MAX_LINGERING or not self.transport.can_write_eof():
                 self.transport.close()
                 return
             self.transport.write_eof()  # the client reads the answer, then closes (eof_received closes ours)

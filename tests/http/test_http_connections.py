@@ -8,6 +8,7 @@ timeouts and small caps (fly_daemon.http_connections). A flood comes from anothe
 
 from __future__ import annotations
 
+import resource
 import socket
 import time
 from contextlib import ExitStack, contextmanager
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from fly_llm.client import FLyClient, build_options
+from support.daemon_process import free_port, start_daemon
 from support.engine_double import CountingEngine, serving
 
 from fly_daemon.http import HttpFront, create_app
@@ -136,3 +138,29 @@ def test_a_connection_flood_past_the_caps_is_refused_while_others_are_served(tmp
         while (status := httpx.get(f"{url}/health", timeout=WAIT_S).status_code) == 503 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert status == 200
+
+
+@pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="sets a running daemon's descriptor limit (Linux)")
+def test_a_connection_flood_cannot_take_the_zeromq_door(tiny_pair_dirs, tmp_path):
+    """Issue 45 finding 3: idle HTTP connections up to the daemon's descriptor limit cut off HTTP *and* ZeroMQ
+    (its ipc socket could accept no one). A daemon held to 400 descriptors, flooded with 400 connections from
+    other loopback addresses: the cap holds 100 of them, the rest are refused, and ZeroMQ clients are served."""
+    port = free_port()
+    daemon = start_daemon(*tiny_pair_dirs, tmp_path, "fd", "--http", f"127.0.0.1:{port}", *FLOOD_FLAGS)
+    try:
+        resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (400, 400))
+        with ExitStack() as flood:
+            for i in range(400):
+                try:
+                    flood.enter_context(_connect(("127.0.0.1", port), f"127.0.0.{2 + i % 8}"))
+                except OSError:
+                    break  # the listen backlog is full: the daemon stopped accepting
+            with FLyClient(daemon.endpoint, timeout=WAIT_S, max_retries=0) as client:
+                assert client.generate("def add(a, b):", *build_options(max_tokens=3)).usage.completion_tokens > 0
+        assert daemon.proc.poll() is None
+    finally:
+        daemon.stop()
+
+
+FLOOD_FLAGS = ("--http-max-connections", "100")
+"""The daemon's cap on open HTTP connections in the flood test."""

@@ -30,8 +30,11 @@ WAIT_S = 10.0
 
 @contextmanager
 def front(tmp_path, limits: HttpLimits):
-    """(server, the front's host and port) on the engine double."""
+    """(server, the front's host and port) on the engine double, once its models are loaded."""
     with serving(f"ipc://{tmp_path}/c.sock", CountingEngine()) as server:
+        deadline = time.monotonic() + WAIT_S
+        while server.scheduler.state != "ready" and time.monotonic() < deadline:  # /health answers 200 from now on
+            time.sleep(0.01)
         http = HttpFront(create_app(server.core.inproc), "127.0.0.1:0", limits=limits)
         http.start()
         try:

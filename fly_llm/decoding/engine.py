@@ -40,7 +40,7 @@ from fly_llm.decoding.row_faults import RowFaults
 from fly_llm.decoding.stages import NgramStage, RowStart, build_cascade
 from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import PAD_TOKEN, RowRules, RowSampling, Verdict, verify
-from fly_llm.common.errors import BadRequest, TooLong, contained, error_from_code
+from fly_llm.common.errors import BadRequest, FLyError, TooLong, contained, error_from_code
 from fly_llm.model.quantization import quantization_of
 from fly_llm.common.stats import FinishReason, PromptStats, RequestStats
 
@@ -493,7 +493,7 @@ class FLyEngine:
                              prompt_logprobs=prompt_logprobs)
 
     @staticmethod
-    def _end_for_fault(req: _Request, error) -> RequestOutput:
+    def _end_for_fault(req: _Request, error: FLyError) -> RequestOutput:
         """End a row whose per-row stage raised: `error` (one line of ours) in its output, no new tokens."""
         req.finish_reason = req.finish_reason or "stop"
         return RequestOutput(request_id=req.id, new_token_ids=[], new_text="", finished=True,

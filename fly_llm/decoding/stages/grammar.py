@@ -122,6 +122,7 @@ class GrammarStage(Stage):
 
     @staticmethod
     def _feed(matcher: llguidance.LLMatcher, tokens: list[int]) -> None:
+        """Feed a row's new context tokens to its matcher, up to the first it refuses (then it is in error)."""
         for token in tokens:
             if matcher.is_stopped() or not matcher.consume_token(token):  # refused: the matcher failed
                 break

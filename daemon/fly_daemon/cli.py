@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-host", dest="allowed_hosts", action="append", metavar="HOST",
                        help="also answer HTTP requests whose Host is HOST (repeatable; '*': any); else a "
                             "loopback --http answers only localhost, 127.0.0.1, [::1] and its own host")
+    serve.add_argument("--http-header-timeout", type=float,
+                       help="seconds a request's head may take (from the connection or the previous response)")
+    serve.add_argument("--http-body-timeout", type=float, help="seconds a request's body may take after its head")
+    serve.add_argument("--http-keep-alive-timeout", type=float, help="seconds an idle kept-alive connection stays")
+    serve.add_argument("--http-max-connections", type=int, help="open HTTP connections in all; more get 503 BUSY")
+    serve.add_argument("--http-max-connections-per-client", type=int,
+                       help="open HTTP connections from one client address; more get 503 BUSY")
     start.add_argument("--foreground", action="store_true", help="stay attached; log to the terminal")
     start.add_argument("--wait", type=float, default=900.0, help="detached: seconds to wait for 'ready'")
     start.add_argument("-v", "--verbose", action="store_true")

@@ -82,7 +82,7 @@ class ServingCore:
         api_key = settings.api_key_value()
         host, _ = host_port(settings.http)
         require_key_off_loopback(host, api_key)
-        return HttpFront(self.http_app(settings, host), settings.http, api_key=api_key)
+        return HttpFront(self.http_app(settings, host), settings.http, api_key=api_key, limits=settings)
 
 
 def build_core(spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings) -> ServingCore:

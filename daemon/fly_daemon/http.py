@@ -12,7 +12,8 @@ needs an API key (Bearer), as a non-loopback ZeroMQ bind needs CURVE. With a key
 answers only requests whose Host header is a loopback name, its bound host or an allowed host (a
 web page reaching it by DNS rebinding names its own host); others get 421, in Ollama's error shape under
 /api. An unexpected failure answers INTERNAL
-with a request id that the log's traceback carries, never the exception's text.
+with a request id that the log's traceback carries, never the exception's text. Connections are timed
+out and capped by fly_daemon.http_connections (the `http_*` settings).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import fly_llm
 from fly_llm.common.errors import BadRequest, FLyError, Unauthorized
 from fly_llm.common.protocol import MAX_FRAME_BYTES, GenerateResult, TokenChunk
 
+from fly_daemon.http_connections import HttpLimits, guarded_protocol
 from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, UnknownModel, error_headers, http_status,
                                     internal, refusal, unless_disconnected)
 from fly_daemon.inproc import InProcessClient
@@ -357,9 +359,11 @@ class _TrustedHosts:
 # ---- serving ----
 
 class HttpFront:
-    """uvicorn serving an app on HOST:PORT in a background thread; the port is bound at construction."""
+    """uvicorn serving an app on HOST:PORT in a background thread; the port is bound at construction.
+    Connections are timed out and capped by `limits` (fly_daemon.http_connections)."""
 
-    def __init__(self, app: FastAPI, address: str, *, api_key: str | None = None) -> None:
+    def __init__(self, app: FastAPI, address: str, *, api_key: str | None = None,
+                 limits: HttpLimits = HttpLimits()) -> None:
         """Bind `address` ('HOST:PORT'); ValueError for a non-loopback host without an API key, OSError if taken."""
         host, port = host_port(address)
         require_key_off_loopback(host, api_key)
@@ -370,7 +374,8 @@ class HttpFront:
         bound_host, self.port = self._socket.getsockname()[:2]
         self.url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{self.port}"
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, http=guarded_protocol(limits),
+                                timeout_keep_alive=limits.http_keep_alive_timeout)  # type: ignore[arg-type]
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="fly-http", daemon=True)

@@ -12,8 +12,8 @@ request's new text to `emit` (which the server sends on; it is thread-safe).
 
 A job is in exactly one place: queued, preparing, prepared or in the engine (`check()`). Each
 client (a ZeroMQ socket, an HTTP connection) may have `max_requests_per_client` of them, all
-clients together `queue_size` outside the engine. Each request's prefix-cache scope is its tenant
-(the credential it came with) unless `share_prefix_cache`.
+clients together `queue_size` outside the engine. Each request's cache scope (prefix cache, compiled
+grammars) is its tenant (the credential it came with) unless `share_prefix_cache`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fly_llm.common.constraints import Constraint
-from fly_llm.common.errors import BadRequest, Busy, Cancelled, FLyError, Internal, NotReady, Timeout, TooLong
+from fly_llm.common.errors import (
+    BadRequest, Busy, Cancelled, FLyError, Internal, NotReady, Timeout, TooLong, contained, error_from_code,
+)
 from fly_llm.common.protocol import (
     ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest, TokenLogprob,
     TopLogprob, Usage,
@@ -86,8 +88,9 @@ class Limits(BaseModel):
                                          "token limit.")
     max_requests_per_client: int = Field(64, ge=1, description="Requests one client (a ZeroMQ socket, an HTTP "
                                          "connection) may have queued or running; more get BUSY.")
-    share_prefix_cache: bool = Field(False, description="Let every client reuse every other's cached prompts "
-                                     "(a single-tenant deployment); else each credential has its own.")
+    share_prefix_cache: bool = Field(False, description="Let every client reuse every other's cached prompts and "
+                                     "compiled grammars (a single-tenant deployment); else each credential has "
+                                     "its own.")
     heartbeat_timeout: float = Field(5.0, ge=0, description="Seconds without a client heartbeat before a "
                                                              "request is cancelled; 0 = never.")
     drain_timeout: float = Field(10.0, ge=0, description="Seconds running requests get to finish on stop.")
@@ -364,7 +367,9 @@ class Scheduler:
             job.place = "preparing"
         try:
             self._prepare(job)
-        except Exception as exc:  # noqa: BLE001 - a failed preparation fails only its request
+        except BaseException as exc:  # a failed preparation (a grammar compiler's panic too) fails only its request
+            if not contained(exc):
+                raise
             self._end(job, _error_of(exc, f"preparing request {job.request.id} failed"))
             return
         with self._lock:
@@ -386,9 +391,13 @@ class Scheduler:
         if job.prompt_tokens > cap:
             raise TooLong(f"prompt of {job.prompt_tokens} tokens exceeds the limit of {cap}")
         job.constraint = self._constraints.constraint(request.structure)
-        job.matcher = self.engine.compile_constraint(job.constraint)
+        job.matcher = self.engine.compile_constraint(job.constraint, self._scope(job))
         parser = self._constraints.parser(request.structure)
         job.tool_calls = None if parser is None else CallText(parser)
+
+    def _scope(self, job: Job) -> str:
+        """Whose caches (prefixes, compiled grammars) a job reads and fills: its tenant's, unless shared."""
+        return "" if self.limits.share_prefix_cache else job.tenant
 
     def _token_cap(self) -> int:
         return self.limits.max_prompt_tokens or self.engine.context_window - 1
@@ -447,10 +456,12 @@ class Scheduler:
         log.info("ready: target=%s draft=%s", engine.target_name, engine.draft_name)
         try:
             self._serve()
-        except Exception as exc:  # noqa: BLE001 - never die silently: fail everything, say why, let the daemon exit
+        except BaseException as exc:  # never die silently: fail everything, say so, let the daemon exit
+            if not contained(exc):
+                raise
             log.exception("the model thread failed")
             with self._lock:
-                self.state, self.detail = "failed", f"the model thread failed: {exc}"
+                self.state, self.detail = "failed", "the model thread failed (the daemon's log has the details)"
             self._fail_all(Internal(self.detail))
         finally:
             self._executor.shutdown(wait=False)  # what it still holds ends quickly: no queued job is left
@@ -534,7 +545,7 @@ class Scheduler:
                 self.engine.add_request(job.engine_id, job.prompt_ids, job.request.sampling,
                                         job.request.fly.apply(self.engine.config), job.constraint,
                                         matcher=job.matcher,
-                                        cache_scope="" if self.limits.share_prefix_cache else job.tenant,
+                                        cache_scope=self._scope(job),
                                         logprobs=job.request.logprobs, prompt_logprobs=job.request.prompt_logprobs)
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the model thread
                 self._end(job, _error_of(exc, f"admitting request {job.request.id} failed"))
@@ -565,10 +576,12 @@ class Scheduler:
         start = time.monotonic()
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, the daemon keeps serving
+        except BaseException as exc:  # a failed step (a model forward: row faults end their row alone in the
+            if not contained(exc):  # engine) fails its batch; the daemon keeps serving
+                raise
             log.exception("engine step failed")
             for job in by_engine_id.values():  # the engine dropped them all (FLyEngine.step resets on failure)
-                self._end(job, Internal(f"engine step failed: {exc}"))
+                self._end(job, Internal("the engine step failed (an internal error; the daemon's log has the details)"))
             return
         now = time.monotonic()
         self._busy_s += now - start
@@ -584,8 +597,8 @@ class Scheduler:
     def _deliver_one(self, job: Job, out: "RequestOutput", now: float) -> None:
         """Deliver one step's output to its job; any failure (a grammar that failed in the engine, an
         exception while parsing the output) ends that job only, and its row."""
-        if out.error is not None:
-            self._end(job, BadRequest(out.error))
+        if out.error is not None:  # its grammar failed, or a per-row stage raised (fly_llm.decoding.row_faults)
+            self._end(job, error_from_code(out.error_code, out.error))
             return
         try:
             self._deliver(job, out, now)
@@ -678,7 +691,7 @@ class Scheduler:
         self._emit(job.envelope, ErrorReply(id=job.request.id, code=error.code, message=error.message))
 
 
-def _error_of(exc: Exception, what: str) -> FLyError:
+def _error_of(exc: BaseException, what: str) -> FLyError:
     """The reply to a request whose handling raised `exc`: its own FLyError, else INTERNAL saying `what`
     (the exception's text stays in the log)."""
     if isinstance(exc, FLyError):

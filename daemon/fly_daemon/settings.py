@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import platformdirs
-from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
                                TomlConfigSettingsSource)
 
@@ -43,8 +43,27 @@ class SettingsError(ValueError):
     """A config file that cannot be read, or a setting with an invalid value."""
 
 
-class DaemonSettings(Limits):
-    """Where the daemon listens and what it admits (the scheduler's Limits are fields here too)."""
+class HttpLimits(BaseModel):
+    """Timeouts and connection caps of the HTTP front (fly_daemon.http_connections); DaemonSettings extends
+    this model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    http_header_timeout: float = Field(10.0, gt=0, le=3600, description="Seconds a request's head may take to "
+                                       "arrive (from the connection's start or the previous response); then closed.")
+    http_body_timeout: float = Field(60.0, gt=0, le=3600, description="Seconds a request's body may take to "
+                                     "arrive after its head; then the connection is closed.")
+    http_keep_alive_timeout: float = Field(5.0, gt=0, le=3600, description="Seconds an idle kept-alive "
+                                           "connection stays open after a response.")
+    http_max_connections: int = Field(512, ge=1, le=1_000_000, description="Open HTTP connections in all; one "
+                                      "more is answered 503 BUSY and closed (lowered to fit the fd limit).")
+    http_max_connections_per_client: int = Field(64, ge=1, le=1_000_000, description="Open HTTP connections from "
+                                                 "one client address; one more is answered 503 BUSY and closed.")
+
+
+class DaemonSettings(Limits, HttpLimits):
+    """Where the daemon listens and what it admits (the scheduler's Limits and the HTTP front's
+    HttpLimits are fields here too)."""
 
     endpoint: str | None = Field(None, description="ipc:///path.sock or tcp://127.0.0.1:PORT; None = default.")
     max_frame_bytes: int = Field(MAX_FRAME_BYTES, ge=1024, le=256 * 2**20)

@@ -89,3 +89,10 @@ _BY_CODE: dict[str, type[FLyError]] = {
 def error_from_code(code: str, message: str) -> FLyError:
     """Rebuild the exception for a wire error code (unknown codes become Internal)."""
     return _BY_CODE.get(code, Internal)(message)
+
+
+def contained(exc: BaseException) -> bool:
+    """Whether a handler that fails one request (or one row of a batch) may catch `exc` and go on: any
+    Exception, and a Rust panic of a native extension (pyo3's PanicException, which llguidance raises,
+    is a BaseException); never an interrupt or an exit."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"

@@ -23,6 +23,7 @@ import itertools
 import random
 import sys
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -35,10 +36,11 @@ from fly_llm.decoding.logprobs import Logprob, token_logprobs
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
 from fly_llm.decoding.prefill import PromptFill
 from fly_llm.decoding.prefix_cache import PrefixCache
+from fly_llm.decoding.row_faults import RowFaults
 from fly_llm.decoding.stages import NgramStage, RowStart, build_cascade
 from fly_llm.decoding.text import Detokenizer, StopChecker
-from fly_llm.decoding.verify import RowRules, RowSampling, verify
-from fly_llm.common.errors import BadRequest, TooLong
+from fly_llm.decoding.verify import PAD_TOKEN, RowRules, RowSampling, Verdict, verify
+from fly_llm.common.errors import BadRequest, FLyError, TooLong, contained, error_from_code
 from fly_llm.model.quantization import quantization_of
 from fly_llm.common.stats import FinishReason, PromptStats, RequestStats
 
@@ -55,7 +57,8 @@ class RequestOutput:
     stats: RequestStats
     prompt_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, in whole blocks
-    error: str | None = None  # set (with finished) when the request's grammar failed mid-output
+    error: str | None = None  # set (with finished) when the request failed mid-output: its grammar, a row fault
+    error_code: str = "BAD_REQUEST"  # the error's stable code (fly_llm.common.errors): INTERNAL for a row fault
     logprobs: list[Logprob] | None = None  # of new_token_ids, when the request asked (fly_llm.decoding.logprobs)
     prompt_logprobs: list[Logprob] | None = None  # of its prompt tokens but the first, in its first output
 
@@ -164,11 +167,11 @@ class FLyEngine:
             raise BadRequest(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def compile_constraint(self, constraint: Constraint | None):
+    def compile_constraint(self, constraint: Constraint | None, scope: str = ""):
         """The grammar matcher for a constraint (fly_llm.common.constraints), None when the output is free;
         BadRequest for a bad grammar. Safe from any thread while `step()` runs (a grammar not seen
-        before compiles in the sandbox first, then here; a repeated one is a copy)."""
-        return self.grammars.for_constraint(constraint)
+        before in `scope`, a tenant, compiles in the sandbox first, then here; a repeated one is a copy)."""
+        return self.grammars.for_constraint(constraint, scope)
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     fly: FLyConfig | None = None, constraint: Constraint | None = None, *, matcher=None,
@@ -181,7 +184,7 @@ class FLyEngine:
         `constraint` (a grammar, regex or JSON Schema) constrains its output through a grammar
         compiled here, so a bad one raises BadRequest before the request is queued; a `matcher` from
         `compile_constraint` is used as it is instead. `cache_scope`: the prefix-cache scope (tenant)
-        whose cached prefixes it may use and where its own are kept.
+        whose cached prefixes (and compiled grammars) it may use and where its own are kept.
         """
         if not prompt_ids:
             raise BadRequest("the prompt is empty")
@@ -195,7 +198,7 @@ class FLyEngine:
             raise BadRequest("the entropy measure is set per engine, not per request")
         compiled_before = self.grammars.compile_s
         if matcher is None:
-            matcher = self.grammars.for_constraint(constraint)
+            matcher = self.grammars.for_constraint(constraint, cache_scope)
         generator = None
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
@@ -274,8 +277,11 @@ class FLyEngine:
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, then run one draft → verify → accept round for every row.
 
-        If the round raises, every request in the engine is dropped (`reset`) and the exception
-        propagates: the caller fails those requests; the engine is clean for the next ones.
+        A per-row stage that raises (sampling, grammar, log-probabilities, detokenizing) ends its
+        row alone: its output has `error` and `error_code` (`fly_llm.decoding.row_faults`), the other
+        rows go on. If anything else in the round raises (a model forward), every request in the engine
+        is dropped (`reset`) and the exception propagates: the caller fails those requests; the engine
+        is clean for the next ones.
         """
         try:
             return self._round()
@@ -298,12 +304,19 @@ class FLyEngine:
                  for r, n in zip(rows, budgets)]
         drafts = self._cascade.propose(contexts, plans, budgets, [r.fly for r in rows])
         forced = self._cascade.forced
-        accepted, tokens, native, loose, logprobs = self._verify(contexts, drafts, [p.may_loosen for p in plans])
+        faults = RowFaults([r.id for r in rows])
+        accepted, tokens, native, loose, logprobs = self._verify(contexts, drafts, [p.may_loosen for p in plans],
+                                                                 faults)
         valid = [len(c) + a for c, a in zip(contexts, accepted)]  # context + kept drafts, both caches
         self._kv.truncate(valid)
 
-        outputs, finished = [], []
+        outputs: list[RequestOutput | None] = []
+        finished = []
         for b, (req, plan, draft) in enumerate(zip(rows, plans, drafts)):
+            if b in faults:  # its context gains the round's tokens, as the stages expect; it ends below
+                req.tokens += tokens[b]
+                outputs.append(None)
+                continue
             n, a, f = len(draft), accepted[b], forced[b]
             req.stats.record_round(n, native[b], loose[b], a, used_draft_model=plan.model and n > f,
                                    used_ngram=NgramStage.name in plan.stages and n > f, forced=min(f, a))
@@ -311,23 +324,37 @@ class FLyEngine:
                 self.policy.observe(req.policy, plan, n - f, a - f, self._cascade.forwards[b],
                                     loose=sum(loose[b][f:a]), window=req.fly.window if req.fly.loose else None,
                                     batch_size=len(rows))
-            outputs.append(self._emit(req, tokens[b], logprobs[b]))
-            if req.finish_reason is not None:
+            outputs.append(self._emit_guarded(req, tokens[b], logprobs[b], faults.guard(b, "detokenizing")))
+            if req.finish_reason is not None and b not in faults:
                 finished.append(b)
         self._cascade.observe(valid, [r.tokens for r in rows])
         failed = dict(self._cascade.failures())  # only these rows end: the others go on
         for b, problem in failed.items():
-            outputs[b] = self._end_for_grammar(rows[b], outputs[b], problem)
-        if finished or failed:
-            self._remove_rows(sorted(set(finished) | failed.keys()))
+            if b not in faults:
+                outputs[b] = self._end_for_grammar(rows[b], outputs[b], problem)
+        for b, error in faults.errors.items():
+            outputs[b] = self._end_for_fault(rows[b], error)
+        if finished or failed or faults.errors:
+            self._remove_rows(sorted(set(finished) | failed.keys() | faults.errors.keys()))
         return outputs
 
-    def _verify(self, contexts: list[list[int]], drafts: list[list[int]], may_loosen: list[bool]):
+    def _emit_guarded(self, req: _Request, tokens: list[int], logprobs: list[Logprob] | None,
+                      guard: AbstractContextManager) -> RequestOutput | None:
+        """`_emit` under its row's fault guard; on a fault the row's context is the round's tokens
+        appended (what the stages expect of a row that goes on) and the output is None."""
+        context = len(req.tokens)
+        with guard:
+            return self._emit(req, tokens, logprobs)
+        req.tokens[context:] = tokens
+        return None
+
+    def _verify(self, contexts: list[list[int]], drafts: list[list[int]], may_loosen: list[bool], faults: RowFaults):
         """One target forward over [last token, drafts…] per row, then the FLy rule (loose only in
         the rows whose request has it on and whose round `may_loosen`).
 
         Returns per row, on the host: kept draft count, emitted tokens, and the native / loose
-        flags of its draft positions (one device→host copy for all of it).
+        flags of its draft positions (one device→host copy for all of it). A row whose sampling or
+        log-probabilities raise is recorded in `faults` (its values are placeholders).
         """
         k = max(len(d) for d in drafts)
         input_ids = torch.tensor([[c[-1]] + d + [0] * (k - len(d)) for c, d in zip(contexts, drafts)],
@@ -339,15 +366,47 @@ class FLyEngine:
         lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
         rules, sampling = self._settings_of_rows(logits.device)
         rules = replace(rules, loose=rules.loose & torch.tensor(may_loosen, device=logits.device))
-        verdict = verify(input_ids[:, 1:], logits, lengths, rules, sampling)
+        verdict = self._verdict(input_ids[:, 1:], logits, lengths, rules, sampling, faults)
         host = torch.cat([verdict.accepted[:, None], verdict.tokens, verdict.native.long(), verdict.loose.long()],
                          1).tolist()
         accepted = [h[0] for h in host]
         tokens = [h[1:a + 2] for h, a in zip(host, accepted)]
         native = [[bool(x) for x in h[k + 2:k + 2 + len(d)]] for h, d in zip(host, drafts)]
         loose = [[bool(x) for x in h[2 * k + 2:2 * k + 2 + len(d)]] for h, d in zip(host, drafts)]
-        logprobs = [token_logprobs(raw[b], tokens[b], asking[b]) if b in raw else None for b in range(len(drafts))]
+        logprobs: list[list[Logprob] | None] = [None] * len(drafts)
+        for b in raw:
+            with faults.guard(b, "log-probabilities"):
+                logprobs[b] = token_logprobs(raw[b], tokens[b], asking[b])
         return accepted, tokens, native, loose, logprobs
+
+    @staticmethod
+    def _verdict(drafts: torch.Tensor, logits: torch.Tensor, lengths: torch.Tensor, rules: RowRules,
+                 sampling: RowSampling | None, faults: RowFaults) -> Verdict:
+        """`verify` for the batch; if it raises, for each row alone from the same random state, so the
+        rows that raise are recorded in `faults` (their verdict: keep nothing, emit token 0) and the
+        others get what the batch would have given them."""
+        generators = [g for g in sampling.generators if g is not None] if sampling is not None else []
+        states = [g.get_state() for g in generators]
+        try:
+            return verify(drafts, logits, lengths, rules, sampling)
+        except BaseException as exc:
+            if not contained(exc):
+                raise
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
+        k, verdicts = drafts.shape[1], []
+        for b in range(len(drafts)):
+            one = slice(b, b + 1)
+            with faults.guard(b, "sampling"):
+                verdicts.append(verify(drafts[one], logits[one], lengths[one], rules.rows(one),
+                                       sampling.rows(one) if sampling is not None else None))
+            if b in faults:
+                nothing = torch.zeros(1, k, dtype=torch.bool, device=logits.device)
+                verdicts.append(Verdict(accepted=torch.zeros(1, dtype=torch.long, device=logits.device),
+                                        tokens=torch.tensor([[0] + [PAD_TOKEN] * k], device=logits.device),
+                                        native=nothing, loose=nothing))
+        return Verdict(*(torch.cat([getattr(v, name) for v in verdicts])
+                         for name in ("accepted", "tokens", "native", "loose")))
 
     def _admit(self) -> None:
         """Prefill waiting requests' target caches in order, at most `prefill_chunk` prompt tokens in
@@ -434,6 +493,14 @@ class FLyEngine:
                              prompt_logprobs=prompt_logprobs)
 
     @staticmethod
+    def _end_for_fault(req: _Request, error: FLyError) -> RequestOutput:
+        """End a row whose per-row stage raised: `error` (one line of ours) in its output, no new tokens."""
+        req.finish_reason = req.finish_reason or "stop"
+        return RequestOutput(request_id=req.id, new_token_ids=[], new_text="", finished=True,
+                             finish_reason=req.finish_reason, stats=req.stats, prompt_tokens=len(req.prompt),
+                             cached_tokens=req.cached_tokens, error=error.message, error_code=error.code)
+
+    @staticmethod
     def _end_for_grammar(req: _Request, output: RequestOutput, problem: str) -> RequestOutput:
         """End a row whose grammar failed: its output says so in `error` (never a silent 'stop')."""
         req.finish_reason = req.finish_reason or "stop"
@@ -481,7 +548,7 @@ class FLyEngine:
                 if out.error is not None:
                     for rid in ids:
                         self.abort_request(rid)
-                    raise BadRequest(out.error)
+                    raise error_from_code(out.error_code, out.error)
                 texts[out.request_id].append(out.new_text)
                 tokens[out.request_id].extend(out.new_token_ids)
                 if out.finished:
@@ -502,7 +569,7 @@ class FLyEngine:
                 for out in self.step():
                     if out.request_id == rid:
                         if out.error is not None:
-                            raise BadRequest(out.error)
+                            raise error_from_code(out.error_code, out.error)
                         if out.new_text:
                             yield out.new_text
                         done = out.finished

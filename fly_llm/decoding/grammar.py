@@ -9,7 +9,8 @@
   grammar is untrusted: schemas are walked against caps first (`schema_limits`), a grammar not
   seen before compiles first in a sacrificial worker process (`grammar_sandbox`), then here on a
   big-stack thread with llguidance's limits. Thread-safe: any thread may compile while the model
-  thread decodes.
+  thread decodes. Every cache is scoped (a tenant): a grammar one tenant sent never makes another's
+  compile fast, so timing tells nobody what others sent.
 - `apply_masks`: the target's logits masked by the grammar stage's allowed tokens (the stage itself,
   forced tokens, cuts and masks per row, is `fly_llm.decoding.stages.grammar.GrammarStage`).
 """
@@ -65,8 +66,8 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._sandbox: GrammarSandbox | None = None
         self._setup: dict | None = None
-        self._compiled: LruCache[str, llguidance.LLMatcher] = LruCache(COMPILED_CACHE_SIZE)
-        self._grammars: LruCache[Constraint, str] = LruCache(COMPILED_CACHE_SIZE)  # constraint -> its grammar
+        self._compiled: LruCache[tuple[str, str], llguidance.LLMatcher] = LruCache(COMPILED_CACHE_SIZE)  # by scope
+        self._grammars: LruCache[tuple[str, Constraint], str] = LruCache(COMPILED_CACHE_SIZE)  # -> its grammar
         self._lock = threading.RLock()  # the caches and the tokenizer view
         self.compile_s = 0.0
         """Seconds spent building the tokenizer view and compiling grammars so far."""
@@ -106,43 +107,43 @@ class GrammarCompiler:
                 self._sandbox = shared_sandbox(self.setup, *self._sandbox_limits)
             return self._sandbox
 
-    def grammar(self, constraint: Constraint) -> str:
-        """The grammar of a constraint, remembered (a repeated JSON Schema is not walked again)."""
-        return self._grammars.get_or_make(constraint, lambda: grammar_of(constraint, self.caps))
+    def grammar(self, constraint: Constraint, scope: str = "") -> str:
+        """The grammar of a constraint, remembered in `scope` (a repeated JSON Schema is not walked again)."""
+        return self._grammars.get_or_make((scope, constraint), lambda: grammar_of(constraint, self.caps))
 
-    def for_constraint(self, constraint: Constraint | None) -> llguidance.LLMatcher | None:
-        """A matcher for a constraint (None: free output).
+    def for_constraint(self, constraint: Constraint | None, scope: str = "") -> llguidance.LLMatcher | None:
+        """A matcher for a constraint (None: free output), from and into the caches of `scope` (a tenant).
 
         When the grammar does not compile, the first of the constraint's parts that fails on its
         own is named in the BadRequest (checked only then, so good requests pay nothing for it).
         """
         if constraint is None:
             return None
-        grammar = self.grammar(constraint)
+        grammar = self.grammar(constraint, scope)
         try:
-            return self.matcher(grammar)
+            return self.matcher(grammar, scope)
         except BadRequest:
             for what, schema in constraint.parts:
                 try:
-                    self._prototype(f"start: {json_lexeme(json.loads(schema))}\n")
+                    self._prototype(f"start: {json_lexeme(json.loads(schema))}\n", scope)
                 except BadRequest as exc:
                     reason = exc.message.splitlines()[0].split(": ", 1)[-1]
                     raise BadRequest(f"{what} cannot be used: {reason}") from None
             raise
 
-    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+    def matcher(self, grammar: str, scope: str = "") -> llguidance.LLMatcher:
         """A fresh matcher at the start of `grammar`; BadRequest if it does not compile, its language is
         empty, or (in the sandbox) it crashes the compiler, takes too long or too much memory."""
-        return self._prototype(grammar).deep_copy()
+        return self._prototype(grammar, scope).deep_copy()
 
-    def _prototype(self, grammar: str) -> llguidance.LLMatcher:
-        """The compiled grammar from the cache, or compiled now (sandbox first) and cached."""
-        return self._compiled.get_or_make(grammar, lambda: self._compile(grammar))
+    def _prototype(self, grammar: str, scope: str) -> llguidance.LLMatcher:
+        """The compiled grammar from `scope`'s cache, or compiled now (sandbox first) and cached there."""
+        return self._compiled.get_or_make((scope, grammar), lambda: self._compile(grammar, scope))
 
-    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+    def _compile(self, grammar: str, scope: str) -> llguidance.LLMatcher:
         """`grammar` compiled in the sandbox first (when on), then here."""
         if self._sandbox_limits is not None:
-            self.sandbox.check(grammar)
+            self.sandbox.check(grammar, scope)
         tokenizer = self.tokenizer
         start = time.perf_counter()
         prototype = big_stack_call(lambda: compile_grammar(tokenizer, grammar))

@@ -9,8 +9,11 @@ thread with a stack many times larger (`compile_grammar`, `big_stack_call`).
 
 The worker is `python -m fly_llm.decoding.grammar_sandbox`, started on first use (never forked
 from the daemon, which has threads, torch and ZeroMQ); it builds llguidance's view of the
-tokenizer once, from the tokenizer's JSON, and is restarted after a crash or a timeout. Verdicts
-are cached by the grammar's hash (bounded), so a grammar is judged once. Messages are JSON frames
+tokenizer once, from the tokenizer's JSON, and is restarted after a crash or a timeout. A worker that
+died by a signal or timed out may have been killed or stopped from outside (an OOM killer, a SIGSTOP),
+so the grammar is tried once more in a fresh worker, and that outcome is the verdict. Verdicts are
+cached by the grammar's hash (bounded), so a grammar is judged once; a failure that a fresh worker
+did not repeat is never kept. Messages are JSON frames
 (4-byte length, then UTF-8) on the worker's stdin and stdout; it imports llguidance and nothing else.
 """
 
@@ -21,6 +24,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import resource
 import select
 import signal
@@ -70,15 +74,24 @@ def compile_grammar(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidan
     compile or its language is empty (no token may start the output, and the empty output is not in it)."""
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
     if matcher.is_error():
-        raise BadRequest(f"the grammar does not compile: {matcher.get_error()}")
+        raise BadRequest(f"the grammar does not compile: {public_message(matcher.get_error())}")
     matcher.compute_bitmask()  # where an empty language shows: the matcher enters an error state
     if matcher.is_error():
-        raise BadRequest(f"the grammar's language is empty: no output satisfies it ({_first_line(matcher)})")
+        raise BadRequest(f"the grammar's language is empty: no output satisfies it "
+                         f"({public_message(matcher.get_error() or 'no error')})")
     return matcher
 
 
-def _first_line(matcher: llguidance.LLMatcher) -> str:
-    return matcher.get_error().splitlines()[0] if matcher.get_error() else "no error"
+def public_message(error: str) -> str:
+    """What a client may read of an llguidance error: its first line, unless it is a panic or names a
+    source file (a Rust panic's text carries build paths), which become one line of ours."""
+    first = (error.strip().splitlines() or ["no detail"])[0][:500]
+    if _INTERNAL_ERROR.search(first):
+        return "an internal error of the grammar engine"
+    return first
+
+
+_INTERNAL_ERROR = re.compile(r"panic|\.rs:\d|/rustc/|\.cargo/|/home/|/src/", re.IGNORECASE)
 
 
 def big_stack_call(fn: Callable[[], T], stack_bytes: int = BIG_STACK_BYTES) -> T:
@@ -129,16 +142,19 @@ class GrammarSandbox:
         self.memory_bytes = memory_bytes
         self._process: subprocess.Popen | None = None
         self._lock = threading.Lock()
-        self._verdicts: LruCache[bytes, str | None] = LruCache(VERDICTS)
+        self._verdicts: LruCache[bytes, str | None] = LruCache(VERDICTS)  # sha256 of scope and grammar
         self.starts = 0
         """Worker processes started so far (one more after each crash or timeout)."""
+        self.retries = 0
+        """Grammars tried a second time, in a fresh worker, after a death by a signal or a timeout."""
 
-    def check(self, grammar: str) -> None:
+    def check(self, grammar: str, scope: str = "") -> None:
         """Return if `grammar` compiles in the worker to a non-empty language; else BadRequest naming
-        the problem (its compile error, an empty language, a crash, a timeout, the memory limit)."""
-        key = hashlib.sha256(grammar.encode()).digest()
+        the problem (its compile error, an empty language, a crash, a timeout, the memory limit).
+        Verdicts are kept per `scope` (a tenant): one tenant's never answers another's at once."""
+        key = hashlib.sha256(scope.encode() + b"\0" + grammar.encode()).digest()
         with self._lock:  # one worker: grammars are judged one at a time
-            problem = self._verdicts.get_or_make(key, lambda: self._judge(grammar))
+            problem = self._verdicts.get_or_make(key, lambda: self._verdict(grammar))
         if problem is not None:
             raise BadRequest(problem)
 
@@ -147,21 +163,32 @@ class GrammarSandbox:
         with self._lock:
             self._stop()
 
-    def _judge(self, grammar: str) -> str | None:
-        """The worker's verdict on a grammar not seen before: its problem, or None."""
+    def _verdict(self, grammar: str) -> str | None:
+        """The verdict on a grammar not seen before: its problem, or None. A worker that died by a signal
+        or timed out is replaced and the grammar tried once more; the fresh worker's outcome is the verdict."""
+        problem, transient = self._judge(grammar)
+        if transient:
+            self.retries += 1
+            problem, _ = self._judge(grammar)
+        return problem
+
+    def _judge(self, grammar: str) -> tuple[str | None, bool]:
+        """One worker's outcome on a grammar: its problem (or None), and whether the failure may be the
+        worker's own (it died by a signal, or did not answer in time) rather than the grammar's."""
         process = self._process if self._process is not None and self._process.poll() is None else self._start()
         _send(process, {"grammar": grammar})
         try:
             reply = _receive(process, time.monotonic() + self.timeout_s)
         except TimeoutError:
             self._stop()
-            return f"the grammar compiler took longer than {self.timeout_s:g} s on this grammar"
+            return f"the grammar compiler took longer than {self.timeout_s:g} s on this grammar", True
         except EOFError:
             return self._crashed()
-        return reply.get("problem")
+        return reply.get("problem"), False
 
-    def _crashed(self) -> str:
-        """The verdict on a grammar the worker died compiling (the worker is reaped; the next check restarts it)."""
+    def _crashed(self) -> tuple[str, bool]:
+        """The outcome of a grammar the worker died compiling, and whether it died by a signal (the worker
+        is reaped; the next check restarts it). Running out of its memory limit is the grammar's."""
         process, self._process = self._process, None
         code = process.wait()
         stderr = _drain(process.stderr)
@@ -169,8 +196,9 @@ class GrammarSandbox:
         process.stdin.close()
         process.stdout.close()
         if b"memory allocation" in stderr or b"MemoryError" in stderr:
-            return f"the grammar compiler ran out of its memory limit ({self.memory_bytes >> 20} MiB) on this grammar"
-        return f"the grammar compiler crashed on this grammar ({_exit_name(code)})"
+            return (f"the grammar compiler ran out of its memory limit ({self.memory_bytes >> 20} MiB) on this "
+                    f"grammar"), False
+        return f"the grammar compiler crashed on this grammar ({_exit_name(code)})", code < 0
 
     def _start(self) -> subprocess.Popen:
         """A new worker, its tokenizer view built (Internal if it cannot start)."""
@@ -238,10 +266,12 @@ def _receive(process: subprocess.Popen, deadline: float) -> dict:
 
 
 def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
+    poller = select.poll()  # not select.select: the daemon may hold more than 1,024 descriptors (HTTP connections)
+    poller.register(fd, select.POLLIN)
     data = b""
     while len(data) < n:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not poller.poll(left * 1000):
             raise TimeoutError
         chunk = os.read(fd, n - len(data))
         if not chunk:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -68,6 +68,11 @@ class RowRules:
             entropy_top_k=top_k,
         )
 
+    def rows(self, rows: slice) -> RowRules:
+        """These rows' rules."""
+        return replace(self, loose=self.loose[rows], window=self.window[rows],
+                       entropy_threshold=self.entropy_threshold[rows])
+
 
 @dataclass
 class RowSampling:
@@ -76,6 +81,10 @@ class RowSampling:
     temperature: torch.Tensor  # [B] float (any device; read on the host once)
     top_p: torch.Tensor  # [B] float in (0, 1]
     generators: list[torch.Generator | None]  # per row, on the logits' device; None = torch's default
+
+    def rows(self, rows: slice) -> RowSampling:
+        """These rows' sampling."""
+        return RowSampling(self.temperature[rows], self.top_p[rows], self.generators[rows])
 
 
 @dataclass
@@ -228,9 +237,13 @@ class _SampledRows:
 def _distributions(logits: torch.Tensor, temperatures: list[float], top_ps: list[float]) -> torch.Tensor:
     """softmax(logits / T) per row, restricted to the top-p nucleus for rows with top_p < 1.
 
-    `logits` [S, K+1, V] must be a copy owned by the caller: it is scaled in place.
+    `logits` [S, K+1, V] must be a copy owned by the caller: it is scaled in place. Safe for any T > 0:
+    the row's maximum is subtracted first (so nothing overflows: a T near 0 leaves the maximum at 0
+    and the rest at -inf, the greedy limit) and T is at least the dtype's smallest normal number.
     """
-    logits.div_(torch.tensor(temperatures, device=logits.device, dtype=logits.dtype)[:, None, None])
+    scale = torch.tensor(temperatures, device=logits.device, dtype=logits.dtype)
+    scale.clamp_(min=torch.finfo(logits.dtype).tiny)
+    logits.sub_(logits.amax(-1, keepdim=True)).div_(scale[:, None, None])
     probs = torch.softmax(logits, -1)
     if min(top_ps) < 1.0:
         _keep_nucleus_(probs, torch.tensor(top_ps, device=logits.device, dtype=probs.dtype)[:, None, None])
@@ -251,7 +264,7 @@ def _keep_nucleus_(probs: torch.Tensor, top_p: torch.Tensor) -> None:
         if width == vocab or bool(((top.sum(-1, keepdim=True) >= top_p) | (top_p >= 1.0)).all()):
             break
         width = min(vocab, width * 8)
-    kept = ((top.cumsum(-1) - top) < top_p).sum(-1, keepdim=True)  # >= 1
+    kept = ((top.cumsum(-1) - top) < top_p).sum(-1, keepdim=True).clamp(min=1)  # a top_p that underflowed to 0: 1
     edge = torch.where(top_p >= 1.0, 0.0, top.gather(-1, kept - 1))
     probs.masked_fill_(probs < edge, 0.0)
     probs.div_(probs.sum(-1, keepdim=True))

@@ -142,3 +142,30 @@ def test_fuzzed_frames_leave_the_daemon_healthy(tiny_daemon, raw):
     with FLyClient(tiny_daemon, timeout=30) as client:
         assert client.health().state == "ready"
         assert client.generate("def add(a, b):", *build_options(max_tokens=4)).usage.completion_tokens > 0
+
+
+EDGE_SAMPLING = [  # issue 45 finding 2: values at float32's edges (each passes SamplingParams' ranges)
+    {"temperature": 5e-324},  # a float64 subnormal: 0 in float32
+    {"temperature": 1e-40},  # a float32 subnormal: logits / T overflowed to inf, the text was token 0 repeated
+    {"temperature": 1.0, "top_p": 5e-324},  # top_p 0 in float32: the nucleus index was -1 and the step raised
+    {"temperature": 0.7, "top_p": 1e-46, "seed": 3},
+]
+
+
+def test_sampling_at_float_edges_fails_nobody(tiny_daemon, raw):
+    """Extreme sampling values batched with a victim: every request is answered, none with an error; the
+    near-zero temperatures and tiny top_p give the greedy text (their limit), the victim its own text."""
+    prompt, limit = "def add(a, b):", {"max_tokens": 12}
+    with FLyClient(tiny_daemon, timeout=60) as client:
+        greedy = client.generate(prompt, *build_options(**limit, loose=False))
+    frames = [_frame(id="victim", prompt=prompt, sampling=limit, fly={"loose": False})]
+    frames += [_frame(id=f"edge{i}", prompt=prompt, sampling={**limit, **edge}, fly={"loose": False})
+               for i, edge in enumerate(EDGE_SAMPLING)]
+    for frame in frames:
+        raw.send(frame)
+    results = {}
+    while len(results) < len(frames):
+        reply = _reply(raw)
+        assert not isinstance(reply, ErrorReply), reply
+        results[reply.id] = reply
+    assert {rid: r.token_ids for rid, r in results.items()} == {rid: greedy.token_ids for rid in results}

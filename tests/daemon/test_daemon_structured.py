@@ -6,8 +6,12 @@ template; every bad input is answered with its code while a concurrent stream ke
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import threading
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -136,3 +140,40 @@ def test_bad_input_is_a_bad_request_while_others_are_served(client, name, option
 def test_tool_result_for_an_unknown_call_is_a_bad_request(client):
     with pytest.raises(BadRequest, match="unknown call"):
         client.chat([*ASK, {"role": "tool", "content": "5", "tool_call_id": "call_nobody"}], tools=TOOLS)
+
+
+def _sandbox_workers(daemon_pid: int) -> list[int]:
+    """The daemon's grammar-sandbox worker processes (its children running fly_llm.decoding.grammar_sandbox)."""
+    workers = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == daemon_pid and b"fly_llm.decoding.grammar_sandbox" in cmdline:
+            workers.append(int(entry.name))
+    return workers
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the sandbox worker in /proc")
+def test_a_stopped_sandbox_worker_is_replaced_and_the_schema_accepted(tiny_daemon, client):
+    """Issue 45 finding 5: a SIGSTOPped worker made a valid schema's timeout its cached verdict, refused for
+    every tenant from then on. Now the worker is replaced and the schema tried again: served, then and later."""
+    client.generate("x", SamplingParams(max_tokens=4), response_format={"type": "json_schema", "schema": ANSWER})
+    daemon_pid = int(Path(tiny_daemon.removeprefix("ipc://") + ".pid").read_text().split()[0])
+    workers = _sandbox_workers(daemon_pid)
+    assert len(workers) == 1, workers
+    schema = {"type": "object", "properties": {"stopped_worker": {"type": "boolean"}}, "required": ["stopped_worker"],
+              "additionalProperties": False}  # a schema no other test sends: its verdict is not cached yet
+    os.kill(workers[0], signal.SIGSTOP)
+    try:
+        for _ in range(2):
+            result = client.generate("x", SamplingParams(max_tokens=40),
+                                     response_format={"type": "json_schema", "schema": schema})
+            if result.finish_reason == "stop":
+                jsonschema.validate(json.loads(result.text), schema)
+        assert workers[0] not in _sandbox_workers(daemon_pid)  # the stopped one was killed and replaced
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(workers[0], signal.SIGCONT)

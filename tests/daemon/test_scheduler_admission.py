@@ -53,9 +53,9 @@ class Recording(CountingEngine):
             raise ValueError("the template refuses this")
         return super().encode(prompt, messages, tools)
 
-    def compile_constraint(self, constraint):
+    def compile_constraint(self, constraint, scope=""):
         self.threads.append(("compile", threading.current_thread().name))
-        return super().compile_constraint(constraint)
+        return super().compile_constraint(constraint, scope)
 
     def add_request(self, *args, **kwargs) -> None:
         self.adds_between_steps[-1] += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -27,7 +28,8 @@ from benchmarks.grammar_compile_bench import agent_tools
 import fly_llm
 from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
-from fly_llm.decoding.grammar_sandbox import GrammarSandbox
+from fly_llm.decoding import grammar_sandbox
+from fly_llm.decoding.grammar_sandbox import GrammarSandbox, public_message
 from fly_llm.common.schema_limits import SchemaCaps, check_schema, hoist_defs
 from fly_llm.common.errors import BadRequest
 from fly_llm.common.tool_formats import Constraints
@@ -114,18 +116,46 @@ def json_grammar(schema: dict) -> str:
 
 
 def test_the_sandbox_names_a_crash_and_keeps_serving(setup):
-    """Past the caps (called directly): the worker dies, the verdict names the crash, the next grammar
-    gets a new worker, and the crash is remembered without another one."""
+    """Past the caps (called directly): the worker dies, the grammar is tried once more in a fresh worker
+    (a death by a signal may be the worker's own), which dies too; the verdict names the crash, the next
+    grammar gets a new worker, and the crash is remembered without another one."""
     sandbox = GrammarSandbox(setup)
     try:
         with pytest.raises(BadRequest, match="crashed on this grammar"):
             sandbox.check(json_grammar(ref_chain(3000)))
+        assert (sandbox.starts, sandbox.retries) == (2, 1)
         sandbox.check(json_grammar(ref_chain(10)))
-        assert sandbox.starts == 2
+        assert sandbox.starts == 3
         start = time.perf_counter()
         with pytest.raises(BadRequest, match="crashed"):
             sandbox.check(json_grammar(ref_chain(3000)))
-        assert time.perf_counter() - start < 0.05 and sandbox.starts == 2
+        assert time.perf_counter() - start < 0.05 and sandbox.starts == 3
+    finally:
+        sandbox.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_worker_stopped_or_killed_mid_request_is_no_verdict(setup, monkeypatch, sig):
+    """Issue 45 finding 5: a worker stopped (SIGSTOP: it never answers) or killed (an OOM killer) while a
+    valid grammar was sent to it made that grammar's timeout or crash the cached verdict, refused forever.
+    Now the worker is replaced and the grammar tried again: accepted, and that is what is remembered."""
+    sandbox = GrammarSandbox(setup, timeout_s=2.0)
+    stopped: list[int] = []
+
+    def send(process, message):
+        if "grammar" in message and not stopped:  # the first grammar's worker is hit as the grammar is sent
+            stopped.append(process.pid)
+            os.kill(process.pid, sig)
+        real_send(process, message)
+
+    real_send = grammar_sandbox._send
+    monkeypatch.setattr(grammar_sandbox, "_send", send)
+    try:
+        valid = json_grammar({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+        sandbox.check(valid)
+        assert stopped and (sandbox.starts, sandbox.retries) == (2, 1)
+        sandbox.check(valid)  # remembered as good: no worker asked
+        assert (sandbox.starts, sandbox.retries) == (2, 1)
     finally:
         sandbox.close()
 
@@ -283,6 +313,26 @@ def test_a_repeated_tool_list_costs_nothing_the_second_time(pair):
     assert (eng.grammars.compile_s, eng.grammars.sandbox.starts) == (compiled_s, starts)
 
 
+def test_grammar_caches_are_scoped_per_tenant(pair, monkeypatch):
+    """Issue 45 finding 6: one grammar cache for all let a tenant tell by timing that another had sent a
+    schema. Each scope (tenant) now compiles, and is judged by the sandbox, on its own; within a scope a
+    repeat is a copy."""
+    eng = engine(pair)
+    sandboxed, compiled = [], []
+    real_check, real_compile = GrammarSandbox.check, type(eng.grammars)._compile
+    monkeypatch.setattr(GrammarSandbox, "check", lambda self, grammar, scope="": (
+        sandboxed.append(scope), real_check(self, grammar, scope))[1])
+    monkeypatch.setattr(type(eng.grammars), "_compile", lambda self, grammar, scope: (
+        compiled.append(scope), real_compile(self, grammar, scope))[1])
+    constraint = constraint_of(eng, schema_structure({"type": "object", "properties": {"q": {"type": "string"}}}))
+    for scope in ["tenant-a", "tenant-a", "tenant-b", "tenant-a", "tenant-b"]:
+        assert eng.compile_constraint(constraint, scope) is not None
+    assert compiled == sandboxed == ["tenant-a", "tenant-b"]
+    verdicts = len(eng.grammars.sandbox._verdicts)
+    eng.grammars.sandbox.check(eng.grammars.grammar(constraint, "tenant-c"), "tenant-c")
+    assert len(eng.grammars.sandbox._verdicts) == verdicts + 1  # its own verdict, not tenant-a's
+
+
 def test_compiling_on_another_thread_while_the_model_thread_steps(pair):
     """compile_constraint from a worker thread, add_request(matcher=) on the model thread; the batch's
     constrained rows stay valid and the engine's invariants hold after every step."""
@@ -325,3 +375,15 @@ def test_cached_tokens_count_whole_blocks_and_scopes_do_not_share(pair):
     assert cached("alice") == 0
     assert cached("bob") == 0  # alice's prompt is not bob's hit
     assert cached("alice") == (len(prompt) - 1) // 4 * 4 > 0  # whole blocks, though all but one token are reused
+
+
+@pytest.mark.parametrize("raw,public", [
+    ("panicked at /home/runner/.cargo/registry/src/index.crates.io/llguidance-1.9/src/earley/parser.rs:812:9:\n"
+     "index out of bounds", "an internal error of the grammar engine"),
+    ("panic: attempt to subtract with overflow", "an internal error of the grammar engine"),
+    ("called `Option::unwrap()` on a `None` value at parser/src/api.rs:40:7", "an internal error of the grammar engine"),
+    ("unknown name: 'item'\n  --> line 3\n  item*", "unknown name: 'item'"),
+])
+def test_grammar_engine_errors_reach_clients_as_one_line_without_paths(raw, public):
+    """Issue 45 finding 6: llguidance panic messages (with build paths) were returned to clients."""
+    assert public_message(raw) == public

@@ -355,3 +355,22 @@ def test_top_p_nucleus_matches_a_sorted_cumulative_sum(scale):
         for position in range(3):
             expected = target_distribution(logits[row, position], temperature, top_p)
             assert probs[row, position].tolist() == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1e-40, 1.0), (5e-324, 1.0), (1.0, 5e-324), (0.5, 1e-46),
+                                               (1e-40, 1e-46)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampling_at_float_edges_is_greedy(temperature, top_p, dtype):
+    """Issue 45: a temperature that overflows logits / T (or underflows to 0) gave NaN probabilities and
+    token 0; a top_p that underflows to 0 made the nucleus index -1 and raised. Their limit is greedy."""
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 5, 40) * 4).to(dtype)
+    drafts = logits[:, :4].float().argmax(-1)
+    drafts[1, 1] = (drafts[1, 1] + 1) % 40  # one mismatch: the row's correction is sampled too
+    n = len(drafts)
+    row_rules = rules(*[FLyConfig(loose=False)] * n)
+    greedy = verify(drafts, logits, torch.full((n,), 4), row_rules)
+    sampled = verify(drafts, logits, torch.full((n,), 4), row_rules,
+                     RowSampling(torch.full((n,), temperature), torch.full((n,), top_p),
+                                 [torch.Generator().manual_seed(s) for s in range(n)]))
+    assert sampled.tokens.tolist() == greedy.tokens.tolist()

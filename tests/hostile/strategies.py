@@ -246,8 +246,9 @@ def sampling() -> st.SearchStrategy[dict[str, Any]]:
     """Sampling options: mostly small and valid, some at or past their limits."""
     edges = st.fixed_dictionaries({}, optional={
         "max_tokens": st.sampled_from([0, 1, 2, 500, 511, 512, 513, 4096, 4097, 100_000, 10**12, -1, "8", None]),
-        "temperature": st.sampled_from([0.0, 1e-30, 0.7, 10.0, 10.0001, -0.0, -1.0, 1e308]),
-        "top_p": st.sampled_from([0.0, 1e-300, 0.5, 1.0, 1.0000001]),
+        "temperature": st.sampled_from([0.0, 1e-30, 0.7, 10.0, 10.0001, -0.0, -1.0, 1e308,  # float32's edges (issue 45):
+                                        5e-324, 1e-40, 1.2e-38, "nan", "inf", "-inf", "1e-45"]),
+        "top_p": st.sampled_from([0.0, 1e-300, 0.5, 1.0, 1.0000001, 5e-324, 1e-46, "nan", "1e-45"]),
         "seed": st.sampled_from([0, 2**63 - 1, 2**63, -1, 10**40]),
         "stop": st.one_of(st.lists(text(), max_size=4), st.lists(st.just("a"), min_size=50, max_size=60),
                           st.just(["x" * 5000])),

@@ -191,3 +191,15 @@ def test_logprobs_bad_input(client, model):
             client.chat.completions.create(model=model, messages=ASK, **kwargs)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="a", max_tokens=0)  # 0 tokens without echo
+
+
+@pytest.mark.parametrize("edge", [{"temperature": 1e-40}, {"temperature": 5e-324}, {"temperature": 1.0, "top_p": 5e-324}],
+                         ids=["subnormal-temperature", "temperature-0-in-float32", "top_p-0-in-float32"])
+def test_sampling_at_float_edges_is_greedy_over_http(http, model, edge):
+    """Issue 45: n choices at float32's edges, batched together: before, a top_p that underflowed failed
+    the whole batch with a 500 carrying the exception's text, and a subnormal temperature gave token 0."""
+    body = {"model": model, "prompt": "def add(a, b):", "max_tokens": 8, "loose": False}
+    greedy = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    reply = http.post("/v1/completions", json={**body, **edge, "n": 3, "seed": 1})
+    assert reply.status_code == 200, reply.text
+    assert [c["text"] for c in reply.json()["choices"]] == [greedy] * 3

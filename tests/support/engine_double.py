@@ -38,6 +38,7 @@ class _Output:
     stats: RequestStats = field(default_factory=RequestStats)
     cached_tokens: int = 0
     error: str | None = None
+    error_code: str = "BAD_REQUEST"
     logprobs: list | None = None
     prompt_logprobs: list | None = None
 
@@ -80,7 +81,7 @@ class CountingEngine:
         text = prompt if prompt is not None else " ".join(m["content"] for m in messages)
         return [1] * len(text.split())
 
-    def compile_constraint(self, constraint):
+    def compile_constraint(self, constraint, scope=""):
         """No grammars here: every constraint compiles to no matcher."""
         return None
 

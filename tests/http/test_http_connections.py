@@ -1,0 +1,169 @@
+"""Connections have limits (issue 45 finding 3): timeouts for heads, bodies and idle connections, and
+caps on open connections overall and per client, while other clients and the ZeroMQ door are served.
+
+In-process: a Server on the engine double and its HTTP front on a free loopback port, with short
+timeouts and small caps (fly_daemon.http_connections). A flood comes from another loopback address
+(127.0.0.2 is this machine too), so it is another client. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import resource
+import socket
+import time
+from contextlib import ExitStack, contextmanager
+
+import httpx
+import pytest
+
+from fly_llm.client import FLyClient, build_options
+from support.daemon_process import free_port, start_daemon
+from support.engine_double import CountingEngine, serving
+
+from fly_daemon.http import HttpFront, create_app
+from fly_daemon.settings import HttpLimits
+
+SHORT = HttpLimits(http_header_timeout=0.5, http_body_timeout=0.5, http_keep_alive_timeout=0.5)
+WAIT_S = 10.0
+"""The longest any check waits for the server to act (its timeouts here are 0.5 s)."""
+
+
+@contextmanager
+def front(tmp_path, limits: HttpLimits):
+    """(server, the front's host and port) on the engine double, once its models are loaded."""
+    with serving(f"ipc://{tmp_path}/c.sock", CountingEngine()) as server:
+        deadline = time.monotonic() + WAIT_S
+        while server.scheduler.state != "ready" and time.monotonic() < deadline:  # /health answers 200 from now on
+            time.sleep(0.01)
+        http = HttpFront(create_app(server.core.inproc), "127.0.0.1:0", limits=limits)
+        http.start()
+        try:
+            yield server, ("127.0.0.1", http.port)
+        finally:
+            http.stop()
+
+
+def _connect(address: tuple[str, int], source: str = "127.0.0.1") -> socket.socket:
+    sock = socket.create_connection(address, timeout=WAIT_S, source_address=(source, 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # close: no TIME_WAIT
+    return sock
+
+
+def _read_to_close(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (a socket timeout fails the test: it never closed)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _still_open(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) != b""
+    except BlockingIOError:
+        return True
+    finally:
+        sock.setblocking(True)
+        sock.settimeout(WAIT_S)
+
+
+def test_an_idle_connection_is_closed_after_the_header_timeout(tmp_path):
+    with front(tmp_path, SHORT) as (_, address), _connect(address) as sock:
+        assert _read_to_close(sock) == b""
+
+
+def test_a_head_sent_slowly_is_closed_at_its_deadline(tmp_path):
+    """A header line every 0.1 s (slowloris): each byte does not restart the clock; the head's deadline closes it."""
+    with front(tmp_path, SHORT) as (_, address), _connect(address) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        for i in range(int(WAIT_S / 0.1)):
+            try:
+                sock.sendall(b"X-Slow-%d: x\r\n" % i)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(0.1)
+            if not _still_open(sock):
+                break
+        else:
+            pytest.fail("a head that never ends kept its connection open")
+
+
+def test_a_head_too_large_is_refused(tmp_path):
+    with front(tmp_path, HttpLimits()) as (_, address), _connect(address) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        try:
+            for _ in range(40):  # 80 KiB of headers, more than MAX_HEAD_BYTES
+                sock.sendall(b"X-Big: " + b"x" * 2040 + b"\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert _read_to_close(sock).startswith(b"HTTP/1.1 431")
+
+
+def test_a_body_that_stops_coming_is_closed_and_never_submitted(tmp_path):
+    with front(tmp_path, SHORT) as (server, address), _connect(address) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        assert _read_to_close(sock) == b""
+        assert server.scheduler.requests_total == 0
+
+
+def test_an_idle_kept_alive_connection_is_closed(tmp_path):
+    with front(tmp_path, SHORT) as (_, address), _connect(address) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answer = _read_to_close(sock)  # the answer, then the close once the connection idles
+        assert answer.startswith(b"HTTP/1.1 200") and b'"state":"ready"' in answer
+
+
+def test_a_connection_flood_past_the_caps_is_refused_while_others_are_served(tmp_path):
+    limits = HttpLimits(http_max_connections=8, http_max_connections_per_client=4, http_header_timeout=60)
+    with front(tmp_path, limits) as (server, address), ExitStack() as flood:
+        url = f"http://{address[0]}:{address[1]}"
+        held = [flood.enter_context(_connect(address, "127.0.0.2")) for _ in range(4)]
+        refused = [flood.enter_context(_connect(address, "127.0.0.2")) for _ in range(2)]
+        for sock in refused:  # answered at once, without being read, then closed
+            answer = _read_to_close(sock)
+            assert answer.startswith(b"HTTP/1.1 503") and b'"code": "BUSY"' in answer
+            assert b"http_max_connections_per_client" in answer
+        assert all(_still_open(sock) for sock in held)
+
+        assert httpx.get(f"{url}/health", timeout=WAIT_S).status_code == 200  # another client is served
+        with FLyClient(server.endpoint, timeout=WAIT_S) as client:  # and the ZeroMQ door
+            assert client.generate("a b c", *build_options(max_tokens=3)).usage.completion_tokens == 3
+
+        held += [flood.enter_context(_connect(address, "127.0.0.3")) for _ in range(4)]  # 8 open: the cap
+        refused_all = httpx.get(f"{url}/health", timeout=WAIT_S)
+        assert refused_all.status_code == 503 and refused_all.headers["retry-after"] == "1"
+        assert refused_all.json()["error"]["code"] == "BUSY" and "http_max_connections" in refused_all.text
+        for sock in held:
+            sock.close()
+        deadline = time.monotonic() + WAIT_S  # the front counts them closed as soon as it reads their close
+        while (status := httpx.get(f"{url}/health", timeout=WAIT_S).status_code) == 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == 200
+
+
+@pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="sets a running daemon's descriptor limit (Linux)")
+def test_a_connection_flood_cannot_take_the_zeromq_door(tiny_pair_dirs, tmp_path):
+    """Issue 45 finding 3: idle HTTP connections up to the daemon's descriptor limit cut off HTTP *and* ZeroMQ
+    (its ipc socket could accept no one). A daemon held to 400 descriptors, flooded with 400 connections from
+    other loopback addresses: the cap holds 100 of them, the rest are refused, and ZeroMQ clients are served."""
+    port = free_port()
+    daemon = start_daemon(*tiny_pair_dirs, tmp_path, "fd", "--http", f"127.0.0.1:{port}", *FLOOD_FLAGS)
+    try:
+        resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (400, 400))
+        with ExitStack() as flood:
+            for i in range(400):
+                try:
+                    flood.enter_context(_connect(("127.0.0.1", port), f"127.0.0.{2 + i % 8}"))
+                except OSError:
+                    break  # the listen backlog is full: the daemon stopped accepting
+            with FLyClient(daemon.endpoint, timeout=WAIT_S, max_retries=0) as client:
+                assert client.generate("def add(a, b):", *build_options(max_tokens=3)).usage.completion_tokens > 0
+        assert daemon.proc.poll() is None
+    finally:
+        daemon.stop()
+
+
+FLOOD_FLAGS = ("--http-max-connections", "100")
+"""The daemon's cap on open HTTP connections in the flood test."""

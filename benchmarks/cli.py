@@ -228,7 +228,7 @@ def quality(models: Any, args: argparse.Namespace, datasets: dict[str, list[Item
     runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens, models.context_window, gguf,
                     policy=SingleStreamPolicy(policy_costs(args.out, models.target, models.draft)))
     selected = [all_methods()[name] for name in args.methods]
-    for method in selected:
+    for method in selected if not args.report_only else ():  # a report decodes nothing: llama.cpp not needed
         if why := runner.missing(method):
             raise QualityModeError(f"method {method.name!r}: {why}")
     started = time.perf_counter()

@@ -279,3 +279,6 @@ def test_llamacpp_is_a_quality_method_decoding_one_item_at_a_time(tiny_pair_dirs
         assert [s.batch for s in read_sittings(part_path(tmp_path / "out", dataset, "llamacpp"))] == [1]
     assert {(s["dataset"], s["method"]) for s in report["results"]} >= {("gsm8k", "llamacpp"),
                                                                          ("humaneval", "llamacpp")}
+    monkeypatch.setattr(methods, "llamacpp_installed", lambda: False)  # a report decodes nothing: not needed
+    again = _quality(tiny_pair_dirs, tmp_path / "out", *RUN, "--methods", "target", "llamacpp", "--report-only")
+    assert _without_timing(again) == _without_timing(report)

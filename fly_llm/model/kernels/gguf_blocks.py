@@ -121,7 +121,6 @@ _T = GGMLQuantizationType
 DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], Published]] = {
     _T.Q4_K: decode_q4_k, _T.Q6_K: decode_q6_k, _T.Q8_0: decode_q8_0, _T.Q5_0: decode_q5_0, _T.Q4_0: decode_q4_0}
 """The block types taken as published, each with its decoder (raw uint8 rows -> the kernel's weight)."""
-_WEIGHTS = {_T.Q4_K: 256, _T.Q6_K: 256, _T.Q8_0: 32, _T.Q5_0: 32, _T.Q4_0: 32}  # weights per block
 
 
 def decode(kind: GGMLQuantizationType, blocks: torch.Tensor) -> Published:
@@ -159,11 +158,10 @@ def published_blocks(gguf: Path, model: nn.Module) -> dict[str, tuple[GGMLQuanti
         kind = tensor.tensor_type
         if kind not in DECODERS or tensor.data.ndim != 2:
             continue
-        rows, width = tensor.data.shape
+        rows = tensor.data.shape[0]
         mapped = _row_order(processor, tensor.name, rows, names)
         linear = linears.get(mapped[0]) if mapped else None
-        block_bytes = width * _WEIGHTS[kind] // int(tensor.n_elements // rows)  # bytes per block
-        if linear is None or tuple(linear.weight.shape) != (rows, width // block_bytes * _WEIGHTS[kind]):
+        if linear is None or tuple(linear.weight.shape) != (rows, int(tensor.n_elements) // rows):
             continue
         found[mapped[0].removesuffix(".weight")] = (
             kind, torch.from_numpy(np.ascontiguousarray(tensor.data[mapped[1]])))

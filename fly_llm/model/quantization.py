@@ -43,7 +43,7 @@ from fly_llm.model.attention import use_row_attention
 from fly_llm.model.kernels import row_attention as native_attention
 from fly_llm.model.kernels import w4a8
 
-Published = w4a8.QuantizedWeight | w4a8.SuperBlockWeight | w4a8.SymmetricWeight
+WeightLevels = w4a8.QuantizedWeight | w4a8.SuperBlockWeight | w4a8.SymmetricWeight  # what W4A8Linear packs as it is
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Int4Linear(nn.Module):
 class W4A8Linear(PackedW4A8):
     """A Linear with 4-bit weights (blocks of 32 inputs, scale and minimum each) and int8 activations."""
 
-    def __init__(self, linear: nn.Linear, weight: Published | None = None) -> None:
+    def __init__(self, linear: nn.Linear, weight: WeightLevels | None = None) -> None:
         """`weight`: the linear's weight already in levels (a GGUF's published blocks: Q4_K, or Q6_K, Q8_0,
         Q5_0, Q4_0 as symmetric blocks); None rounds `linear.weight` to 4 bits (`w4a8.quantize_weight`)."""
         super().__init__()
@@ -201,7 +201,7 @@ def _unpackable(scheme: str, linear: nn.Linear) -> bool:
 
 
 def quantize(model: nn.Module, mode: str, device: torch.device, role: str = "target",
-             published: Mapping[str, Published] | None = None) -> str:
+             published: Mapping[str, WeightLevels] | None = None) -> str:
     """Replace `model`'s Linear layers in place by quantized ones; returns the scheme applied.
 
     `published` maps Linear names (as `model.named_modules()` gives them) to weights in levels taken

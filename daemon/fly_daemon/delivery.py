@@ -11,11 +11,8 @@ all requests share: the replies' sender, the metrics and counters, and the failu
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from pydantic import BaseModel
 
 from fly_llm.common.errors import FLyError
 from fly_llm.common.protocol import (
@@ -27,13 +24,11 @@ from fly_llm.common.tools import ToolCall
 
 from fly_daemon.call_text import CallText
 from fly_daemon.metrics import Metrics
-from fly_daemon.request_queue import Envelope
 
 if TYPE_CHECKING:
     from fly_llm.decoding.engine import FLyEngine, RequestOutput
 
-Emit = Callable[[Envelope, BaseModel], None]
-"""Sends a reply to the client behind an envelope (thread-safe)."""
+    from fly_daemon.request_queue import Emit, Envelope
 
 
 @dataclass(eq=False)

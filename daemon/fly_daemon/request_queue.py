@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from pydantic import BaseModel
+
 from fly_llm.common.errors import BadRequest, Busy, Cancelled, FLyError, Timeout
 from fly_llm.common.protocol import GenerateRequest, TokenizeRequest
 
@@ -26,6 +28,8 @@ Envelope = tuple[bytes, ...]
 LOCAL: Envelope = ()
 """The envelope of requests submitted from inside the process (fly_daemon.inproc): no routing frames, so it
 is never a socket's, and no heartbeats (their owner cancels them when it stops waiting)."""
+Emit = Callable[[Envelope, BaseModel], None]
+"""Sends a reply to the client behind an envelope (thread-safe)."""
 Place = Literal["queued", "preparing", "prepared", "engine", "ended"]
 
 

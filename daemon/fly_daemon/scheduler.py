@@ -35,12 +35,12 @@ from fly_llm.common.errors import Cancelled, FLyError, Internal, NotReady, TooLo
 from fly_llm.common.protocol import ErrorReply, GenerateRequest, HealthState, TokenizeReply, TokenizeRequest
 from fly_llm.common.tool_formats import Constraints
 
-from fly_daemon.delivery import Delivery, Emit
+from fly_daemon.delivery import Delivery
 from fly_daemon.limits import Limits
 from fly_daemon.metrics import Metrics
 from fly_daemon.model_info import ModelInfo
 from fly_daemon.preparation import CHARS_PER_TOKEN, Preparation
-from fly_daemon.request_queue import LOCAL, Entry, Envelope, RequestQueue
+from fly_daemon.request_queue import LOCAL, Emit, Entry, Envelope, RequestQueue
 
 if TYPE_CHECKING:
     from fly_llm.decoding.engine import FLyEngine, RequestOutput

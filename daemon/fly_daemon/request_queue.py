@@ -63,6 +63,10 @@ class Entry:
         """Tokens this request may occupy in the batch (prompt + max new tokens)."""
         return self.prompt_tokens + self.request.sampling.max_tokens
 
+    def cache_scope(self, shared: bool) -> str:
+        """Whose caches (prefixes, compiled grammars) it reads and fills: its tenant's, unless `shared`."""
+        return "" if shared else self.tenant
+
     def verdict(self, now: float, heartbeat_timeout: float) -> FLyError | None:
         """Why it must end now (its deadline passed, or its client stopped heartbeating), else None."""
         timeout = self.request.timeout_s

@@ -2,8 +2,8 @@
 
 The scheduler has three rooms, as vLLM's v1 engine separates its core, input processing and output
 processing:
-- the queue and the loop (this module, its books in fly_daemon.request_queue): admission, per-client
-  caps, deadlines, heartbeats, cancels, and the model thread's turns;
+- the queue and the loop (this module; its books in fly_daemon.request_queue, the model thread's
+  turns in fly_daemon.engine_loop): admission, per-client caps, deadlines, heartbeats, cancels;
 - preparation (fly_daemon.preparation): chat template, tokenizer, limits, constraint and grammar, and
   the tokenize answers, in a small pool of worker threads so no preparation holds up a running stream;
 - delivery (fly_daemon.delivery): one output state per request turning engine outputs into chunks and
@@ -31,11 +31,12 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from itertools import count
 from typing import TYPE_CHECKING
 
-from fly_llm.common.errors import Cancelled, FLyError, Internal, NotReady, TooLong, contained, error_from_code
+from fly_llm.common.errors import Cancelled, FLyError, Internal, NotReady, TooLong, contained
 from fly_llm.common.protocol import ErrorReply, GenerateRequest, HealthState, TokenizeReply, TokenizeRequest
 from fly_llm.common.tool_formats import Constraints
 
 from fly_daemon.delivery import Delivery
+from fly_daemon.engine_loop import ADMISSIONS_PER_TURN, EngineLoop, Lifecycle, error_of
 from fly_daemon.limits import Limits
 from fly_daemon.metrics import Metrics
 from fly_daemon.model_info import ModelInfo
@@ -43,7 +44,7 @@ from fly_daemon.preparation import CHARS_PER_TOKEN, Preparation
 from fly_daemon.request_queue import LOCAL, Emit, Entry, Envelope, RequestQueue
 
 if TYPE_CHECKING:
-    from fly_llm.decoding.engine import FLyEngine, RequestOutput
+    from fly_llm.decoding.engine import FLyEngine
 
 __all__ = ["ADMISSIONS_PER_TURN", "CHARS_PER_TOKEN", "LOCAL", "PREPARE_WORKERS", "Emit", "Envelope", "Limits",
            "Scheduler"]
@@ -52,8 +53,6 @@ log = logging.getLogger("fly_daemon")
 
 PREPARE_WORKERS = 2
 """Threads that prepare requests and answer tokenize requests."""
-ADMISSIONS_PER_TURN = 4
-"""Prepared requests the model thread tries to add to the engine between two steps."""
 
 
 class Scheduler:
@@ -67,21 +66,25 @@ class Scheduler:
         self.metrics = metrics or Metrics()
         self.model: ModelInfo | None = None
         """The served model, once loaded: what the fronts know of it (they never see the engine)."""
-        self._engine: FLyEngine | None = None
-        self.state: HealthState = "loading"
-        self.detail = "loading models"
         self.started = time.time()
-        self.max_batch_size_seen = 0
-        self._busy_s = 0.0
         self._load_engine = load_engine
-        self._preparation: Preparation | None = None  # once the models are loaded
+        self._life = Lifecycle()
+        self._loop: EngineLoop | None = None  # once the models are loaded, with the preparation
+        self._preparation: Preparation | None = None
         self._delivery = Delivery(emit, self.metrics)
         self._executor = executor or ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="fly-prepare")
         self._lock = threading.Lock()  # guards the books, the state and the engine's arrival
         self._wake = threading.Event()
         self._books = RequestQueue(limits)
         self._seqs = count()
-        self._drain_deadline: float | None = None
+
+    @property
+    def state(self) -> HealthState:
+        return self._life.state
+
+    @property
+    def detail(self) -> str:
+        return self._life.detail
 
     @property
     def requests_total(self) -> int:
@@ -101,10 +104,10 @@ class Scheduler:
                           f"{self.limits.max_tokens_limit}")
         now = time.monotonic()
         with self._lock:
-            self._check_open()
+            self._life.check_open()
             self._books.add(Entry(envelope, request, next(self._seqs), tenant, client or _client_of(envelope),
                                   now, now))
-            loaded = self._engine is not None
+            loaded = self._loop is not None
         if loaded:
             self._executor.submit(self._prepare_next)
 
@@ -141,8 +144,8 @@ class Scheduler:
     def tokenize(self, envelope: Envelope, request: TokenizeRequest) -> None:
         """Queue a tokenize request (answered by the preparation pool; waits while models load)."""
         with self._lock:
-            self._check_open()
-            loaded = self._engine is not None
+            self._life.check_open()
+            loaded = self._loop is not None
             self._books.add_tokenize(envelope, request, waits=not loaded)
         if loaded:
             self._executor.submit(self._answer_tokenize, envelope, request)
@@ -155,7 +158,7 @@ class Scheduler:
         """
         now = time.monotonic()
         with self._lock:
-            if self._engine is not None:
+            if self._loop is not None:
                 return
             ended = self._books.sweep(lambda e: e.verdict(now, self.limits.heartbeat_timeout), queued_only=True)
         for entry, _ in ended:
@@ -167,11 +170,7 @@ class Scheduler:
 
     def drain(self, force: bool = False) -> None:
         """Stop admitting; finish running requests within the drain timeout (at once if `force`), cancel the rest."""
-        if self.state in ("loading", "ready"):
-            self.state, self.detail = "draining", "stopping"
-            self._drain_deadline = time.monotonic() + self.limits.drain_timeout
-        if force and self.state == "draining":
-            self._drain_deadline = time.monotonic()
+        self._life.drain(self.limits.drain_timeout, force)
         self._wake.set()
 
     def snapshot(self) -> dict:
@@ -179,23 +178,17 @@ class Scheduler:
         with self._lock:
             waiting = self._books.outside_engine()
             active = len(self._books.entries) - waiting
+        busy_s, largest = (self._loop.busy_s, self._loop.max_batch_size_seen) if self._loop else (0.0, 0)
         delivery = self._delivery
-        return dict(queue_depth=waiting, active=active, max_batch_size_seen=self.max_batch_size_seen,
+        return dict(queue_depth=waiting, active=active, max_batch_size_seen=largest,
                     requests_total=delivery.requests_total, tokens_generated=delivery.tokens_generated,
-                    tokens_per_s=delivery.tokens_generated / self._busy_s if self._busy_s else 0.0,
+                    tokens_per_s=delivery.tokens_generated / busy_s if busy_s else 0.0,
                     stats=delivery.stats, prompt=delivery.prompt_stats)
 
     def check(self) -> None:
         """Assert the bookkeeping (`RequestQueue.check`): every request in exactly one place, the caps kept."""
         with self._lock:
             self._books.check()
-
-    def _check_open(self) -> None:
-        """Raise NotReady unless new work is taken: while loading (it waits for the models) or ready."""
-        if self.state == "failed":
-            raise NotReady(self.detail)
-        if self.state not in ("loading", "ready"):
-            raise NotReady(f"the daemon is {self.state}")
 
     # ---- the preparation pool ----
 
@@ -206,11 +199,11 @@ class Scheduler:
         if entry is None:
             return  # its request was cancelled or taken by another task
         try:
-            prepared = self._preparation.prepare(entry.request, self._scope(entry))
+            prepared = self._preparation.prepare(entry.request, entry.cache_scope(self.limits.share_prefix_cache))
         except BaseException as exc:  # a failed preparation (a grammar compiler's panic too) fails only its request
             if not contained(exc):
                 raise
-            self._end(entry, _error_of(exc, f"preparing request {entry.request.id} failed"))
+            self._loop.end(entry, error_of(exc, f"preparing request {entry.request.id} failed"))
             return
         with self._lock:
             entry.prepared, entry.prompt_tokens = prepared, len(prepared.prompt_ids)
@@ -222,16 +215,12 @@ class Scheduler:
         try:
             reply: TokenizeReply | ErrorReply = self._preparation.tokenize(request)
         except Exception as exc:  # noqa: BLE001 - a failed tokenize request fails only itself
-            error = _error_of(exc, f"tokenize request {request.id} failed")
+            error = error_of(exc, f"tokenize request {request.id} failed")
             reply = ErrorReply(id=request.id, code=error.code, message=error.message)
         finally:
             with self._lock:
                 self._books.tokenize_pending -= 1
         self._delivery.emit(envelope, reply)
-
-    def _scope(self, entry: Entry) -> str:
-        """Whose caches (prefixes, compiled grammars) a request reads and fills: its tenant's, unless shared."""
-        return "" if self.limits.share_prefix_cache else entry.tenant
 
     # ---- the model thread ----
 
@@ -242,7 +231,7 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - any load failure ends the daemon with its message
             log.exception("loading models failed")
             with self._lock:
-                self.state, self.detail = "failed", f"loading models failed: {exc}"
+                self._life.fail(f"loading models failed: {exc}")
             self.abandon_queue(NotReady(self.detail))  # what was queued while loading gets the reason
             self._executor.shutdown(wait=False)
             return
@@ -255,7 +244,7 @@ class Scheduler:
                 raise
             log.exception("the model thread failed")
             with self._lock:
-                self.state, self.detail = "failed", "the model thread failed (the daemon's log has the details)"
+                self._life.fail("the model thread failed (the daemon's log has the details)")
             self._fail_all(Internal(self.detail))
         finally:
             self._executor.shutdown(wait=False)  # what it still holds ends quickly: no queued request is left
@@ -265,10 +254,11 @@ class Scheduler:
         constraints = Constraints.of(engine)  # the tool format its chat template asks for
         self._delivery.start(engine, constraints.tool_format)
         preparation, model = Preparation(engine, self.limits, constraints), ModelInfo.of(engine)
+        loop = EngineLoop(engine, self._books, self._lock, self._life, self._delivery, self.limits, self.metrics)
         with self._lock:
-            self._preparation, self.model, self._engine = preparation, model, engine
-            if self.state == "loading":
-                self.state, self.detail = "ready", ""
+            self._preparation, self.model, self._loop = preparation, model, loop
+            if self._life.state == "loading":
+                self._life.state, self._life.detail = "ready", ""
             tokenize, queued = self._books.take_tokenize_waiting(), self._books.queued()
         for envelope, request in tokenize:
             self._executor.submit(self._answer_tokenize, envelope, request)
@@ -284,107 +274,8 @@ class Scheduler:
                 self._wake.wait(0.05)
 
     def turn(self) -> bool:
-        """Reap, admit, and run one engine step if any request is in the engine; whether a step ran."""
-        self._reap()
-        self._admit()
-        with self._lock:
-            self.metrics.queue_depth.set(self._books.outside_engine())
-        if not self._engine.has_unfinished():
-            return False
-        self._step()
-        return True
-
-    def _reap(self) -> None:
-        """End requests that were cancelled, passed their deadline, lost their client, or must drain."""
-        now = time.monotonic()
-        draining = self.state == "draining"
-        drain_over = draining and self._drain_deadline is not None and now > self._drain_deadline
-
-        def reason(entry: Entry) -> FLyError | None:
-            verdict = entry.verdict(now, self.limits.heartbeat_timeout)
-            if verdict is None and (drain_over or (draining and entry.place != "engine")):
-                return Cancelled("the daemon is stopping")
-            return verdict
-
-        with self._lock:
-            ended = self._books.sweep(reason)
-        for entry, in_engine in ended:
-            if in_engine:
-                self._engine.abort_request(entry.engine_id)
-            self._delivery.fail(entry.envelope, entry.request.id, entry.kill)
-
-    def _admit(self) -> None:
-        """Join prepared requests to the batch in queue order while it has room (always at least one):
-        at most ADMISSIONS_PER_TURN tries, failed ones included, so the running streams wait for
-        no more than that before their next step."""
-        for _ in range(ADMISSIONS_PER_TURN):
-            with self._lock:
-                entry = self._books.take_joinable() if self.state == "ready" else None
-            if entry is None:
-                return
-            prepared, request = entry.prepared, entry.request
-            try:
-                entry.output = self._delivery.open(entry.envelope, request, entry.submitted, prepared.prompt_ids)
-                self._engine.add_request(entry.engine_id, prepared.prompt_ids, request.sampling,
-                                         request.fly.apply(self._engine.config), prepared.constraint,
-                                         matcher=prepared.matcher, cache_scope=self._scope(entry),
-                                         logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
-            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the model thread
-                self._end(entry, _error_of(exc, f"admitting request {request.id} failed"))
-                continue
-            entry.prepared = None  # its prompt ids (kept by its output state only for prompt_logprobs), its grammar
-
-    def _step(self) -> None:
-        """Run one engine step and deliver its outputs; a failed step fails its batch."""
-        with self._lock:
-            by_engine_id = {e.engine_id: e for e in self._books.in_engine()}
-        batch = len(by_engine_id)
-        self.max_batch_size_seen = max(self.max_batch_size_seen, batch)
-        self.metrics.batch_size.observe(batch)
-        self.metrics.active.set(batch)
-        start = time.monotonic()
-        try:
-            outputs = self._engine.step()
-        except BaseException as exc:  # a failed step (a model forward: row faults end their row alone in the
-            if not contained(exc):  # engine) fails its batch; the daemon keeps serving
-                raise
-            log.exception("engine step failed")
-            for entry in by_engine_id.values():  # the engine dropped them all (FLyEngine.step resets on failure)
-                self._end(entry, Internal("the engine step failed (an internal error; the daemon's log has the details)"))
-            return
-        now = time.monotonic()
-        self._busy_s += now - start
-        for out in outputs:
-            entry = by_engine_id.get(out.request_id)
-            if entry is not None:
-                self._deliver(entry, out, now)
-        self._delivery.record_step()
-
-    def _deliver(self, entry: Entry, out: "RequestOutput", now: float) -> None:
-        """Deliver one step's output to its request; any failure (a grammar that failed in the engine, an
-        exception while reading the output) ends that request only, and its row."""
-        if out.error is not None:  # its grammar failed, or a per-row stage raised (fly_llm.decoding.row_faults)
-            self._end(entry, error_from_code(out.error_code, out.error))
-            return
-        try:
-            result = self._delivery.update(entry.output, out, now)
-        except Exception:  # noqa: BLE001 - e.g. the tool-call parser on hostile output: fail this request only
-            log.exception("handling the output of request %s failed", entry.request.id)
-            self._engine.abort_request(entry.engine_id)
-            self._end(entry, Internal(f"handling the model's output for request {entry.request.id} failed"))
-            return
-        if result is not None:
-            with self._lock:
-                self._books.detach(entry)  # before the result is sent: its id may be reused at once
-            self._delivery.finish(entry.output, result)
-
-    def _end(self, entry: Entry, error: FLyError) -> None:
-        """Fail a request unless it has already ended (any thread)."""
-        with self._lock:
-            if entry.place == "ended":
-                return
-            self._books.detach(entry)
-        self._delivery.fail(entry.envelope, entry.request.id, error)
+        """One turn of the model thread (`EngineLoop.turn`); whether an engine step ran."""
+        return self._loop.turn()
 
     def _fail_all(self, error: FLyError, only_without_engine: bool = False) -> None:
         """Answer every request the scheduler holds (queued, running, tokenize) with `error`.
@@ -393,7 +284,7 @@ class Scheduler:
         the socket thread may call it while the model thread loads.
         """
         with self._lock:
-            if only_without_engine and self._engine is not None:
+            if only_without_engine and self._loop is not None:
                 return
             ended = self._books.sweep(lambda _: error)
             tokenize = self._books.take_tokenize_waiting()
@@ -402,15 +293,6 @@ class Scheduler:
             self._delivery.fail(entry.envelope, entry.request.id, error)
         for envelope, request in tokenize:
             self._delivery.refuse(envelope, request.id, error)
-
-
-def _error_of(exc: BaseException, what: str) -> FLyError:
-    """The reply to a request whose handling raised `exc`: its own FLyError, else INTERNAL saying `what`
-    (the exception's text stays in the log)."""
-    if isinstance(exc, FLyError):
-        return exc
-    log.error("%s", what, exc_info=exc)
-    return Internal(what)
 
 
 def _client_of(envelope: Envelope) -> str:

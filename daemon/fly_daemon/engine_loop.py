@@ -54,6 +54,11 @@ class Lifecycle:
         if force and self.state == "draining":
             self.drain_deadline = time.monotonic()
 
+    def loaded(self) -> None:
+        """The models are loaded: ready, unless a stop came while they loaded."""
+        if self.state == "loading":
+            self.state, self.detail = "ready", ""
+
     def fail(self, detail: str) -> None:
         self.state, self.detail = "failed", detail
 

@@ -257,8 +257,7 @@ class Scheduler:
         loop = EngineLoop(engine, self._books, self._lock, self._life, self._delivery, self.limits, self.metrics)
         with self._lock:
             self._preparation, self.model, self._loop = preparation, model, loop
-            if self._life.state == "loading":
-                self._life.state, self._life.detail = "ready", ""
+            self._life.loaded()
             tokenize, queued = self._books.take_tokenize_waiting(), self._books.queued()
         for envelope, request in tokenize:
             self._executor.submit(self._answer_tokenize, envelope, request)

@@ -29,10 +29,10 @@ from benchmarks.harness.environment import cpu_name
 from fly_llm.common.config import ModelSpec
 from fly_llm.decoding.policy import _forward_seconds
 from fly_llm.model.embedded import ensure_default_pair
-from fly_llm.model.fused_layers import FusedW4A8
 from fly_llm.model.kernels import w4a8
 from fly_llm.model.pair import load_models
-from fly_llm.model.quantization import Int4Linear, Int8Linear, W4A8Linear
+from fly_llm.model.quantization import Int4Linear, Int8Linear
+from fly_llm.model.w4a8_layers import FusedW4A8, W4A8Linear
 
 ROWS = (1, 2, 4, 8, 16)
 WIDTHS = (1, 2, 4, 8, 16)

@@ -25,7 +25,7 @@ from benchmarks.harness.environment import cpu_name
 from benchmarks.forward.step_profile import load_embedded_pair, write_report
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.model import pair
-from fly_llm.model.fused_layers import PackedW4A8
+from fly_llm.model.w4a8_layers import PackedW4A8
 from fly_llm.model.kernels.gguf_blocks import Published, PublishedWeights
 
 

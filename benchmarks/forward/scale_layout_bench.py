@@ -21,7 +21,7 @@ from torch import nn
 from benchmarks.harness.environment import cpu_name
 from benchmarks.forward.step_profile import load_embedded_pair, write_report
 from fly_llm.decoding.cache import BatchKV
-from fly_llm.model.fused_layers import PackedW4A8
+from fly_llm.model.w4a8_layers import PackedW4A8
 from fly_llm.model.kernels.w4a8 import Packed
 
 

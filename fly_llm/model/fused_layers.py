@@ -38,42 +38,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fly_llm.model import attention
 from fly_llm.model.kernels import layer_ops, row_attention, w4a8
+from fly_llm.model.w4a8_layers import FusedW4A8, PackedW4A8, fusable
 
 _ATTENTION = {"LlamaAttention", "Qwen2Attention", "MistralAttention"}
 _MLP = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
 _LAYER = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer"}
 _MODEL = {"LlamaModel", "Qwen2Model", "MistralModel"}
-
-
-class PackedW4A8(nn.Module):
-    """A layer on a packed W4A8 weight (`packed`, and `bias` float32 [n] or None): W4A8Linear, FusedW4A8."""
-
-    packed: w4a8.Packed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in_features] -> [..., out_features] in x's dtype."""
-        return self.project(x, w4a8.isa_code())
-
-    def project(self, x: torch.Tensor, code: int) -> torch.Tensor:
-        """`forward` on the kernel's path `code` (`w4a8.isa_code`), looked up once by the caller."""
-        return w4a8.project(x, self.packed, self.bias, code)
-
-
-class FusedW4A8(PackedW4A8):
-    """Several W4A8 linears over the same input as one: their outputs side by side, [..., sum of widths]."""
-
-    def __init__(self, layers: list[nn.Module]) -> None:
-        super().__init__()
-        self.in_features = layers[0].in_features
-        self.widths = [layer.out_features for layer in layers]
-        self.out_features = sum(self.widths)
-        self.packed = w4a8.concat([layer.packed for layer in layers])  # whole groups each (see `fusable`)
-        biases = [layer.bias if layer.bias is not None else torch.zeros(layer.out_features) for layer in layers]
-        any_bias = any(layer.bias is not None for layer in layers)
-        self.register_buffer("bias", torch.cat(biases).float().contiguous() if any_bias else None)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, widths={self.widths}, w4a8 block {w4a8.BLOCK}"
 
 
 def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -210,16 +180,6 @@ def _model_forward(self, input_ids: torch.Tensor | None = None, attention_mask: 
     for layer in self.layers:
         hidden_states, residual = _lean_layer(layer, hidden_states, residual, step, cache)
     return BaseModelOutputWithPast(last_hidden_state=self.norm(residual + hidden_states), cache=cache)
-
-
-def fusable(*layers: nn.Module) -> bool:
-    """Whether `layers` are W4A8 linears of one input width whose packed weights can be concatenated
-    (every output width but the last a whole number of COLUMNS-wide groups)."""
-    from fly_llm.model.quantization import W4A8Linear  # here: quantization imports this module
-
-    return (all(isinstance(layer, W4A8Linear) for layer in layers)
-            and len({layer.in_features for layer in layers}) == 1
-            and all(layer.out_features % w4a8.COLUMNS == 0 for layer in layers[:-1]))
 
 
 def fuse(model: nn.Module) -> int:

@@ -18,7 +18,7 @@ from support.tiny_models import exact_mode_matches_greedy, make_pair
 from fly_llm.common.config import ModelSpec
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.model import fused_layers, quantization
-from fly_llm.model.fused_layers import FusedW4A8
+from fly_llm.model.w4a8_layers import FusedW4A8
 from fly_llm.model.kernels import layer_ops, w4a8
 from fly_llm.model.pair import load_models
 from fly_llm.model.quantization import quantize

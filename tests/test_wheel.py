@@ -20,9 +20,10 @@ SOURCE_SUFFIXES = (".py", ".cpp")  # the kernels' C++ sources compile on first u
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel `pip wheel .` would build, from the build backend directly (no network, no isolation)."""
     out = tmp_path_factory.mktemp("wheel")
-    name = subprocess.run([sys.executable, "-c", "import sys, hatchling.build as b; print(b.build_wheel(sys.argv[1]))",
-                           str(out)], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120).stdout.split()[-1]
-    return out / name
+    build = "import sys, hatchling.build as backend; print(backend.build_wheel(sys.argv[1]))"
+    done = subprocess.run([sys.executable, "-c", build, str(out)], cwd=ROOT, capture_output=True, text=True,
+                          check=True, timeout=120)
+    return out / done.stdout.split()[-1]
 
 
 def names(wheel: Path) -> list[str]:

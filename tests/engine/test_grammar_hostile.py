@@ -23,7 +23,7 @@ import openai
 import pytest
 import torch
 
-from benchmarks.grammar_compile_bench import agent_tools
+from benchmarks.engine.grammar_compile_bench import agent_tools
 
 import fly_llm
 from fly_llm.common.config import FLyConfig, SamplingParams

@@ -2,13 +2,13 @@
 translation into one `fly_llm.common.protocol.GenerateRequest`, and answers, stream lines and model cards in
 Ollama's shape. The routes are fly_daemon.ollama_http.
 
-`options` carry Ollama's sampling options that FLy has (num_predict, temperature, top_p, seed, stop,
-num_ctx checked against the context window), FLy's own options (k, window, entropy_threshold, loose)
-and the structure options Ollama has no field for (tool_choice, parallel_tool_calls, response_format;
-`fly_llm.common.tools.StructureOptions`), all validated where the wire request validates them. Ollama's
-load-time options (num_gpu, num_thread, ...) change no output and are ignored; a sampler FLy does not
-have (top_k, repeat_penalty, mirostat, ...) is accepted only at the value that turns it off; any
-other option is refused, so a typo never passes silently.
+`options` carry Ollama's sampling options that FLy has (num_predict, temperature, top_p, top_k, min_p,
+repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop, num_ctx checked against the
+context window), FLy's own options (k, window, entropy_threshold, loose) and the structure options Ollama
+has no field for (tool_choice, parallel_tool_calls, response_format; `fly_llm.common.tools.StructureOptions`),
+all validated where the wire request validates them. Ollama's load-time options (num_gpu, num_thread, ...)
+change no output and are ignored; a sampler FLy does not have (typical_p, tfs_z, mirostat) is accepted only
+at the value that turns it off; any other option is refused, so a typo never passes silently.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ OLLAMA_VERSION = "0.9.0"
 LOAD_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
                           "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep"})
 """Ollama options about loading and running a model on the hardware: accepted and ignored (they change no output)."""
-SAMPLERS_OFF = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, "tfs_z": 1.0, "repeat_penalty": 1.0,
-                "presence_penalty": 0.0, "frequency_penalty": 0.0, "mirostat": 0}
+SAMPLERS_OFF = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0}
 """Ollama samplers FLy does not have, each with the value that turns it off (the only one accepted)."""
-SAMPLER_SETTINGS = frozenset({"repeat_last_n", "mirostat_tau", "mirostat_eta", "penalize_newline"})
-"""Settings of those samplers: accepted and ignored (they do nothing while their sampler is off)."""
+SAMPLER_SETTINGS = frozenset({"mirostat_tau", "mirostat_eta", "penalize_newline"})
+"""Settings accepted and ignored: mirostat's do nothing while it is off; penalize_newline is gone from Ollama's
+own engine, which (like FLy) penalizes a newline as any other token."""
 FLY_OPTIONS: tuple[str, ...] = (*FLyOverrides.model_fields, *(n for n in STRUCTURE_OPTIONS if n != "tools"))
 """FLy's options an Ollama request may add to `options` (`tools` is Ollama's own field)."""
 NO_LIMIT = (-1, -2)
@@ -58,6 +58,12 @@ class Options(BaseModel):
     num_predict: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = Field(None, description="FLy's repetition_penalty.")
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     num_ctx: int | None = Field(None, ge=1)
@@ -169,8 +175,10 @@ class OllamaBody(_Strict, ABC):
         limit = options.num_predict
         sampling, fly = build_options(
             max_tokens=served.no_limit_tokens if limit is None or limit in NO_LIMIT else limit,
-            temperature=options.temperature, top_p=options.top_p, seed=options.seed,
-            stop=[options.stop] if isinstance(options.stop, str) else options.stop,
+            temperature=options.temperature, top_p=options.top_p, top_k=options.top_k, min_p=options.min_p,
+            repetition_penalty=options.repeat_penalty, repeat_last_n=options.repeat_last_n,
+            presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
+            seed=options.seed, stop=[options.stop] if isinstance(options.stop, str) else options.stop,
             **options.extras(tuple(FLyOverrides.model_fields)))
         with checked():
             return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream, **structure,

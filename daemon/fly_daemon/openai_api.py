@@ -89,6 +89,12 @@ class GenerationBody(_Strict, ABC):
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens.")
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = Field(None, description="-2..2: subtracted once from a repeated token's logit.")
+    frequency_penalty: float | None = Field(None, description="-2..2: times a token's repeat count, subtracted.")
+    top_k: int | None = Field(None, description="Extra body (vLLM, llama-server): the k most likely tokens only.")
+    min_p: float | None = Field(None, description="Extra body: drop tokens under min_p × the most likely one's.")
+    repetition_penalty: float | None = Field(None, description="Extra body (vLLM): CTRL's ratio for repeats.")
+    repeat_last_n: int | None = Field(None, description="Extra body (llama-server): the tokens penalties count.")
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices: sampled requests decoded together in the batch.")
@@ -124,7 +130,9 @@ class GenerationBody(_Strict, ABC):
         """The wire request this body asks for; BadRequest / TooLong (naming the field) if it is not valid."""
         sampling, fly = build_options(
             max_tokens=self._wire_max_tokens(),
-            temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, repeat_last_n=self.repeat_last_n, seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop,
             k=self.k, window=self.window, entropy_threshold=self.entropy_threshold, loose=self.loose)
         with checked():

@@ -8,7 +8,8 @@ One `step()` is one round for every row of the batch:
 2. the policy picks each row's draft length and stages; the cascade drafts (a constrained row's
    draft starts with the tokens its grammar forces and stops before a token it forbids);
 3. ONE target forward scores [last token, drafts…] for all rows (ragged: right-padded); a
-   constrained row's logits are masked by its grammar at every position;
+   constrained row's logits are masked by its grammar at every position, a row with penalties has
+   them applied at every position over its context plus the drafts before it;
 4. `verify` applies the FLy rule (or exact / rejection sampling) per row;
 5. both KV caches are rolled back to each row's emitted length; emitted tokens are checked
    against EOS, max_tokens and stop strings; finished rows leave the batch.
@@ -33,6 +34,7 @@ from fly_llm.common.constraints import Constraint
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.grammar import GrammarCompiler, apply_masks
 from fly_llm.decoding.logprobs import Logprob, token_logprobs
+from fly_llm.decoding.penalties import Penalty
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
 from fly_llm.decoding.prefill import PromptFill
 from fly_llm.decoding.prefix_cache import PrefixCache
@@ -233,7 +235,7 @@ class FLyEngine:
         self._kv = BatchKV(self.device)
         self._cascade.reset()
         self._rows, self._waiting = [], []
-        self._row_settings: tuple[RowRules, RowSampling | None] | None = None
+        self._row_settings: tuple[RowRules, RowSampling | None, list[Penalty | None]] | None = None
         return dropped
 
     def check(self) -> None:
@@ -250,7 +252,8 @@ class FLyEngine:
         self._kv.check()
         assert self._kv.lengths == [len(r.tokens) - 1 for r in self._rows], "target cache ≠ contexts minus last token"
         self._cascade.check([r.tokens for r in self._rows])
-        assert self._row_settings is None or len(self._row_settings[0].loose) == rows, "stale per-row settings"
+        assert self._row_settings is None or (len(self._row_settings[0].loose) == len(self._row_settings[2])
+                                              == rows), "stale per-row settings"
         for req in self._waiting:
             if req.fill is not None:
                 req.fill.check()
@@ -363,8 +366,10 @@ class FLyEngine:
         asking = {b: r.logprobs for b, r in enumerate(self._rows) if r.logprobs is not None}
         raw = {b: logits[b].clone() for b in asking}  # before the grammar masks: no cost for rows that do not ask
         apply_masks(logits, self._cascade.masks(drafts, k + 1))
+        rules, sampling, penalties = self._settings_of_rows(logits.device)
+        if any(p is not None for p in penalties):
+            logits = self._penalized(logits, contexts, drafts, penalties, faults)
         lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
-        rules, sampling = self._settings_of_rows(logits.device)
         rules = replace(rules, loose=rules.loose & torch.tensor(may_loosen, device=logits.device))
         verdict = self._verdict(input_ids[:, 1:], logits, lengths, rules, sampling, faults)
         host = torch.cat([verdict.accepted[:, None], verdict.tokens, verdict.native.long(), verdict.loose.long()],
@@ -378,6 +383,19 @@ class FLyEngine:
             with faults.guard(b, "log-probabilities"):
                 logprobs[b] = token_logprobs(raw[b], tokens[b], asking[b])
         return accepted, tokens, native, loose, logprobs
+
+    @staticmethod
+    def _penalized(logits: torch.Tensor, contexts: list[list[int]], drafts: list[list[int]],
+                   penalties: list[Penalty | None], faults: RowFaults) -> torch.Tensor:
+        """The logits with each row's penalties applied at every position, over its context and the drafts
+        before it (`fly_llm.decoding.penalties`), in float32 at least (half-precision steps would swallow a
+        small penalty); a row whose penalty raises is recorded in `faults`."""
+        logits = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        for b, penalty in enumerate(penalties):
+            if penalty is not None:
+                with faults.guard(b, "sampling"):
+                    penalty.apply_(logits[b], contexts[b], drafts[b])
+        return logits
 
     @staticmethod
     def _verdict(drafts: torch.Tensor, logits: torch.Tensor, lengths: torch.Tensor, rules: RowRules,
@@ -398,9 +416,11 @@ class FLyEngine:
         for b in range(len(drafts)):
             one = slice(b, b + 1)
             with faults.guard(b, "sampling"):
-                verdicts.append(verify(drafts[one], logits[one], lengths[one], rules.rows(one),
-                                       sampling.rows(one) if sampling is not None else None))
-            if b in faults:
+                verdict = verify(drafts[one], logits[one], lengths[one], rules.rows(one),
+                                 sampling.rows(one) if sampling is not None else None)
+            if b not in faults:  # a row that faulted earlier in the round (its penalties) ends too
+                verdicts.append(verdict)
+            else:
                 nothing = torch.zeros(1, k, dtype=torch.bool, device=logits.device)
                 verdicts.append(Verdict(accepted=torch.zeros(1, dtype=torch.long, device=logits.device),
                                         tokens=torch.tensor([[0] + [PAD_TOKEN] * k], device=logits.device),
@@ -452,14 +472,16 @@ class FLyEngine:
         req.fill = None
         self._row_settings = None
 
-    def _settings_of_rows(self, device: torch.device) -> tuple[RowRules, RowSampling | None]:
-        """The rows' FLy rules and sampling as tensors, built once per batch composition."""
+    def _settings_of_rows(self, device: torch.device) -> tuple[RowRules, RowSampling | None, list[Penalty | None]]:
+        """The rows' FLy rules, sampling and penalties, built once per batch composition."""
         if self._row_settings is None:
             rows = self._rows
             sampling = None if all(r.generator is None for r in rows) else RowSampling(
                 temperature=torch.tensor([r.sampling.temperature for r in rows]),
-                top_p=torch.tensor([r.sampling.top_p for r in rows]), generators=[r.generator for r in rows])
-            self._row_settings = RowRules.from_configs([r.fly for r in rows], device), sampling
+                top_p=torch.tensor([r.sampling.top_p for r in rows]), generators=[r.generator for r in rows],
+                top_k=[r.sampling.top_k for r in rows], min_p=[r.sampling.min_p for r in rows])
+            penalties = [Penalty.of(r.sampling) for r in rows]
+            self._row_settings = RowRules.from_configs([r.fly for r in rows], device), sampling, penalties
         return self._row_settings
 
     def _emit(self, req: _Request, tokens: list[int], logprobs: list[Logprob] | None = None) -> RequestOutput:

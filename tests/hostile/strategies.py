@@ -249,6 +249,12 @@ def sampling() -> st.SearchStrategy[dict[str, Any]]:
         "temperature": st.sampled_from([0.0, 1e-30, 0.7, 10.0, 10.0001, -0.0, -1.0, 1e308,  # float32's edges (issue 45):
                                         5e-324, 1e-40, 1.2e-38, "nan", "inf", "-inf", "1e-45"]),
         "top_p": st.sampled_from([0.0, 1e-300, 0.5, 1.0, 1.0000001, 5e-324, 1e-46, "nan", "1e-45"]),
+        "top_k": st.sampled_from([0, 1, 3, 10**6, 10**6 + 1, -1, 2**63, 2.5, "nan"]),  # the samplers of issue 47
+        "min_p": st.sampled_from([0.0, 1e-45, 0.5, 1.0, 1.0000001, -1e-300, "nan"]),
+        "repetition_penalty": st.sampled_from([1e-300, 0.5, 1.0, 10.0, 10.01, 0.0, "inf"]),
+        "presence_penalty": st.sampled_from([-2.0, 2.0, 2.0001, 5e-324, "nan"]),
+        "frequency_penalty": st.sampled_from([-2.0, -2.0001, 1e-40, 2.0, "-inf"]),
+        "repeat_last_n": st.sampled_from([-1, -2, 0, 1, 10**6, 10**6 + 1]),
         "seed": st.sampled_from([0, 2**63 - 1, 2**63, -1, 10**40]),
         "stop": st.one_of(st.lists(text(), max_size=4), st.lists(st.just("a"), min_size=50, max_size=60),
                           st.just(["x" * 5000])),

@@ -73,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     serve.add_argument("--prefix-cache-mb", type=int, help="MiB of KV kept of recent prompts for reuse (0: off)")
     serve.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled per step (0: whole prompts)")
+    serve.add_argument("--grammar-cache-mb", type=int, help="MiB of compiled grammars kept for reuse")
+    serve.add_argument("--max-grammar-mb", type=int, help="MiB one grammar may compile to; more get BAD_REQUEST")
     serve.add_argument("--curve-secret-key", type=Path, help="server certificate (zmq.auth) for a tcp bind")
     serve.add_argument("--curve-clients", type=Path, help="directory of allowed client public certificates")
     serve.add_argument("--http", metavar="HOST:PORT",

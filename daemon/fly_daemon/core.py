@@ -98,6 +98,7 @@ def _engine_loader(spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings) ->
 
         log.info("loading models: target=%s draft=%s (%s, %s)", spec.target or "embedded default",
                  spec.draft or "default", spec.dtype, spec.device)
-        return load_engine(spec, fly, prefix_cache_mb=settings.prefix_cache_mb, prefill_chunk=settings.prefill_chunk)
+        return load_engine(spec, fly, prefix_cache_mb=settings.prefix_cache_mb, prefill_chunk=settings.prefill_chunk,
+                           grammar_cache_mb=settings.grammar_cache_mb, max_grammar_mb=settings.max_grammar_mb)
 
     return load_engine

@@ -32,6 +32,7 @@ import fly_llm
 from fly_llm.common.config import SamplingParams
 from fly_llm.common.errors import BadRequest, Cancelled, FLyError, Internal, NotReady
 from fly_llm.common.json_text import loads
+from fly_llm.common.stats import GrammarCacheStats
 from fly_llm.common.protocol import (
     MAX_FRAME_BYTES, UNKNOWN_ID, CancelRequest, ErrorReply, GenerateRequest, HealthReply, HealthRequest,
     HeartbeatRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenizeRequest, decode_request, encode,
@@ -302,7 +303,7 @@ class Server:
         return StatusReply(
             id=rid, state=self.scheduler.state, pid=os.getpid(), uptime_s=time.time() - self.started,
             target=engine.target_name if engine else None, draft=engine.draft_name if engine else None,
-            **self.scheduler.snapshot())
+            grammars=engine.grammars.stats() if engine else GrammarCacheStats(), **self.scheduler.snapshot())
 
 
 def _tenant(frame: zmq.Frame) -> str:

@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 from fly_llm.common.config import FLyConfig, FLyOverrides, SamplingParams
 from fly_llm.common.errors import BadRequest, TooLong
 from fly_llm.common.json_text import loads
-from fly_llm.common.stats import FinishReason, PromptStats, RequestStats
+from fly_llm.common.stats import FinishReason, GrammarCacheStats, PromptStats, RequestStats
 from fly_llm.common.tools import MAX_TOOLS, Structure, StructureOptions, ToolCall, ToolSpec, structure_options
 
 PROTOCOL_VERSION = 1
@@ -356,6 +356,8 @@ class StatusReply(_Message):
     stats: RequestStats = Field(default_factory=RequestStats)
     prompt: PromptStats = Field(default_factory=PromptStats)
     """Prompt tokens so far, the prefix cache's hit rate and size."""
+    grammars: GrammarCacheStats = Field(default_factory=GrammarCacheStats)
+    """The grammar caches' bytes and budgets."""
 
 
 class TokenizeReply(_Message):

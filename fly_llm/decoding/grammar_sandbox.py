@@ -11,9 +11,11 @@ The worker is `python -m fly_llm.decoding.grammar_sandbox`, started on first use
 from the daemon, which has threads, torch and ZeroMQ); it builds llguidance's view of the
 tokenizer once, from the tokenizer's JSON, and is restarted after a crash or a timeout. A worker that
 died by a signal or timed out may have been killed or stopped from outside (an OOM killer, a SIGSTOP),
-so the grammar is tried once more in a fresh worker, and that outcome is the verdict. Verdicts are
-cached by the grammar's hash (bounded), so a grammar is judged once; a failure that a fresh worker
-did not repeat is never kept. Messages are JSON frames
+so the grammar is tried once more in a fresh worker, and that outcome is the verdict. A grammar that
+compiles is measured there: the bytes its compiled form keeps (`heap_bytes.kept_bytes`, exact in the
+worker), which the daemon's compiled-grammar cache counts and its per-grammar cap judges. Verdicts are
+cached by the grammar's hash (within `VERDICT_BYTES`), so a grammar is judged once; a failure that a
+fresh worker did not repeat is never kept. Messages are JSON frames
 (4-byte length, then UTF-8) on the worker's stdin and stdout; it imports llguidance and nothing else.
 """
 
@@ -40,7 +42,8 @@ from typing import Any, TypeVar
 import llguidance
 
 from fly_llm.common.errors import BadRequest, Internal
-from fly_llm.common.lru import LruCache
+from fly_llm.common.lru import ENTRY_BYTES, LruCache, text_bytes
+from fly_llm.decoding.heap_bytes import kept_bytes
 
 PARSER_LIMITS = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                      step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
@@ -56,12 +59,14 @@ SANDBOX_STACK_BYTES = 4 << 20
 """The worker compiles on a thread with this stack; the daemon compiles with `BIG_STACK_BYTES`,
 so a grammar whose compile recursion fits the worker fits the daemon many times over."""
 BIG_STACK_BYTES = 64 << 20
-VERDICTS = 4096
-"""Verdicts (grammar hash -> problem or none) kept, LRU."""
+VERDICT_BYTES = 4 << 20
+"""Bytes of verdicts (grammar hash -> problem or compiled size) kept, LRU: ~10,000 of them."""
 START_TIMEOUT_S = 120.0
 """How long the worker may take to start (building the tokenizer view of a large vocabulary)."""
 
 T = TypeVar("T")
+Verdict = tuple[str | None, int]
+"""A grammar's problem (None: it compiles), and the bytes its compiled form keeps (0 with a problem)."""
 
 
 def parser_limits() -> llguidance.LLParserLimits:
@@ -142,49 +147,59 @@ class GrammarSandbox:
         self.memory_bytes = memory_bytes
         self._process: subprocess.Popen | None = None
         self._lock = threading.Lock()
-        self._verdicts: LruCache[bytes, str | None] = LruCache(VERDICTS)  # sha256 of scope and grammar
+        self._verdicts: LruCache[bytes, Verdict] = LruCache(VERDICT_BYTES, _verdict_bytes)  # sha256 of scope, grammar
         self.starts = 0
         """Worker processes started so far (one more after each crash or timeout)."""
         self.retries = 0
         """Grammars tried a second time, in a fresh worker, after a death by a signal or a timeout."""
 
-    def check(self, grammar: str, scope: str = "") -> None:
-        """Return if `grammar` compiles in the worker to a non-empty language; else BadRequest naming
-        the problem (its compile error, an empty language, a crash, a timeout, the memory limit).
-        Verdicts are kept per `scope` (a tenant): one tenant's never answers another's at once."""
+    def check(self, grammar: str, scope: str = "") -> int:
+        """The bytes `grammar`'s compiled form keeps, if it compiles in the worker to a non-empty language;
+        else BadRequest naming the problem (its compile error, an empty language, a crash, a timeout, the
+        memory limit). Verdicts are kept per `scope` (a tenant): one tenant's never answers another's at once."""
         key = hashlib.sha256(scope.encode() + b"\0" + grammar.encode()).digest()
         with self._lock:  # one worker: grammars are judged one at a time
-            problem = self._verdicts.get_or_make(key, lambda: self._verdict(grammar))
+            problem, nbytes = self._verdicts.get_or_make(key, lambda: self._verdict(grammar))
         if problem is not None:
             raise BadRequest(problem)
+        return nbytes
+
+    def verdict_bytes(self) -> tuple[int, int]:
+        """(bytes of the verdicts kept, their budget)."""
+        return self._verdicts.bytes, self._verdicts.budget
+
+    def check_invariants(self) -> None:
+        """Assert the verdict cache's byte count and budget (`LruCache.check`)."""
+        self._verdicts.check()
 
     def close(self) -> None:
         """Stop the worker (a later check starts a new one)."""
         with self._lock:
             self._stop()
 
-    def _verdict(self, grammar: str) -> str | None:
-        """The verdict on a grammar not seen before: its problem, or None. A worker that died by a signal
-        or timed out is replaced and the grammar tried once more; the fresh worker's outcome is the verdict."""
-        problem, transient = self._judge(grammar)
+    def _verdict(self, grammar: str) -> Verdict:
+        """The verdict on a grammar not seen before. A worker that died by a signal or timed out is replaced
+        and the grammar tried once more; the fresh worker's outcome is the verdict."""
+        verdict, transient = self._judge(grammar)
         if transient:
             self.retries += 1
-            problem, _ = self._judge(grammar)
-        return problem
+            verdict, _ = self._judge(grammar)
+        return verdict
 
-    def _judge(self, grammar: str) -> tuple[str | None, bool]:
-        """One worker's outcome on a grammar: its problem (or None), and whether the failure may be the
-        worker's own (it died by a signal, or did not answer in time) rather than the grammar's."""
+    def _judge(self, grammar: str) -> tuple[Verdict, bool]:
+        """One worker's verdict on a grammar, and whether a failure may be the worker's own (it died by a
+        signal, or did not answer in time) rather than the grammar's."""
         process = self._process if self._process is not None and self._process.poll() is None else self._start()
         _send(process, {"grammar": grammar})
         try:
             reply = _receive(process, time.monotonic() + self.timeout_s)
         except TimeoutError:
             self._stop()
-            return f"the grammar compiler took longer than {self.timeout_s:g} s on this grammar", True
+            return (f"the grammar compiler took longer than {self.timeout_s:g} s on this grammar", 0), True
         except EOFError:
-            return self._crashed()
-        return reply.get("problem"), False
+            problem, transient = self._crashed()
+            return (problem, 0), transient
+        return (reply.get("problem"), int(reply.get("bytes", 0))), False
 
     def _crashed(self) -> tuple[str, bool]:
         """The outcome of a grammar the worker died compiling, and whether it died by a signal (the worker
@@ -192,9 +207,7 @@ class GrammarSandbox:
         process, self._process = self._process, None
         code = process.wait()
         stderr = _drain(process.stderr)
-        process.stderr.close()
-        process.stdin.close()
-        process.stdout.close()
+        _close_pipes(process)
         if b"memory allocation" in stderr or b"MemoryError" in stderr:
             return (f"the grammar compiler ran out of its memory limit ({self.memory_bytes >> 20} MiB) on this "
                     f"grammar"), False
@@ -223,8 +236,7 @@ class GrammarSandbox:
         if process is not None:
             process.kill()
             process.wait()
-            for pipe in (process.stdin, process.stdout, process.stderr):
-                pipe.close()
+            _close_pipes(process)
 
 
 _SHARED: dict[tuple, GrammarSandbox] = {}
@@ -280,6 +292,19 @@ def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
     return data
 
 
+def _close_pipes(process: subprocess.Popen) -> None:
+    """Close a dead worker's pipes (what was left unsent to it is dropped: closing never raises BrokenPipeError)."""
+    for pipe in (process.stdin, process.stdout, process.stderr):
+        try:
+            pipe.close()
+        except BrokenPipeError:  # stdin's buffer held a frame the worker died before reading
+            pipe.close()
+
+
+def _verdict_bytes(key: bytes, verdict: Verdict) -> int:
+    return ENTRY_BYTES + text_bytes(key, verdict[0] or "")
+
+
 def _exit_name(code: int) -> str:
     """'SIGSEGV' for a process killed by signal 11, 'exit 3' for one that exited with status 3."""
     try:
@@ -320,8 +345,10 @@ def _worker() -> None:
     write({"ready": True})
     while (message := read()) is not None:
         try:
-            compile_grammar(tokenizer, message["grammar"])
-            write({"problem": None})
+            grammar = message["grammar"]
+            matcher, nbytes = kept_bytes(lambda: compile_grammar(tokenizer, grammar), grammar)
+            del matcher
+            write({"problem": None, "bytes": nbytes})
         except BadRequest as exc:
             write({"problem": exc.message})
 

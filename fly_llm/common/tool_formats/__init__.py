@@ -15,13 +15,13 @@ from typing import Any, Protocol
 
 from fly_llm.common.constraints import Constraint
 from fly_llm.common.errors import BadRequest
-from fly_llm.common.lru import LruCache
+from fly_llm.common.lru import ENTRY_BYTES, LruCache, text_bytes
 from fly_llm.common.schema_limits import SchemaCaps
 from fly_llm.common.tool_formats.hermes import HERMES
 from fly_llm.common.tools import Structure, ToolCall
 
-CACHE_SIZE = 64
-"""Structures' constraints kept for reuse (LRU)."""
+CACHE_BYTES = 32 << 20
+"""Bytes of structures' constraints kept for reuse (LRU)."""
 
 
 class CallParser(Protocol):
@@ -83,7 +83,7 @@ class Constraints:
         self.tool_format = tool_format
         self.caps = caps
         self._special_tokens = special_tokens
-        self._cache: LruCache[bytes, Constraint | None] = LruCache(CACHE_SIZE)
+        self._cache: LruCache[bytes, Constraint | None] = LruCache(CACHE_BYTES, _constraint_bytes)
 
     @classmethod
     def of(cls, engine: Any) -> "Constraints":
@@ -107,3 +107,8 @@ class Constraints:
     def parser(self, structure: Structure | None) -> CallParser | None:
         """The call parser of a request that may call tools; None for the others."""
         return self.tool_format.parser(structure) if structure is not None and structure.calls_tools else None
+
+
+def _constraint_bytes(key: bytes, constraint: Constraint | None) -> int:
+    texts = () if constraint is None else (constraint.text, *(t for part in constraint.parts for t in part))
+    return ENTRY_BYTES + text_bytes(key, *texts)

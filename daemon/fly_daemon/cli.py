@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="characters a prompt may have before it is tokenized (default: 16 x the token limit)")
     serve.add_argument("--max-requests-per-client", type=int,
                        help="queued + running requests of one client (socket or HTTP connection); more get BUSY")
+    serve.add_argument("--max-tokens-per-client", type=int,
+                       help="weight (max_tokens + echoed prompt tokens) of one client's requests; more get BUSY")
+    serve.add_argument("--max-reply-units", type=int,
+                       help="n x (echoed prompt tokens + max_tokens) x (1 + top logprobs) per request; more: TOO_LONG")
     serve.add_argument("--share-prefix-cache", action="store_true", default=None,
                        help="one prefix cache for all clients (single tenant); default: one per credential")
     serve.add_argument("--max-frame-bytes", type=int)
@@ -75,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled per step (0: whole prompts)")
     serve.add_argument("--grammar-cache-mb", type=int, help="MiB of compiled grammars kept for reuse")
     serve.add_argument("--max-grammar-mb", type=int, help="MiB one grammar may compile to; more get BAD_REQUEST")
+    serve.add_argument("--grammar-workers", type=int, help="sandbox processes judging new grammars at once")
     serve.add_argument("--curve-secret-key", type=Path, help="server certificate (zmq.auth) for a tcp bind")
     serve.add_argument("--curve-clients", type=Path, help="directory of allowed client public certificates")
     serve.add_argument("--http", metavar="HOST:PORT",

@@ -11,9 +11,9 @@ requests to the batch while it has room (in queue order), run one engine step, a
 request's new text to `emit` (which the server sends on; it is thread-safe).
 
 A job is in exactly one place: queued, preparing, prepared or in the engine (`check()`). Each
-client (a ZeroMQ socket, an HTTP connection) may have `max_requests_per_client` of them, all
-clients together `queue_size` outside the engine. Each request's cache scope (prefix cache, compiled
-grammars) is its tenant (the credential it came with) unless `share_prefix_cache`.
+client (a ZeroMQ socket, an HTTP connection) may have `max_requests_per_client` of them, weighing
+`max_tokens_per_client` (`fly_daemon.request_weight`), all clients together `queue_size` outside the
+engine. Each request's cache scope (prefix cache, compiled grammars) is its tenant (the credential it came with) unless `share_prefix_cache`.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from fly_llm.common.tools import ToolCall
 
 from fly_daemon.call_text import CallText
 from fly_daemon.metrics import Metrics
+from fly_daemon.request_weight import check_admission, check_reply_size, weight
 
 if TYPE_CHECKING:
     from fly_llm.decoding.engine import FLyEngine, RequestOutput
@@ -88,6 +89,11 @@ class Limits(BaseModel):
                                          "token limit.")
     max_requests_per_client: int = Field(64, ge=1, description="Requests one client (a ZeroMQ socket, an HTTP "
                                          "connection) may have queued or running; more get BUSY.")
+    max_tokens_per_client: int = Field(65_536, ge=1, description="Weight one client's queued and running "
+                                       "requests may have: each max_tokens plus its echoed prompt tokens, so n "
+                                       "choices weigh n × max_tokens (fly_daemon.request_weight); more get BUSY.")
+    max_reply_units: int = Field(524_288, ge=1, description="Token entries one request's reply may carry: choices × "
+                                 "(echoed prompt tokens + max_tokens) × (1 + top logprobs); more get TOO_LONG.")
     share_prefix_cache: bool = Field(False, description="Let every client reuse every other's cached prompts and "
                                      "compiled grammars (a single-tenant deployment); else each credential has "
                                      "its own.")
@@ -194,6 +200,8 @@ class Scheduler:
             if self._per_client.get(client, 0) >= self.limits.max_requests_per_client:
                 raise Busy(f"this client already has {self.limits.max_requests_per_client} requests queued or "
                            f"running (the daemon's max_requests_per_client)")
+            check_admission(request, sum(weight(j.request, j.prompt_tokens) for j in self._jobs.values()
+                                         if j.client == client), self.limits.max_tokens_per_client)
             if self._outside_engine() >= self.limits.queue_size:
                 raise Busy(f"admission queue full ({self.limits.queue_size} waiting)")
             job = Job(envelope, request, next(self._seqs), tenant, client, now, now)
@@ -390,6 +398,7 @@ class Scheduler:
         cap = self._token_cap()
         if job.prompt_tokens > cap:
             raise TooLong(f"prompt of {job.prompt_tokens} tokens exceeds the limit of {cap}")
+        check_reply_size(request, job.prompt_tokens, self.limits.max_reply_units)
         job.constraint = self._constraints.constraint(request.structure)
         job.matcher = self.engine.compile_constraint(job.constraint, self._scope(job))
         parser = self._constraints.parser(request.structure)

@@ -75,6 +75,8 @@ class DaemonSettings(Limits, HttpLimits):
                                   "used dropped first.")
     max_grammar_mb: int = Field(64, ge=1, le=1 << 20, description="MiB one grammar's compiled form may take; a "
                                 "bigger one is refused (BAD_REQUEST naming this cap).")
+    grammar_workers: int = Field(2, ge=1, le=64, description="Sandbox processes that judge new grammars at once "
+                                 "(each holds a tokenizer view); a slow grammar holds up only its own compile.")
     prefill_chunk: int = Field(128, ge=0, description="Prompt tokens prefilled per engine step, so running streams "
                                "keep going while a long prompt enters; 0 = a whole prompt at once.")
     curve_secret_key: Path | None = None

@@ -28,6 +28,8 @@ MAX_MESSAGES = 1024
 """Most chat messages in one request (beyond: TOO_LONG)."""
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token a request may ask log-probabilities of (OpenAI's cap)."""
+MAX_CHOICES = 16
+"""Most choices (OpenAI's `n`) one API request may ask for."""
 
 RequestId = Annotated[str, Field(min_length=1, max_length=128)]
 UNKNOWN_ID = "-"
@@ -160,6 +162,9 @@ class GenerateRequest(_Message, StructureOptions):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "Report the target's log-probability of each emitted token and of this many top alternatives."))
     prompt_logprobs: bool = Field(False, description="With logprobs: report those of the prompt's tokens too.")
+    choices: int = Field(1, ge=1, le=MAX_CHOICES, description=(
+        "How many choices of one API request (OpenAI's `n`) this is one of: the daemon bounds the reply size of "
+        "all of them together (`fly_daemon.request_weight`)."))
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":

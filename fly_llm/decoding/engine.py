@@ -32,6 +32,7 @@ from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.common.constraints import Constraint
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.decoding.grammar import CACHE_BYTES, MAX_GRAMMAR_BYTES, GrammarCompiler, apply_masks
+from fly_llm.decoding.grammar_sandbox import WORKERS
 from fly_llm.decoding.logprobs import Logprob, token_logprobs
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
 from fly_llm.decoding.prefill import PromptFill
@@ -109,13 +110,14 @@ class FLyEngine:
     `prefix_cache_bytes` bounds the prefix cache (0: off; blocks of `prefix_block` tokens, §3.5);
     `prefill_chunk` bounds the prompt tokens prefilled per step (0: no bound, §3.6);
     `grammar_cache_bytes` bounds the compiled grammars kept and `max_grammar_bytes` one grammar's
-    compiled form (`GrammarCompiler`, §1.5).
+    compiled form; `grammar_workers` sandbox processes judge new grammars at once (`GrammarCompiler`, §1.5).
     """
 
     def __init__(self, target, tokenizer, draft=None, config: FLyConfig | None = None, *,
                  context_window: int | None = None, policy: AdaptivePolicy | None = None,
                  prefix_cache_bytes: int = 0, prefix_block: int = 16, prefill_chunk: int = 0,
-                 grammar_cache_bytes: int = CACHE_BYTES, max_grammar_bytes: int = MAX_GRAMMAR_BYTES) -> None:
+                 grammar_cache_bytes: int = CACHE_BYTES, max_grammar_bytes: int = MAX_GRAMMAR_BYTES,
+                 grammar_workers: int = WORKERS) -> None:
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None
         self.tokenizer = tokenizer
@@ -135,7 +137,7 @@ class FLyEngine:
         self._eos = _eos_ids(tokenizer, target)
         self.vocab_size = int(head.out_features) if head is not None else len(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, sorted(self._eos), cache_bytes=grammar_cache_bytes,
-                                        max_grammar_bytes=max_grammar_bytes)
+                                        max_grammar_bytes=max_grammar_bytes, workers=grammar_workers)
         self._local_ids = 0
         self._rows: list[_Request] = []
         self._waiting: list[_Request] = []

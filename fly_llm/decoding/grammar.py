@@ -27,7 +27,7 @@ from typing import NamedTuple, TypeVar
 import llguidance
 import torch
 
-from fly_llm.decoding.grammar_sandbox import (MEMORY_BYTES, TIMEOUT_S, GrammarSandbox, big_stack_call,
+from fly_llm.decoding.grammar_sandbox import (MEMORY_BYTES, TIMEOUT_S, WORKERS, GrammarSandbox, big_stack_call,
                                               build_tokenizer, compile_grammar, shared_sandbox, tokenizer_setup)
 from fly_llm.decoding.heap_bytes import kept_bytes
 from fly_llm.decoding.stages import GrammarStage, RowStart
@@ -41,8 +41,9 @@ CACHE_BYTES = 256 << 20
 """Bytes of compiled grammars kept for reuse (LRU): their compiled forms as measured, and their texts."""
 MAX_GRAMMAR_BYTES = 64 << 20
 """The most one grammar's compiled form may take; a bigger one is refused (BadRequest naming the cap)."""
-TEXTS_BYTES = 32 << 20
-"""Bytes of constraints' grammar texts kept for reuse (LRU)."""
+TEXTS_SHARE = 8
+"""The constraints' grammar texts kept for reuse (LRU) take at most 1/TEXTS_SHARE of the compiled grammars'
+budget (as do the serving edge's structures' constraints, `fly_llm.common.tool_formats.Constraints`)."""
 
 T = TypeVar("T")
 
@@ -69,7 +70,8 @@ class GrammarCompiler:
     """Compiles grammars into llguidance matchers over one tokenizer (built on first use: ~2 s for Qwen).
 
     Thread-safe. `sandbox` (on by default) compiles each grammar not seen before in a worker process
-    first, within `timeout_s` and `memory_bytes` (docs/design.md §1.5), and measures its compiled form
+    first (one of `workers` processes), within `timeout_s` and `memory_bytes` (docs/design.md §1.5), and
+    measures its compiled form
     there (without the sandbox it is measured here); `caps` bound the schemas. Compiled grammars are kept
     within `cache_bytes`; one whose compiled form takes more than `max_grammar_bytes` is refused.
     """
@@ -77,19 +79,21 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], *, sandbox: bool = True,
                  timeout_s: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES,
                  caps: SchemaCaps = SchemaCaps(), cache_bytes: int = CACHE_BYTES,
-                 max_grammar_bytes: int = MAX_GRAMMAR_BYTES) -> None:
+                 max_grammar_bytes: int = MAX_GRAMMAR_BYTES, workers: int = WORKERS) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
         self.caps = caps
         self.max_grammar_bytes = max_grammar_bytes
-        self._sandbox_limits = (timeout_s, memory_bytes) if sandbox else None
+        self._sandbox_limits = (timeout_s, memory_bytes, workers) if sandbox else None
         self._special: dict[tuple[str, ...], frozenset[str]] = {}
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._sandbox: GrammarSandbox | None = None
         self._setup: dict | None = None
         self._compiled: LruCache[tuple[str, str], Compiled] = LruCache(cache_bytes, _compiled_bytes)  # by scope
-        self._grammars: LruCache[tuple[str, Constraint], str] = LruCache(TEXTS_BYTES, _text_bytes)  # -> its grammar
+        self.texts_budget = cache_bytes // TEXTS_SHARE
+        """Bytes of text a cache of grammars' or constraints' texts may keep."""
+        self._grammars: LruCache[tuple[str, Constraint], str] = LruCache(self.texts_budget, _text_bytes)  # -> grammar
         self._lock = threading.RLock()  # the caches and the tokenizer view
         self.compile_s = 0.0
         """Seconds spent building the tokenizer view and compiling grammars so far."""

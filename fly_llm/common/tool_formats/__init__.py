@@ -21,7 +21,7 @@ from fly_llm.common.tool_formats.hermes import HERMES
 from fly_llm.common.tools import Structure, ToolCall
 
 CACHE_BYTES = 32 << 20
-"""Bytes of structures' constraints kept for reuse (LRU)."""
+"""Bytes of structures' constraints kept for reuse (LRU), unless the engine says otherwise."""
 
 
 class CallParser(Protocol):
@@ -76,19 +76,21 @@ class Constraints:
 
     `special_tokens(texts)`: which of `texts` are one special token each of the model's tokenizer
     (the engine's `GrammarCompiler.special_tokens`; asked once, when a structure first needs it).
+    The constraints kept take at most `cache_bytes`.
     """
 
     def __init__(self, tool_format: ToolFormat, special_tokens: Callable[[tuple[str, ...]], frozenset[str]],
-                 caps: SchemaCaps = SchemaCaps()) -> None:
+                 caps: SchemaCaps = SchemaCaps(), cache_bytes: int = CACHE_BYTES) -> None:
         self.tool_format = tool_format
         self.caps = caps
         self._special_tokens = special_tokens
-        self._cache: LruCache[bytes, Constraint | None] = LruCache(CACHE_BYTES, _constraint_bytes)
+        self._cache: LruCache[bytes, Constraint | None] = LruCache(cache_bytes, _constraint_bytes)
 
     @classmethod
     def of(cls, engine: Any) -> "Constraints":
         """The constraints for a loaded engine's model (a FLyEngine, not imported here: no torch)."""
-        return cls(format_for(engine.target_name), engine.grammars.special_tokens, engine.grammars.caps)
+        grammars = engine.grammars
+        return cls(format_for(engine.target_name), grammars.special_tokens, grammars.caps, grammars.texts_budget)
 
     def constraint(self, structure: Structure | None) -> Constraint | None:
         """The constraint of a request's structure (None: free output); BadRequest for a bad one."""
@@ -103,6 +105,10 @@ class Constraints:
     def _make(self, structure: Structure) -> Constraint | None:
         special = self._special_tokens(self.tool_format.tags) if structure.tools else frozenset()
         return constraint_for(structure, self.tool_format, special, self.caps)
+
+    def check(self) -> None:
+        """Assert the cache's byte count and budget (`LruCache.check`)."""
+        self._cache.check()
 
     def parser(self, structure: Structure | None) -> CallParser | None:
         """The call parser of a request that may call tools; None for the others."""

@@ -93,7 +93,7 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     @v1.get("/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": client.served_model(), "object": "model",
-                                            "created": int(client.scheduler.started), "owned_by": "fly-llm"}]}
+                                            "created": int(client.started), "owned_by": "fly-llm"}]}
 
     @app.post("/tokenize", dependencies=guard)
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
@@ -107,7 +107,7 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     @app.get("/metrics", dependencies=guard)
     async def metrics() -> Response:
         """The daemon's Prometheus metrics (fly_daemon.metrics), as on --metrics-port."""
-        return Response(generate_latest(client.scheduler.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(client.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> JSONResponse:

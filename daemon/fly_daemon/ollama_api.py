@@ -28,6 +28,8 @@ from fly_llm.common.protocol import GenerateRequest, GenerateResult
 from fly_llm.common.stats import FinishReason
 from fly_llm.common.tools import STRUCTURE_OPTIONS, ToolCall, closed_tool, schema_format
 
+from fly_daemon.model_info import ModelInfo
+
 OLLAMA_VERSION = "0.9.0"
 """The Ollama release whose API these routes follow (GET /api/version): streamed tool calls (0.8), `think` (0.9)."""
 LOAD_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
@@ -300,28 +302,16 @@ def same_model(asked: str, served: str) -> bool:
     return asked in (served, f"{served}:latest")
 
 
-def model_card(engine: Any, started: float) -> dict[str, Any]:
+def model_card(model: ModelInfo, started: float) -> dict[str, Any]:
     """The served target as /api/tags and /api/ps list a model: name, size in bytes, digest, details."""
-    target = engine.target
-    tensors = [*target.parameters(), *target.buffers()]
-    arch = architecture(engine)
-    return {"name": engine.target_name, "model": engine.target_name,
+    arch = model.architecture
+    return {"name": model.name, "model": model.name,
             "modified_at": datetime.fromtimestamp(started, timezone.utc).isoformat(),
-            "size": sum(t.numel() * t.element_size() for t in tensors),
-            "digest": hashlib.sha256(engine.target_name.encode()).hexdigest(),
-            "details": {"parent_model": "", "format": "gguf" if engine.target_name.endswith(".gguf") else "safetensors",
-                        "family": arch, "families": [arch], "parameter_size": _size(parameter_count(engine)),
-                        "quantization_level": engine.target_quantization.upper()}}
-
-
-def architecture(engine: Any) -> str:
-    """The target's architecture (its config's model_type), Ollama's model family."""
-    return str(getattr(engine.target.config, "model_type", "") or type(engine.target).__name__)
-
-
-def parameter_count(engine: Any) -> int:
-    """The number of values in the target's parameters (packed quantized weights count as stored)."""
-    return sum(t.numel() for t in engine.target.parameters())
+            "size": model.size_bytes,
+            "digest": hashlib.sha256(model.name.encode()).hexdigest(),
+            "details": {"parent_model": "", "format": "gguf" if model.name.endswith(".gguf") else "safetensors",
+                        "family": arch, "families": [arch], "parameter_size": _size(model.parameter_count),
+                        "quantization_level": model.quantization.upper()}}
 
 
 def _size(count: int) -> str:

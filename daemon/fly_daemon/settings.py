@@ -33,7 +33,7 @@ from fly_llm.common.config import FLyConfig, ModelSpec
 from fly_llm.common.protocol import MAX_FRAME_BYTES
 
 from fly_daemon.runtime import host_port
-from fly_daemon.scheduler import Limits
+from fly_daemon.limits import Limits
 
 M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "FLY_"

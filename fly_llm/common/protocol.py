@@ -17,7 +17,9 @@ from fly_llm.common.config import FLyConfig, FLyOverrides, SamplingParams
 from fly_llm.common.errors import BadRequest, TooLong
 from fly_llm.common.json_text import loads
 from fly_llm.common.stats import FinishReason, GrammarCacheStats, PromptStats, RequestStats
-from fly_llm.common.tools import MAX_TOOLS, Structure, StructureOptions, ToolCall, ToolSpec, structure_options
+from fly_llm.common.tools import (
+    MAX_TOOLS, Structure, StructureOptions, ToolCall, ToolSpec, UnparsedCall, structure_options,
+)
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -295,6 +297,8 @@ class GenerateResult(_Message):
     token_ids: list[int]
     finish_reason: FinishReason
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    invalid_tool_calls: list[UnparsedCall] = Field(default_factory=list)
+    """Calls the model began that did not parse (their text stays in `text`), when the request offered tools."""
     usage: Usage
     stats: RequestStats = Field(default_factory=RequestStats)
     model: str = ""

@@ -315,7 +315,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(st.model_dump_json(indent=2))
         return 0
-    s, p = st.stats, st.prompt
+    s, p, g = st.stats, st.prompt, st.grammars
     print(f"state      {st.state} (pid {st.pid}, up {_duration(st.uptime_s)}) on {endpoint}\n"
           f"models     target {st.target}  draft {st.draft}\n"
           f"load       {st.queue_depth} queued, {st.active} running, largest batch {st.max_batch_size_seen}\n"
@@ -324,7 +324,10 @@ def _status(args: argparse.Namespace) -> int:
           f"accepted   MAT {s.mat:.2f} tokens/round, {s.accepted_native + s.accepted_loose} of {s.drafted} "
           f"drafted ({s.loose_rate:.0%} loosely)\n"
           f"prompts    {p.prompt_tokens} tokens, {p.hit_rate:.0%} from the prefix cache "
-          f"({p.cache_bytes / 2**20:.1f} of {p.cache_budget_bytes / 2**20:.0f} MiB, {p.cache_evictions} blocks evicted)")
+          f"({p.cache_bytes / 2**20:.1f} of {p.cache_budget_bytes / 2**20:.0f} MiB, {p.cache_evictions} blocks evicted)\n"
+          f"grammars   {g.compiled_entries} compiled, {g.compiled_bytes / 2**20:.1f} of "
+          f"{g.compiled_budget_bytes / 2**20:.0f} MiB (texts {g.texts_bytes / 2**20:.1f} MiB, verdicts "
+          f"{g.verdict_bytes / 2**20:.1f} MiB)")
     return 0
 
 

@@ -24,6 +24,11 @@ class Limits(BaseModel):
                                          "token limit.")
     max_requests_per_client: int = Field(64, ge=1, description="Requests one client (a ZeroMQ socket, an HTTP "
                                          "connection) may have queued or running; more get BUSY.")
+    max_tokens_per_client: int = Field(65_536, ge=1, description="Weight one client's queued and running "
+                                       "requests may have: each max_tokens plus its echoed prompt tokens, so n "
+                                       "choices weigh n × max_tokens (fly_daemon.request_weight); more get BUSY.")
+    max_reply_units: int = Field(524_288, ge=1, description="Token entries one request's reply may carry: choices × "
+                                 "(echoed prompt tokens + max_tokens) × (1 + top logprobs); more get TOO_LONG.")
     share_prefix_cache: bool = Field(False, description="Let every client reuse every other's cached prompts and "
                                      "compiled grammars (a single-tenant deployment); else each credential has "
                                      "its own.")

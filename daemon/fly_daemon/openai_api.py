@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fly_llm.client.core import build_options, checked
 from fly_llm.common.errors import FLyError
 from fly_llm.common.protocol import (
-    MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, MessageToolCall, TokenLogprob, TopLogprob,
+    MAX_CHOICES, MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, MessageToolCall, TokenLogprob, TopLogprob,
 )
 from fly_llm.common.stats import FinishReason, RequestStats
 from fly_llm.common.tools import FormatOptions, StructureOptions, ToolCall, structure_options
@@ -64,9 +64,6 @@ class Message(_Strict):
             turn["tool_call_id"] = self.tool_call_id
         return turn
 
-
-MAX_CHOICES = 16
-"""Most choices (`n`) one request may ask for."""
 
 
 class StreamOptions(_Strict):
@@ -152,7 +149,7 @@ class GenerationBody(_Strict, ABC):
         if self.n == 1:
             return [first]
         seeds = [None if self.seed is None else (self.seed + i) % 2**63 for i in range(self.n)]
-        return [first.model_copy(update={"id": f"{request_id}-{i}",
+        return [first.model_copy(update={"id": f"{request_id}-{i}", "choices": self.n,
                                          "sampling": first.sampling.model_copy(update={"seed": seed})})
                 for i, seed in enumerate(seeds)]
 

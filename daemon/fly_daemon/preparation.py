@@ -19,6 +19,7 @@ from fly_llm.common.protocol import GenerateRequest, TokenizeReply, TokenizeRequ
 from fly_llm.common.tool_formats import Constraints
 
 from fly_daemon.limits import Limits
+from fly_daemon.request_weight import check_reply_size
 
 if TYPE_CHECKING:
     from fly_llm.decoding.engine import FLyEngine
@@ -58,6 +59,7 @@ class Preparation:
         cap = self.token_cap()
         if len(prompt_ids) > cap:
             raise TooLong(f"prompt of {len(prompt_ids)} tokens exceeds the limit of {cap}")
+        check_reply_size(request, len(prompt_ids), self._limits.max_reply_units)
         constraint = self._constraints.constraint(request.structure)
         return PreparedInput(prompt_ids, constraint, self._engine.compile_constraint(constraint, scope))
 

@@ -19,6 +19,7 @@ from fly_llm.common.protocol import GenerateRequest, TokenizeRequest
 
 from fly_daemon.limits import Limits
 from fly_daemon.preparation import PreparedInput
+from fly_daemon.request_weight import check_admission, weight
 
 if TYPE_CHECKING:
     from fly_daemon.delivery import OutputState
@@ -99,6 +100,8 @@ class RequestQueue:
         if self._per_client.get(entry.client, 0) >= self.limits.max_requests_per_client:
             raise Busy(f"this client already has {self.limits.max_requests_per_client} requests queued or "
                        f"running (the daemon's max_requests_per_client)")
+        check_admission(entry.request, sum(weight(e.request, e.prompt_tokens) for e in self.entries.values()
+                                           if e.client == entry.client), self.limits.max_tokens_per_client)
         if self.outside_engine() >= self.limits.queue_size:
             raise Busy(f"admission queue full ({self.limits.queue_size} waiting)")
         self.entries[entry.key] = entry

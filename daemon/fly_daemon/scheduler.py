@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from fly_llm.common.errors import Cancelled, FLyError, Internal, NotReady, TooLong, contained
 from fly_llm.common.protocol import ErrorReply, GenerateRequest, HealthState, TokenizeReply, TokenizeRequest
+from fly_llm.common.stats import GrammarCacheStats
 from fly_llm.common.tool_formats import Constraints
 
 from fly_daemon.delivery import Delivery
@@ -180,7 +181,8 @@ class Scheduler:
             active = len(self._books.entries) - waiting
         busy_s, largest = (self._loop.busy_s, self._loop.max_batch_size_seen) if self._loop else (0.0, 0)
         delivery = self._delivery
-        return dict(queue_depth=waiting, active=active, max_batch_size_seen=largest,
+        grammars = self._loop.engine.grammars.stats() if self._loop else GrammarCacheStats()
+        return dict(queue_depth=waiting, active=active, max_batch_size_seen=largest, grammars=grammars,
                     requests_total=delivery.requests_total, tokens_generated=delivery.tokens_generated,
                     tokens_per_s=delivery.tokens_generated / busy_s if busy_s else 0.0,
                     stats=delivery.stats, prompt=delivery.prompt_stats)

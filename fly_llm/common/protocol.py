@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 from fly_llm.common.config import FLyConfig, FLyOverrides, SamplingParams
 from fly_llm.common.errors import BadRequest, TooLong
 from fly_llm.common.json_text import loads
-from fly_llm.common.stats import FinishReason, PromptStats, RequestStats
+from fly_llm.common.stats import FinishReason, GrammarCacheStats, PromptStats, RequestStats
 from fly_llm.common.tools import (
     MAX_TOOLS, Structure, StructureOptions, ToolCall, ToolSpec, UnparsedCall, structure_options,
 )
@@ -30,6 +30,8 @@ MAX_MESSAGES = 1024
 """Most chat messages in one request (beyond: TOO_LONG)."""
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token a request may ask log-probabilities of (OpenAI's cap)."""
+MAX_CHOICES = 16
+"""Most choices (OpenAI's `n`) one API request may ask for."""
 
 RequestId = Annotated[str, Field(min_length=1, max_length=128)]
 UNKNOWN_ID = "-"
@@ -162,6 +164,9 @@ class GenerateRequest(_Message, StructureOptions):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "Report the target's log-probability of each emitted token and of this many top alternatives."))
     prompt_logprobs: bool = Field(False, description="With logprobs: report those of the prompt's tokens too.")
+    choices: int = Field(1, ge=1, le=MAX_CHOICES, description=(
+        "How many choices of one API request (OpenAI's `n`) this is one of: the daemon bounds the reply size of "
+        "all of them together (`fly_daemon.request_weight`)."))
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
@@ -360,6 +365,8 @@ class StatusReply(_Message):
     stats: RequestStats = Field(default_factory=RequestStats)
     prompt: PromptStats = Field(default_factory=PromptStats)
     """Prompt tokens so far, the prefix cache's hit rate and size."""
+    grammars: GrammarCacheStats = Field(default_factory=GrammarCacheStats)
+    """The grammar caches' bytes and budgets."""
 
 
 class TokenizeReply(_Message):

@@ -32,7 +32,8 @@ import torch
 from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.common.constraints import Constraint
 from fly_llm.decoding.cache import BatchKV
-from fly_llm.decoding.grammar import GrammarCompiler, apply_masks
+from fly_llm.decoding.grammar import CACHE_BYTES, MAX_GRAMMAR_BYTES, GrammarCompiler, apply_masks
+from fly_llm.decoding.grammar_sandbox import WORKERS
 from fly_llm.decoding.logprobs import Logprob, token_logprobs
 from fly_llm.decoding.penalties import Penalty
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
@@ -109,12 +110,16 @@ class FLyEngine:
     `config` holds the defaults; each request may bring its own FLyConfig (k, window, θ, loose,
     stages) as long as the entropy measure is the engine's.
     `prefix_cache_bytes` bounds the prefix cache (0: off; blocks of `prefix_block` tokens, §3.5);
-    `prefill_chunk` bounds the prompt tokens prefilled per step (0: no bound, §3.6).
+    `prefill_chunk` bounds the prompt tokens prefilled per step (0: no bound, §3.6);
+    `grammar_cache_bytes` bounds the compiled grammars kept and `max_grammar_bytes` one grammar's
+    compiled form; `grammar_workers` sandbox processes judge new grammars at once (`GrammarCompiler`, §1.5).
     """
 
     def __init__(self, target, tokenizer, draft=None, config: FLyConfig | None = None, *,
                  context_window: int | None = None, policy: AdaptivePolicy | None = None,
-                 prefix_cache_bytes: int = 0, prefix_block: int = 16, prefill_chunk: int = 0) -> None:
+                 prefix_cache_bytes: int = 0, prefix_block: int = 16, prefill_chunk: int = 0,
+                 grammar_cache_bytes: int = CACHE_BYTES, max_grammar_bytes: int = MAX_GRAMMAR_BYTES,
+                 grammar_workers: int = WORKERS) -> None:
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None
         self.tokenizer = tokenizer
@@ -133,7 +138,8 @@ class FLyEngine:
         self.policy = policy or AdaptivePolicy()
         self._eos = _eos_ids(tokenizer, target)
         self.vocab_size = int(head.out_features) if head is not None else len(tokenizer)
-        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, sorted(self._eos))
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, sorted(self._eos), cache_bytes=grammar_cache_bytes,
+                                        max_grammar_bytes=max_grammar_bytes, workers=grammar_workers)
         self._local_ids = 0
         self._rows: list[_Request] = []
         self._waiting: list[_Request] = []
@@ -246,7 +252,8 @@ class FLyEngine:
         (`Stage.check`: each grammar matcher at its row's context, the draft cache a prefix of the
         context plus drafts); the cached per-row settings (if any) have one
         row per running request; a waiting request's prompt caches hold no more than its prompt minus
-        the last token; the prefix cache keeps its budget and index (`PrefixStore.check`).
+        the last token; the prefix cache keeps its budget and index (`PrefixStore.check`), the grammar
+        caches theirs (`GrammarCompiler.check`).
         """
         rows = len(self._rows)
         self._kv.check()
@@ -258,6 +265,7 @@ class FLyEngine:
             if req.fill is not None:
                 req.fill.check()
         self._prefix.check()
+        self.grammars.check()
 
     @property
     def prompt_stats(self) -> PromptStats:

@@ -19,7 +19,7 @@ from fly_llm.common.config import FLyConfig
 from fly_llm.common.errors import TooLong
 from fly_llm.common.protocol import ErrorReply, GenerateResult, TokenizeReply
 from fly_llm.common.schema_limits import SchemaCaps
-from fly_llm.common.stats import PromptStats, RequestStats
+from fly_llm.common.stats import GrammarCacheStats, PromptStats, RequestStats
 
 from fly_daemon.core import ServingCore
 from fly_daemon.metrics import Metrics
@@ -44,13 +44,18 @@ class _Output:
 
 
 class _NoGrammars:
-    """The double's grammar compiler: the schema caps, and no special tokens (no tokenizer)."""
+    """The double's grammar compiler: the schema caps, and no special tokens (no tokenizer), no caches."""
 
     caps = SchemaCaps()
+    texts_budget = 1 << 20
 
     @staticmethod
     def special_tokens(texts: tuple[str, ...]) -> frozenset[str]:
         return frozenset()
+
+    @staticmethod
+    def stats() -> GrammarCacheStats:
+        return GrammarCacheStats()
 
 
 class CountingEngine:

@@ -17,13 +17,13 @@ from typing import Any, Protocol
 
 from fly_llm.common.constraints import Constraint
 from fly_llm.common.errors import BadRequest
-from fly_llm.common.lru import LruCache
+from fly_llm.common.lru import ENTRY_BYTES, LruCache, text_bytes
 from fly_llm.common.schema_limits import SchemaCaps
 from fly_llm.common.tool_formats.hermes import HERMES
 from fly_llm.common.tools import Structure, ToolCall, UnparsedCall
 
-CACHE_SIZE = 64
-"""Structures' constraints kept for reuse (LRU)."""
+CACHE_BYTES = 32 << 20
+"""Bytes of structures' constraints kept for reuse (LRU), unless the engine says otherwise."""
 
 
 class CallParser(Protocol):
@@ -85,14 +85,15 @@ class Constraints:
 
     `special_tokens(texts)`: which of `texts` are one special token each of the model's tokenizer
     (the engine's `GrammarCompiler.special_tokens`; asked once, when a structure first needs it).
+    The constraints kept take at most `cache_bytes`.
     """
 
     def __init__(self, tool_format: ToolFormat, special_tokens: Callable[[tuple[str, ...]], frozenset[str]],
-                 caps: SchemaCaps = SchemaCaps()) -> None:
+                 caps: SchemaCaps = SchemaCaps(), cache_bytes: int = CACHE_BYTES) -> None:
         self.tool_format = tool_format
         self.caps = caps
         self._special_tokens = special_tokens
-        self._cache: LruCache[bytes, Constraint | None] = LruCache(CACHE_SIZE)
+        self._cache: LruCache[bytes, Constraint | None] = LruCache(cache_bytes, _constraint_bytes)
 
     @classmethod
     def of(cls, engine: Any) -> "Constraints":
@@ -100,7 +101,8 @@ class Constraints:
         tool format its chat template asks for."""
         template = getattr(engine.tokenizer, "chat_template", None)  # text, named texts (a dict) or None
         tool_format = format_for(str(template) if template else None)
-        return cls(tool_format, engine.grammars.special_tokens, engine.grammars.caps)
+        grammars = engine.grammars
+        return cls(tool_format, grammars.special_tokens, grammars.caps, grammars.texts_budget)
 
     def constraint(self, structure: Structure | None) -> Constraint | None:
         """The constraint of a request's structure (None: free output); BadRequest for a bad one."""
@@ -115,3 +117,12 @@ class Constraints:
     def _make(self, structure: Structure) -> Constraint | None:
         special = self._special_tokens(self.tool_format.tags) if structure.tools else frozenset()
         return constraint_for(structure, self.tool_format, special, self.caps)
+
+    def check(self) -> None:
+        """Assert the cache's byte count and budget (`LruCache.check`)."""
+        self._cache.check()
+
+
+def _constraint_bytes(key: bytes, constraint: Constraint | None) -> int:
+    texts = () if constraint is None else (constraint.text, *(t for part in constraint.parts for t in part))
+    return ENTRY_BYTES + text_bytes(key, *texts)

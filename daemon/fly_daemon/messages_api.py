@@ -158,6 +158,7 @@ class Conversation(_Strict):
     tool_choice: AnthropicToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    cache_control: dict[str, Any] | None = Field(None, description="Accepted: the prefix cache is automatic.")
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """`system` and the messages as chat turns (a list of text blocks joined)."""

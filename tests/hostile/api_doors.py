@@ -125,7 +125,7 @@ class ResponsesDoor(_ApiDoor):
 
 
 class MessagesDoor(_ApiDoor):
-    name, path, answer = "messages", MESSAGES, "a 'message' with its content"
+    name, path, answer = "messages", MESSAGES, "a 'message' with its content (or count_tokens' input_tokens)"
 
     def _body(self, request: dict[str, Any], sampling: dict[str, Any]) -> dict[str, Any]:
         body: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
@@ -164,7 +164,11 @@ class MessagesDoor(_ApiDoor):
 
     @staticmethod
     def _served(body: Any) -> bool:
-        return isinstance(body, dict) and body.get("type") == "message" and isinstance(body.get("content"), list)
+        """A message with its content, or count_tokens' count."""
+        if not isinstance(body, dict):
+            return False
+        return body.get("type") == "message" and isinstance(body.get("content"), list) or \
+            type(body.get("input_tokens")) is int
 
     def _stream(self, events: list[tuple[str | None, Any]]) -> Outcome:
         if not events or events[0][0] != "message_start":

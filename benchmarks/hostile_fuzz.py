@@ -3,8 +3,9 @@
     python benchmarks/hostile_fuzz.py --examples 4000 --seed 0 --out benchmarks/results/hostile-fuzz
 
 The same strategies, doors and rules as tests/hostile (a tiny random pair in a daemon subprocess,
-ZeroMQ raw frames and HTTP bodies; the Responses and Messages APIs' doors, tests/hostile/api_doors.py, also get
-their own families): `--examples` cases per door, split over the families in the proportions of the CI run. Unlike the test, a finding does not stop the run: it is counted (crash,
+ZeroMQ raw frames and HTTP bodies; the Responses and Messages APIs' doors, tests/hostile/api_doors.py, also
+get their own families): `--examples` cases per door, split over the families in the proportions of the CI
+run. Unlike the test, a finding does not stop the run: it is counted (crash,
 hang, bad answer: a code outside the stable ones, an HTTP 5xx, a served empty language), its first
 case per family is kept (shortened), and the daemon is restarted. Exact mode is checked against the
 target's greedy output every `--check-every` cases. Writes counts.json and README.md to `--out`.

@@ -11,10 +11,9 @@ is fly_daemon.http_common). Errors are OpenAI's error shape with our stable code
 `code` (Anthropic's shape under /v1/messages); a client that disconnects, while waiting or mid-stream, cancels
 its request. A non-loopback bind needs an API key (`Authorization: Bearer` or `x-api-key`), as a non-loopback
 ZeroMQ bind needs CURVE. With a key, every route but /health needs it (/docs and /redoc are off,
-/openapi.json needs the key). A front on loopback
-answers only requests whose Host header is a loopback name, its bound host or an allowed host (a
-web page reaching it by DNS rebinding names its own host); others get 421, in Ollama's error shape under
-/api. An unexpected failure answers INTERNAL
+/openapi.json needs the key). A front on loopback answers only requests whose Host header is a loopback
+name, its bound host or an allowed host (a web page reaching it by DNS rebinding names its own host);
+others get 421, in the error shape of the API asked for. An unexpected failure answers INTERNAL
 with a request id that the log's traceback carries, never the exception's text. Connections are timed
 out and capped by fly_daemon.http_connections (the `http_*` settings).
 """
@@ -77,8 +76,8 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     """The FastAPI app serving `client`'s scheduler.
 
     With `api_key`, every route but /health needs `Authorization: Bearer <api_key>` or `x-api-key: <api_key>`
-    (/docs and /redoc are off). With `allowed_hosts` (see `trusted_hosts`), a request whose Host header names another host is
-    refused (421).
+    (/docs and /redoc are off). With `allowed_hosts` (see `trusted_hosts`), a request whose Host header names
+    another host is refused (421).
     """
     guard = [Depends(_bearer(api_key))] if api_key else []
     docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if api_key else {}

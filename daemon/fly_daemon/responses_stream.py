@@ -71,7 +71,8 @@ class ResponseShaper(EventShaper):
     def response(self, status: str, result: GenerateResult | None = None) -> dict[str, Any]:
         """The `response` object as it stands, with `status` (and the result's usage and FLy's counters)."""
         body = self.body
-        choice = body.tool_choice
+        choice = body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None else \
+            body.tool_choice.model_dump()
         text_format = body.text.format if body.text is not None and body.text.format is not None else None
         answer: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
@@ -83,7 +84,7 @@ class ResponseShaper(EventShaper):
             "temperature": body.temperature, "top_p": body.top_p,
             "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
                      else {"type": "text"}},
-            "tool_choice": choice.model_dump() if choice is not None and not isinstance(choice, str) else choice or "auto",
+            "tool_choice": choice or "auto",
             "tools": [t.model_dump() for t in body.tools or ()], "truncation": "disabled",
             "metadata": body.metadata or {}, "user": body.user, "usage": None}
         if result is not None:

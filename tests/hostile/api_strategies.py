@@ -20,8 +20,8 @@ JUNK = [None, 7, "x", [], {}, True, [1], {"type": 7}]
 
 
 def _part() -> st.SearchStrategy[Any]:
-    return st.one_of(st.builds(lambda kind, t: {"type": kind, "text": t},
-                               st.sampled_from(["input_text", "output_text", "text", "input_image", "x", None]), text()),
+    kinds = st.sampled_from(["input_text", "output_text", "text", "input_image", "x", None])
+    return st.one_of(st.builds(lambda kind, t: {"type": kind, "text": t}, kinds, text()),
                      st.builds(lambda r: {"type": "refusal", "refusal": r}, text()),
                      st.sampled_from([*JUNK, {"type": "input_image", "image_url": "data:,"}, {"type": "input_text"}]))
 
@@ -43,7 +43,8 @@ def _input_item() -> st.SearchStrategy[Any]:
 
 @st.composite
 def _responses_case(draw: st.DrawFn) -> Case:
-    body: dict[str, Any] = {"input": draw(st.one_of(text(), st.lists(_input_item(), max_size=6), st.sampled_from(JUNK)))}
+    items = st.lists(_input_item(), max_size=6)
+    body: dict[str, Any] = {"input": draw(st.one_of(text(), items, st.sampled_from(JUNK)))}
     body |= draw(st.fixed_dictionaries({}, optional={
         "instructions": st.one_of(text(), st.sampled_from(JUNK)),
         "max_output_tokens": st.sampled_from([1, 4, 0, -1, 10**12, "8", None]),

@@ -107,7 +107,8 @@ def test_api_key_as_bearer_or_x_api_key(tmp_path):
             r = client.post("/v1/messages", json=MESSAGE, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             assert r.json()["error"]["code"] == "UNAUTHORIZED"
-            assert client.post("/v1/responses", json=RESPONSE, headers=headers).json()["error"]["code"] == "UNAUTHORIZED"
+            refused = client.post("/v1/responses", json=RESPONSE, headers=headers).json()
+            assert refused["error"]["code"] == "UNAUTHORIZED"
         for headers in ({"x-api-key": "s3cret"}, {"Authorization": "Bearer s3cret"}):
             assert client.post("/v1/messages", json=MESSAGE, headers=headers).status_code == 200
             assert client.post("/v1/responses", json=RESPONSE, headers=headers).status_code == 200

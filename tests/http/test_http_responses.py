@@ -56,9 +56,9 @@ def test_create_equals_the_chat_answer(client, model):
     chat = client.chat.completions.create(model=model, messages=[{"role": "system", "content": SYSTEM},
                                                                  {"role": "user", "content": QUESTION}],
                                           max_tokens=24, extra_body=EXACT)
-    for given in ({"instructions": SYSTEM, "input": QUESTION},
-                  {"input": [{"role": "developer", "content": SYSTEM},
-                             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]}):
+    items = [{"role": "developer", "content": SYSTEM},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
+    for given in ({"instructions": SYSTEM, "input": QUESTION}, {"input": items}):
         answer = client.responses.create(model=model, max_output_tokens=24, extra_body=EXACT, **given)
         assert answer.object == "response" and answer.id.startswith("resp_") and answer.model == model
         assert answer.output_text == chat.choices[0].message.content
@@ -154,7 +154,8 @@ def test_langchain_chat_openai_with_the_responses_api(base_url, client, model):
                                       max_retries=0, extra_body=EXACT, use_responses_api=True)
     conversation = [SystemMessage(SYSTEM), HumanMessage(QUESTION)]
     message = llm.invoke(conversation)
-    expected = chat_text(client, model, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}], 16)
+    turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    expected = chat_text(client, model, turns, 16)
     assert message.text == expected and message.response_metadata["id"].startswith("resp_")
     assert message.usage_metadata["output_tokens"] >= 1
     assert "".join(chunk.text for chunk in llm.stream(conversation)) == expected

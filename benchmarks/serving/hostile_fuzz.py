@@ -1,10 +1,11 @@
-"""The hostile-content fuzzer run long (issue 33): thousands of cases through both doors, counted.
+"""The hostile-content fuzzer run long (issue 33): thousands of cases through every door, counted.
 
     python benchmarks/serving/hostile_fuzz.py --examples 4000 --seed 0 --out benchmarks/results/hostile-fuzz
 
 The same strategies, doors and rules as tests/hostile (a tiny random pair in a daemon subprocess,
-ZeroMQ raw frames and HTTP bodies): `--examples` cases per door, split over the families in the
-proportions of the CI run. Unlike the test, a finding does not stop the run: it is counted (crash,
+ZeroMQ raw frames and HTTP bodies; the Responses and Messages APIs' doors, tests/hostile/api_doors.py, also
+get their own families): `--examples` cases per door, split over the families in the proportions of the CI
+run. Unlike the test, a finding does not stop the run: it is counted (crash,
 hang, bad answer: a code outside the stable ones, an HTTP 5xx, a served empty language), its first
 case per family is kept (shortened), and the daemon is restarted. Exact mode is checked against the
 target's greedy output every `--check-every` cases. Writes counts.json and README.md to `--out`.
@@ -27,11 +28,17 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from benchmarks.harness.environment import git_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from hostile.api_doors import MessagesDoor, ResponsesDoor  # noqa: E402
+from hostile.api_strategies import API_CI_EXAMPLES, API_FAMILIES  # noqa: E402
 from hostile.doors import Finding, FuzzTarget, HttpDoor, ZmqDoor, greedy_reference, run_case  # noqa: E402
 from hostile.strategies import CI_EXAMPLES, FAMILIES, Case  # noqa: E402
 from support.tiny_models import save_tiny_pair  # noqa: E402
 
 KINDS = ("crash", "hang", "bad_answer", "exact")
+DOORS = {"zmq": ZmqDoor, "http": HttpDoor, "responses": ResponsesDoor, "messages": MessagesDoor}
+"""Each door by name: the socket, the OpenAI routes, /v1/responses, /v1/messages."""
+OWN_FAMILIES = {"responses": ["responses_body"], "messages": ["messages_body"]}
+"""The families a door runs beside the door-neutral ones."""
 
 
 class Tally:
@@ -61,20 +68,22 @@ class Tally:
                 "by_family": {f: dict(c) for f, c in sorted(self.by_family.items())}, "first_findings": self.first}
 
 
-def split(examples: int) -> dict[str, int]:
-    """`examples` cases over the families in the CI run's proportions (at least one each)."""
-    total = sum(CI_EXAMPLES.values())
-    return {family: max(1, round(examples * n / total)) for family, n in CI_EXAMPLES.items()}
+def split(examples: int, door: str) -> dict[str, int]:
+    """`examples` cases over `door`'s families (the door-neutral ones and its own) in the CI run's proportions
+    (at least one each)."""
+    counts = {f: CI_EXAMPLES[f] for f in FAMILIES} | {f: API_CI_EXAMPLES[f] for f in OWN_FAMILIES.get(door, ())}
+    total = sum(counts.values())
+    return {family: max(1, round(examples * n / total)) for family, n in counts.items()}
 
 
-def run_family(target: FuzzTarget, door: ZmqDoor | HttpDoor, family: str, examples: int, seed_value: int,
-               tally: Tally, check_every: int) -> None:
+def run_family(target: FuzzTarget, door: ZmqDoor | HttpDoor | ResponsesDoor | MessagesDoor, family: str,
+               examples: int, seed_value: int, tally: Tally, check_every: int) -> None:
     """Run `examples` cases of one family through `door`, counting every outcome; never raises a Finding."""
 
     @seed(seed_value)
     @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(case=FAMILIES[family])
+    @given(case=(FAMILIES | API_FAMILIES)[family])
     def one(case: Case) -> None:
         tally.requests += 1
         try:
@@ -133,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=4000, help="cases per door")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check-every", type=int, default=50, help="cases between exact-mode checks")
-    parser.add_argument("--doors", nargs="+", default=["zmq", "http"], choices=["zmq", "http"])
+    parser.add_argument("--doors", nargs="+", default=list(DOORS), choices=list(DOORS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/hostile-fuzz"))
     parser.add_argument("--commit", default=None, help="the fuzzed code's commit, when not this checkout's HEAD")
     parser.add_argument("--note", default="", help="a sentence for the README (what this run was for)")
@@ -145,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         tallies = {name: Tally() for name in args.doors}
         try:
             for name in args.doors:
-                door = {"zmq": ZmqDoor, "http": HttpDoor}[name](target)
-                for i, (family, n) in enumerate(split(args.examples).items()):
+                door = DOORS[name](target)
+                for i, (family, n) in enumerate(split(args.examples, name).items()):
                     run_family(target, door, family, n, args.seed * 1000 + i, tallies[name], args.check_every)
                     print(f"{name} {family}: {dict(tallies[name].by_family.get(family, {}))}", flush=True)
         finally:

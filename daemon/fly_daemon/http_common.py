@@ -2,7 +2,9 @@
 
 Each error code's HTTP status and headers, an HTTP-level refusal as our error, the INTERNAL answer that
 hides an unexpected failure behind a request id, and a client's disconnect cancelling its request. Each
-API writes these in its own error shape.
+API writes these in its own error shape. `Translated` and `EventShaper` are what an API served as one chat
+request (the Responses API, fly_daemon.responses_api; Anthropic's Messages API, fly_daemon.messages_api)
+gives the front: its wire request, and its answer whole or as server-sent events.
 """
 
 from __future__ import annotations
@@ -10,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from starlette.exceptions import HTTPException
 
 from fly_llm.common.errors import BadRequest, FLyError, Internal, TooLong
-from fly_llm.common.protocol import GenerateResult, TokenChunk
+from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk
 
 log = logging.getLogger("fly_daemon")
 T = TypeVar("T")
@@ -82,3 +85,47 @@ async def _disconnect(request: Request) -> None:
     """Return when the client disconnects (the body has been read, so the next message says so)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+Event = dict[str, Any]
+"""One server-sent event's data; its `type` is the event's name."""
+
+
+class EventShaper(ABC):
+    """One request's answer in another API's shape: whole, or as the events of its stream (each with a `type`)."""
+
+    id: str
+    """The answer's id (also its wire request's)."""
+
+    @abstractmethod
+    def opening(self) -> list[Event]:
+        """The events a stream opens with."""
+
+    @abstractmethod
+    def chunk(self, chunk: TokenChunk) -> list[Event]:
+        """The events of a chunk's new text and completed tool calls."""
+
+    @abstractmethod
+    def final(self, result: GenerateResult) -> list[Event]:
+        """The events that end a stream with its result."""
+
+    @abstractmethod
+    def failure(self, error: FLyError, status: int) -> list[Event]:
+        """The events that end a stream that failed after it began (`status`: the error's HTTP status)."""
+
+    @abstractmethod
+    def whole(self, result: GenerateResult) -> dict[str, Any]:
+        """The whole (non-streamed) answer."""
+
+
+class Translated(Protocol):
+    """A request of another API served as one chat request (see `EventShaper`)."""
+
+    model: str
+    stream: bool
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        """The wire request; BadRequest / TooLong (naming the field) if it is not valid."""
+
+    def shaper(self, model: str) -> EventShaper:
+        """A new answer of `model` to this request."""

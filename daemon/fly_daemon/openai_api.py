@@ -70,7 +70,20 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class GenerationBody(_Strict, ABC):
+class FLyFields(_Strict):
+    """FLy's own options, extra body fields on every generating route (OpenAI's, the Responses and Messages APIs)."""
+
+    k: int | None = Field(None, description="FLy: upper bound on draft tokens per round.")
+    window: int | None = Field(None, description="FLy: deferred window W.")
+    entropy_threshold: float | None = Field(None, description="FLy: entropy gate θ in nats.")
+    loose: bool | None = Field(None, description="FLy: loose acceptance (false = exact, lossless SPD).")
+
+    def fly_options(self) -> dict[str, Any]:
+        """These fields as `fly_llm.client.core.build_options` keywords."""
+        return {"k": self.k, "window": self.window, "entropy_threshold": self.entropy_threshold, "loose": self.loose}
+
+
+class GenerationBody(FLyFields, ABC):
     """The fields /v1/chat/completions and /v1/completions share; FLy's options are extra body fields."""
 
     object_name: ClassVar[str]
@@ -96,10 +109,6 @@ class GenerationBody(_Strict, ABC):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices: sampled requests decoded together in the batch.")
     user: str | None = Field(None, description="OpenAI's end-user id: accepted, not used.")
-    k: int | None = Field(None, description="FLy: upper bound on draft tokens per round.")
-    window: int | None = Field(None, description="FLy: deferred window W.")
-    entropy_threshold: float | None = Field(None, description="FLy: entropy gate θ in nats.")
-    loose: bool | None = Field(None, description="FLy: loose acceptance (false = exact, lossless SPD).")
 
     @model_validator(mode="after")
     def _one_max_tokens(self) -> "GenerationBody":
@@ -130,8 +139,7 @@ class GenerationBody(_Strict, ABC):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, repeat_last_n=self.repeat_last_n, seed=self.seed,
-            stop=[self.stop] if isinstance(self.stop, str) else self.stop,
-            k=self.k, window=self.window, entropy_threshold=self.entropy_threshold, loose=self.loose)
+            stop=[self.stop] if isinstance(self.stop, str) else self.stop, **self.fly_options())
         with checked():
             return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream,
                                    **structure_options(self), **self._source(), **self._logprob_fields())

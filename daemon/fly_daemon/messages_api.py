@@ -8,8 +8,8 @@ content is a string or blocks: `text`, `tool_use` (an assistant's calls) and `to
 results, each a tool turn). `tools` (Anthropic's custom tools: `input_schema`) and `tool_choice` (auto, any,
 tool, none; `disable_parallel_tool_use`) and `output_config.format` (a JSON schema) are the chat route's
 structure options, decoded under the grammar; `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`
-and FLy's options (extra body fields) its sampling options. `top_k` is served once the sampler has it (until
-then a 400 naming it). Refused (400): images, documents, thinking, server tools, and a last assistant turn
+and FLy's options (extra body fields) its sampling options. `top_k` is the sampler's top-k (a bad value is a 400
+naming it). Refused (400): images, documents, thinking, server tools, and a last assistant turn
 (prefill: the chat template closes every turn). `cache_control` is accepted (the prefix cache is automatic).
 """
 
@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fly_llm.client.core import build_options, checked
-from fly_llm.common.config import SamplingParams
 from fly_llm.common.protocol import GenerateRequest
 
 from fly_daemon.messages_stream import MessageShaper
@@ -183,16 +182,9 @@ class MessagesRequest(Conversation, FLyFields):
     stream: bool = False
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = Field(None, description="Served once the sampler has top-k; until then a 400.")
+    top_k: int | None = Field(None, description="The sampler's top-k; validated where the sampling options are built.")
     metadata: dict[str, Any] | None = Field(None, description="Accepted, not used.")
     service_tier: Literal["auto", "standard_only"] | None = None
-
-    @field_validator("top_k")
-    @classmethod
-    def _sampler_has_top_k(cls, top_k: int | None) -> int | None:
-        if top_k is not None and "top_k" not in SamplingParams.model_fields:
-            raise ValueError("FLy's sampler has no top-k yet: leave top_k out")
-        return top_k
 
     @model_validator(mode="after")
     def _no_prefill(self) -> "MessagesRequest":

@@ -83,7 +83,7 @@ def test_refusals_name_the_field_in_each_api_shape(tmp_path):
             assert words in error["message"], (words, error["message"])
         assert client.post("/v1/responses", json={**RESPONSE, "model": "gpt-5"}).status_code == 404
         for body, words in [({k: v for k, v in MESSAGE.items() if k != "max_tokens"}, "max_tokens"),
-                            ({**MESSAGE, "top_k": 5}, "top_k"),
+                            ({**MESSAGE, "top_k": -1}, "top_k"),
                             ({**MESSAGE, "messages": [{"role": "assistant", "content": "Sure"}]}, "prefill"),
                             ({**MESSAGE, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
                             ({**MESSAGE, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image")]:

@@ -144,7 +144,8 @@ def test_refusals_are_anthropic_errors(client, model):
         client.messages.create(model=model, max_tokens=4, messages=[*ask["messages"], {"role": "assistant",
                                                                                        "content": "The answer is"}])
     with pytest.raises(anthropic.BadRequestError, match="top_k"):  # the SDK sends samplers as extra body fields now
-        client.messages.create(model=model, extra_body={"top_k": 40}, **ask)
+        client.messages.create(model=model, extra_body={"top_k": -1}, **ask)
+    assert client.messages.create(model=model, extra_body={"top_k": 40}, **ask).content  # served by the sampler
     with pytest.raises(anthropic.BadRequestError, match="unknown call"):
         client.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}])

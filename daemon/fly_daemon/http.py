@@ -3,7 +3,7 @@
 Requests go to the scheduler of a serving core (fly_daemon.core, which builds this front from the
 settings) through its `InProcessClient` (the engine knows nothing of HTTP). Routes: POST
 /v1/chat/completions, POST /v1/completions (server-sent events with `"stream": true`), GET
-/v1/models, GET /health; POST /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
+/v1/models, GET /health; POST /infill, /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
 (Prometheus); Ollama's API is mounted at /api (fly_daemon.ollama_http; what the two share, shape aside, is
 fly_daemon.http_common). Errors are OpenAI's error shape with our stable codes (fly_llm.common.errors) as `code`; a
 client that disconnects, while waiting or mid-stream, cancels its request. A non-loopback bind
@@ -26,6 +26,7 @@ import re
 import secrets
 import socket
 import threading
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from typing import Any
 
@@ -47,6 +48,7 @@ from fly_daemon.http_connections import HttpLimits, guarded_protocol
 from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, UnknownModel, error_headers, http_status,
                                     internal, refusal, unless_disconnected)
 from fly_daemon.inproc import InProcessClient
+from fly_daemon.llamacpp_api import InfillBody, infill_answer, infill_chunk
 from fly_daemon.ollama_http import ollama_app, ollama_error
 from fly_daemon.openai_api import (
     ChatCompletionRequest, CompletionRequest, DetokenizeBody, GenerationBody, TokenizeBody, error_body,
@@ -94,6 +96,11 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": client.served_model(), "object": "model",
                                             "created": int(client.started), "owned_by": "fly-llm"}]}
+
+    @app.post("/infill", dependencies=guard)
+    async def infill(body: InfillBody, request: Request) -> Response:
+        """llama.cpp's fill-in-the-middle (fly_daemon.llamacpp_api)."""
+        return await _infill(client, body, request, tenant)
 
     @app.post("/tokenize", dependencies=guard)
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
@@ -199,6 +206,43 @@ async def _generate(client: InProcessClient, body: GenerationBody, request: Requ
     if not body.stream:
         return JSONResponse(body.response(head, firsts))
     return StreamingResponse(_events(body, head, firsts, streams), media_type="text/event-stream")
+
+
+async def _infill(client: InProcessClient, body: InfillBody, request: Request, tenant: str) -> Response:
+    """Serve one /infill request, whole or as server-sent events in llama.cpp's shape (no `[DONE]`)."""
+    peer = request.client.host if request.client else "unknown"
+
+    async def start() -> tuple[str, Replies, TokenChunk | GenerateResult]:
+        model = await client.loaded_model()
+        no_limit = client.scheduler.limits.max_tokens_limit  # clipped to what fits the context window
+        replies = client.replies(body.to_generate(f"infill-{uuid.uuid4().hex}", no_limit), tenant=tenant,
+                                 client=f"{tenant}@{peer}")
+        return model, replies, await anext(replies)  # an error before the first token is a plain HTTP error
+
+    try:
+        model, replies, first = await unless_disconnected(request, start())
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    if not body.stream:
+        await replies.aclose()
+        return JSONResponse(infill_answer(first, model, first.text))
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            reply = first
+            while isinstance(reply, TokenChunk):
+                if reply.text:
+                    yield _event(infill_chunk(reply.text))
+                reply = await anext(replies)
+            yield _event(infill_answer(reply, model))
+        except FLyError as exc:
+            yield _event(error_body(exc, _error_type(http_status(exc))))
+        except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
+            yield _event(error_body(internal(exc), _error_type(500)))
+        finally:
+            await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 async def _events(body: GenerationBody, head: dict[str, Any], firsts: list[TokenChunk | GenerateResult],

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fly_llm.client.core import build_options, checked
-from fly_llm.common.fim import MAX_INFILL_CHARS, Infill, InfillFile
+from fly_llm.common.fim import Infill
 from fly_llm.common.protocol import GenerateRequest, GenerateResult
 
 from fly_daemon.ollama_api import SAMPLER_SETTINGS, SAMPLERS_OFF
@@ -28,15 +28,24 @@ IGNORED = frozenset({"cache_prompt", "id_slot", "n_keep", "n_indent", "min_keep"
 that do nothing while their sampler is off."""
 
 
+class ExtraFile(BaseModel):
+    """One `input_extra` entry: a file's name and text (their size caps are the wire's, TOO_LONG)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    filename: str = ""
+    text: str
+
+
 class InfillBody(BaseModel):
     """POST /infill: fill in between `input_prefix` (+ `prompt`) and `input_suffix`, `input_extra` as context."""
 
     model_config = ConfigDict(extra="allow")
 
-    input_prefix: str = Field("", max_length=MAX_INFILL_CHARS)
-    input_suffix: str = Field("", max_length=MAX_INFILL_CHARS)
-    input_extra: list[InfillFile] = Field(default_factory=list)
-    prompt: str = Field("", max_length=MAX_INFILL_CHARS, description="Text after the prefix (llama.cpp's).")
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraFile] = Field(default_factory=list, description="Other files of the repository.")
+    prompt: str = Field("", description="Text after the prefix (llama.cpp's).")
     model: str | None = Field(None, description="Accepted and not checked (llama.cpp serves one model).")
     n_predict: int | None = Field(None, ge=-1, description="Most tokens to generate; -1 or none: no limit.")
     stream: bool = False
@@ -68,7 +77,7 @@ class InfillBody(BaseModel):
                                       window=self.window, entropy_threshold=self.entropy_threshold, loose=self.loose)
         with checked():
             infill = Infill(prefix=self.input_prefix, suffix=self.input_suffix, prompt=self.prompt,
-                            files=self.input_extra)
+                            files=[f.model_dump() for f in self.input_extra])
             return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream, infill=infill)
 
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fly_llm.client.core import build_options, checked
 from fly_llm.common.config import FLyOverrides
 from fly_llm.common.errors import BadRequest
-from fly_llm.common.fim import MAX_INFILL_CHARS, FimTokens, Infill
+from fly_llm.common.fim import FimTokens, Infill
 from fly_llm.common.protocol import GenerateRequest, GenerateResult
 from fly_llm.common.stats import FinishReason
 from fly_llm.common.tools import STRUCTURE_OPTIONS, ToolCall, closed_tool, schema_format
@@ -255,7 +255,7 @@ class GenerateBody(OllamaBody):
     prompt: str = ""
     system: str | None = None
     raw: bool = False
-    suffix: str | None = Field(None, max_length=MAX_INFILL_CHARS, description=(
+    suffix: str | None = Field(None, description=(
         "Fill in the middle between prompt and suffix (empty: none, as in Ollama)."))
     template: str | None = Field(None, description="Refused unless empty: the target's chat template is used.")
     context: list[int] | None = Field(None, description="Refused unless empty: send the conversation to /api/chat.")

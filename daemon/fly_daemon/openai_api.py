@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fly_llm.client.core import build_options, checked
 from fly_llm.common.errors import FLyError
-from fly_llm.common.fim import MAX_INFILL_CHARS, Infill
+from fly_llm.common.fim import Infill
 from fly_llm.common.protocol import (
     MAX_CHOICES, MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, MessageToolCall, TokenLogprob, TopLogprob,
 )
@@ -289,7 +289,7 @@ class CompletionRequest(GenerationBody, FormatOptions):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="Report each token's log-probability and this many alternatives.")
     echo: bool = Field(False, description="The prompt before the completion (with logprobs: its tokens' too).")
-    suffix: str | None = Field(None, max_length=MAX_INFILL_CHARS, description=(
+    suffix: str | None = Field(None, description=(
         "The text after the completion: fill in the middle between prompt and suffix (FIM_UNSUPPORTED for a "
         "model without FIM tokens)."))
 

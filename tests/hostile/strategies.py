@@ -42,7 +42,7 @@ FORMATS = ["date-time", "date", "time", "email", "uri", "uuid", "ipv4", "ipv6", 
            "x-unknown", "", "\x00", "%s%n", "json-pointer", "idn-email"]
 TOOL_NAMES = ["get_weather", "search", "a", "x" * 64, "x" * 65, "", "bad name", "naïve", "a/b", "-", ".", "ok.v2",
               "<tool_call>", "\ud800", "__proto__", "1" * 10]
-STOP_CODES = ("BAD_REQUEST", "TOO_LONG", "BUSY", "TIMEOUT")
+STOP_CODES = ("BAD_REQUEST", "TOO_LONG", "FIM_UNSUPPORTED", "BUSY", "TIMEOUT")
 """The codes a hostile request may be refused with; anything else (INTERNAL, a death, a hang) is a finding."""
 
 

@@ -65,23 +65,30 @@ class FimTokens:
     middle: int
     repo_name: int | None = None
     file_sep: int | None = None
+    ends: frozenset[int] = frozenset()
+    """Tokens that end generation (llama.cpp's end-of-generation set for the family): the end of the text,
+    FIM padding, the start of another file. A middle ends with one; no chat answer has any."""
 
 
-FIM_STYLES: tuple[tuple[str, tuple[str, str, str], tuple[str, str] | None], ...] = (
-    ("qwen", ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<|repo_name|>", "<|file_sep|>")),
-    ("starcoder", ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<reponame>", "<file_sep>")),
-    ("codellama", ("▁<PRE>", "▁<SUF>", "▁<MID>"), None),
-    ("codellama", ("<PRE>", "<SUF>", "<MID>"), None),
+FIM_STYLES: tuple[tuple[str, tuple[str, str, str], tuple[str, str] | None, tuple[str, ...]], ...] = (
+    ("qwen", ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<|repo_name|>", "<|file_sep|>"),
+     ("<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")),
+    ("starcoder", ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<reponame>", "<file_sep>"),
+     ("<|endoftext|>", "<fim_pad>", "<reponame>", "<file_sep>")),
+    ("codellama", ("▁<PRE>", "▁<SUF>", "▁<MID>"), None, ("▁<EOT>",)),
+    ("codellama", ("<PRE>", "<SUF>", "<MID>"), None, ("<EOT>",)),
 )
-"""Each FIM family: its name, its prefix/suffix/middle tokens and its repository tokens (name, file separator)."""
+"""Each FIM family: its name, its prefix/suffix/middle tokens, its repository tokens (name, file separator)
+and the tokens that end generation."""
 
 
 def fim_tokens(vocab: Mapping[str, int]) -> FimTokens | None:
     """The FIM tokens of a vocabulary (token → id, added tokens included), or None if it has no family's three."""
-    for style, (prefix, suffix, middle), repo in FIM_STYLES:
+    for style, (prefix, suffix, middle), repo, ends in FIM_STYLES:
         if all(t in vocab for t in (prefix, suffix, middle)):
             name, sep = (vocab.get(repo[0]), vocab.get(repo[1])) if repo else (None, None)
-            return FimTokens(style, (prefix, suffix, middle), vocab[prefix], vocab[suffix], vocab[middle], name, sep)
+            return FimTokens(style, (prefix, suffix, middle), vocab[prefix], vocab[suffix], vocab[middle], name, sep,
+                             frozenset(vocab[t] for t in ends if t in vocab))
     return None
 
 

@@ -137,11 +137,11 @@ class FLyEngine:
         self.draft_quantization = quantization_of(draft) if draft is not None else "none"
         self.stats = RequestStats()
         self.policy = policy or AdaptivePolicy()
-        self._eos = _eos_ids(tokenizer, target)
+        self.fim = fim_tokens(tokenizer.get_vocab())  # None: the target cannot fill in the middle
+        self._eos = _eos_ids(tokenizer, target) | (self.fim.ends if self.fim else frozenset())
         self.vocab_size = int(head.out_features) if head is not None else len(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, sorted(self._eos), cache_bytes=grammar_cache_bytes,
                                         max_grammar_bytes=max_grammar_bytes, workers=grammar_workers)
-        self.fim = fim_tokens(tokenizer.get_vocab())  # None: the target cannot fill in the middle
         self._local_ids = 0
         self._rows: list[_Request] = []
         self._waiting: list[_Request] = []

@@ -11,9 +11,9 @@ from fly_llm.common.fim import MAX_INFILL_FILES, Infill, InfillFile, fim_tokens,
 from fly_llm.common.protocol import MAX_PROMPT_CHARS, GenerateRequest, invalid
 
 QWEN = {"<|fim_prefix|>": 100, "<|fim_suffix|>": 101, "<|fim_middle|>": 102, "<|repo_name|>": 103,
-        "<|file_sep|>": 104, "a": 1}
+        "<|file_sep|>": 104, "<|endoftext|>": 105, "<|fim_pad|>": 106, "a": 1}
 STARCODER = {"<fim_prefix>": 5, "<fim_suffix>": 6, "<fim_middle>": 7, "<file_sep>": 8, "<reponame>": 9}
-CODELLAMA = {"▁<PRE>": 32007, "▁<SUF>": 32008, "▁<MID>": 32009, "<s>": 1}
+CODELLAMA = {"▁<PRE>": 32007, "▁<SUF>": 32008, "▁<MID>": 32009, "▁<EOT>": 32010, "<s>": 1}
 
 
 def chars(text: str) -> list[int]:
@@ -26,10 +26,12 @@ def test_each_family_is_found_with_its_repository_tokens():
     assert (qwen.style, qwen.prefix, qwen.suffix, qwen.middle, qwen.repo_name, qwen.file_sep) == \
         ("qwen", 100, 101, 102, 103, 104)
     assert qwen.names == ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+    assert qwen.ends == {103, 104, 105, 106}  # a new file, the end of the text, FIM padding end a middle
     star = fim_tokens(STARCODER)
     assert (star.style, star.prefix, star.repo_name, star.file_sep) == ("starcoder", 5, 9, 8)
     llama = fim_tokens(CODELLAMA)
-    assert (llama.style, llama.middle, llama.repo_name, llama.file_sep) == ("codellama", 32009, None, None)
+    assert (llama.style, llama.middle, llama.repo_name, llama.file_sep, llama.ends) == \
+        ("codellama", 32009, None, None, {32010})
 
 
 @pytest.mark.parametrize("vocab", [{}, {"a": 1}, {"<|fim_prefix|>": 1, "<|fim_suffix|>": 2}])

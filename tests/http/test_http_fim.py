@@ -38,7 +38,8 @@ def plain(text: str) -> list[int]:
 
 def middle(ids: list[int]) -> str:
     """The target's own greedy middle for the FIM prompt `ids`, as text."""
-    return TOKENIZER.decode(greedy_tokens(TARGET, ids, MAX_NEW, [TOKENIZER.eos_token_id]), skip_special_tokens=True)
+    ends = [TOKENIZER.eos_token_id, TOKENIZER.pad_token_id, REPO, SEP]  # <|im_end|>, <|endoftext|>, a new file
+    return TOKENIZER.decode(greedy_tokens(TARGET, ids, MAX_NEW, ends), skip_special_tokens=True)
 
 
 FIM_IDS = [FIM_PREFIX, *plain(PREFIX), FIM_SUFFIX, *plain(SUFFIX), FIM_MIDDLE]

@@ -12,6 +12,8 @@ import json
 from contextlib import contextmanager
 
 import httpx
+import ollama
+import openai
 import pytest
 import torch
 
@@ -105,6 +107,16 @@ def test_ollama_generate_with_suffix_fills_in_the_middle(client, model, stream, 
     lines = [json.loads(line) for line in answer.text.splitlines()]
     assert "".join(line["response"] for line in lines) == EXPECTED
     assert lines[-1]["done"] and lines[-1]["prompt_eval_count"] == len(FIM_IDS)
+
+
+def test_the_official_clients_send_suffix_unchanged(client, model):
+    """The openai SDK's `completions.create(suffix=...)` and the ollama client's `generate(suffix=...)`."""
+    sdk = openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="unused")
+    answer = sdk.completions.create(model=model, prompt=PREFIX, suffix=SUFFIX, max_tokens=MAX_NEW, temperature=0)
+    assert answer.choices[0].text == EXPECTED
+    generated = ollama.Client(host=str(client.base_url)).generate(model=model, prompt=PREFIX, suffix=SUFFIX,
+                                                                   options={"num_predict": MAX_NEW})
+    assert generated.response == EXPECTED
 
 
 def test_infill_whole_and_streamed_in_llamacpps_shape(client):

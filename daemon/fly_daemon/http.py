@@ -214,7 +214,7 @@ async def _infill(client: InProcessClient, body: InfillBody, request: Request, t
 
     async def start() -> tuple[str, Replies, TokenChunk | GenerateResult]:
         model = await client.loaded_model()
-        no_limit = client.scheduler.limits.max_tokens_limit  # clipped to what fits the context window
+        no_limit = client.limits.max_tokens_limit  # clipped to what fits the context window
         replies = client.replies(body.to_generate(f"infill-{uuid.uuid4().hex}", no_limit), tenant=tenant,
                                  client=f"{tenant}@{peer}")
         return model, replies, await anext(replies)  # an error before the first token is a plain HTTP error

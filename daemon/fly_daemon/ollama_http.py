@@ -68,9 +68,7 @@ def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str) -> Fa
     async def show(request: Request) -> dict[str, Any]:
         model = await _served(client, (await _parsed(request, ShowBody)).asked)
         card, arch, template = model_card(model, client.started), model.architecture, model.chat_template
-        return {"modelfile": f"# fly-daemon serves this model from local files loaded at start
-FROM {card['name']}
-",
+        return {"modelfile": f"# fly-daemon serves this model from local files loaded at start\nFROM {card['name']}\n",
                 "parameters": "", "template": show_template(template, model.fim),
                 "details": card["details"], "modified_at": card["modified_at"],
                 "model_info": {"general.architecture": arch, "general.parameter_count": model.parameter_count,

@@ -4,7 +4,9 @@ in the shape of llama.cpp's /completion (`content`, `stop`, `tokens_predicted`, 
 
 Fields as llama.cpp names them: `input_prefix`, `input_suffix`, `input_extra` (other files, `[{filename,
 text}]`), `prompt` (text after the prefix), `n_predict` (-1: no limit), `stream`, `temperature`, `top_p`,
-`seed`, `stop`, and FLy's options (`k`, `window`, `entropy_threshold`, `loose`). A sampler FLy does not have
+`seed`, `stop`, the samplers (`top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`, `presence_penalty`,
+`frequency_penalty`: docs/daemon.md, "Samplers") and FLy's options (`k`, `window`, `entropy_threshold`,
+`loose`). A sampler FLy does not have
 is accepted only at the value that turns it off (fly_daemon.ollama_api.SAMPLERS_OFF: llama.cpp's names are
 Ollama's); llama.cpp's slot and cache settings are accepted and ignored (the prefix cache is always on);
 any other field is refused (400), so a typo never passes silently.
@@ -51,6 +53,12 @@ class InfillBody(BaseModel):
     stream: bool = False
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = Field(None, description="FLy's repetition_penalty.")
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = Field(None, ge=-1, description="-1: a random seed (llama.cpp's).")
     stop: list[str] | None = None
     k: int | None = None
@@ -73,6 +81,9 @@ class InfillBody(BaseModel):
         """The wire request (n_predict -1 or none asks for `no_limit_tokens`); BadRequest / TooLong naming the field."""
         limit = no_limit_tokens if self.n_predict in (None, -1) else self.n_predict
         sampling, fly = build_options(max_tokens=limit, temperature=self.temperature, top_p=self.top_p,
+                                      top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repeat_penalty,
+                                      repeat_last_n=self.repeat_last_n, presence_penalty=self.presence_penalty,
+                                      frequency_penalty=self.frequency_penalty,
                                       seed=None if self.seed == -1 else self.seed, stop=self.stop, k=self.k,
                                       window=self.window, entropy_threshold=self.entropy_threshold, loose=self.loose)
         with checked():

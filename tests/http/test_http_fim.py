@@ -120,7 +120,8 @@ def test_the_official_clients_send_suffix_unchanged(client, model):
 
 
 def test_infill_whole_and_streamed_in_llamacpps_shape(client):
-    body = {"input_prefix": PREFIX[:10], "prompt": PREFIX[10:], "input_suffix": SUFFIX, "n_predict": MAX_NEW}
+    body = {"input_prefix": PREFIX[:10], "prompt": PREFIX[10:], "input_suffix": SUFFIX, "n_predict": MAX_NEW,
+            "top_k": 40, "min_p": 0.05, "cache_prompt": True}  # filters change nothing at temperature 0
     whole = client.post("/infill", json=body).json()
     assert whole["content"] == EXPECTED and whole["stop"] is True
     assert whole["tokens_evaluated"] == len(FIM_IDS) and whole["tokens_predicted"] <= MAX_NEW
@@ -180,7 +181,8 @@ def test_a_model_without_fim_tokens_is_refused_with_a_stable_code(plain_client):
     ("/api/generate", {"prompt": "a", "suffix": "b", "template": "{{ .Prompt }}"}, "BAD_REQUEST"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "suffix": "b"}, "BAD_REQUEST"),
     ("/v1/completions", {"prompt": "a", "suffix": "b", "echo": True}, "BAD_REQUEST"),
-    ("/infill", {"input_prefix": "a", "top_k": 40}, "BAD_REQUEST"),  # a sampler FLy does not have
+    ("/infill", {"input_prefix": "a", "mirostat": 2}, "BAD_REQUEST"),  # a sampler FLy does not have
+    ("/infill", {"input_prefix": "a", "top_k": -1}, "BAD_REQUEST"),  # out of the sampler's range
     ("/infill", {"input_prefix": "a", "input_sufix": "b"}, "BAD_REQUEST"),  # a typo is refused, not ignored
     ("/infill", {"input_prefix": "a", "input_extra": [{"filename": "f"}]}, "BAD_REQUEST"),  # a file without text
     ("/infill", {"input_prefix": "x" * (MAX_INFILL_CHARS + 1)}, "TOO_LONG"),

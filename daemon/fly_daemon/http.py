@@ -3,7 +3,7 @@
 Requests go to the scheduler of a serving core (fly_daemon.core, which builds this front from the
 settings) through its `InProcessClient` (the engine knows nothing of HTTP). Routes: POST
 /v1/chat/completions, POST /v1/completions (server-sent events with `"stream": true`), GET
-/v1/models, GET /health; POST /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
+/v1/models, GET /health; POST /infill, /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
 (Prometheus); POST /v1/responses (OpenAI's Responses API, stateless: fly_daemon.responses_api) and POST
 /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API: fly_daemon.messages_api), each served as
 one chat request; Ollama's API is mounted at /api (fly_daemon.ollama_http; what they all share, shape aside,
@@ -28,6 +28,7 @@ import re
 import secrets
 import socket
 import threading
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from typing import Any
 
@@ -49,6 +50,7 @@ from fly_daemon.http_connections import HttpLimits, guarded_protocol
 from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Event, EventShaper, Replies, Translated, UnknownModel,
                                     error_headers, http_status, internal, refusal, unless_disconnected)
 from fly_daemon.inproc import InProcessClient
+from fly_daemon.llamacpp_api import InfillBody, infill_answer, infill_chunk
 from fly_daemon.messages_api import CountTokensRequest, MessagesRequest
 from fly_daemon.messages_stream import anthropic_error
 from fly_daemon.ollama_http import ollama_app, ollama_error
@@ -115,6 +117,11 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": client.served_model(), "object": "model",
                                             "created": int(client.started), "owned_by": "fly-llm"}]}
+
+    @app.post("/infill", dependencies=guard)
+    async def infill(body: InfillBody, request: Request) -> Response:
+        """llama.cpp's fill-in-the-middle (fly_daemon.llamacpp_api)."""
+        return await _infill(client, body, request, tenant)
 
     @app.post("/tokenize", dependencies=guard)
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
@@ -274,6 +281,41 @@ async def _shaped(shaper: EventShaper, first: TokenChunk | GenerateResult, repli
             yield _named_event(event)
     finally:
         await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
+
+
+async def _infill(client: InProcessClient, body: InfillBody, request: Request, tenant: str) -> Response:
+    """Serve one /infill request, whole or as server-sent events in llama.cpp's shape (no `[DONE]`)."""
+    async def start() -> tuple[str, Replies, TokenChunk | GenerateResult]:
+        model = await client.loaded_model()
+        no_limit = client.limits.max_tokens_limit  # clipped to what fits the context window
+        [replies], [first] = await _submitted(
+            client, [body.to_generate(f"infill-{uuid.uuid4().hex}", no_limit)], request, tenant)
+        return model, replies, first
+
+    try:
+        model, replies, first = await unless_disconnected(request, start())
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    if not body.stream:
+        await replies.aclose()
+        return JSONResponse(infill_answer(first, model, first.text))
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            reply = first
+            while isinstance(reply, TokenChunk):
+                if reply.text:
+                    yield _event(infill_chunk(reply.text))
+                reply = await anext(replies)
+            yield _event(infill_answer(reply, model))
+        except FLyError as exc:
+            yield _event(error_body(exc, _error_type(http_status(exc))))
+        except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
+            yield _event(error_body(internal(exc), _error_type(500)))
+        finally:
+            await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 async def _events(body: GenerationBody, head: dict[str, Any], firsts: list[TokenChunk | GenerateResult],

@@ -27,8 +27,8 @@ T = TypeVar("T")
 Replies = AsyncGenerator[TokenChunk | GenerateResult, None]
 """One request's replies from the in-process client: chunks, then its result."""
 
-STATUS = {"BAD_REQUEST": 400, "TOO_LONG": 400, "UNAUTHORIZED": 401, "BUSY": 503, "TIMEOUT": 504,
-          "CANCELLED": 503, "NOT_READY": 503, "INTERNAL": 500, "UNAVAILABLE": 503, "MODEL_ERROR": 500}
+STATUS = {"BAD_REQUEST": 400, "TOO_LONG": 400, "FIM_UNSUPPORTED": 400, "UNAUTHORIZED": 401, "BUSY": 503,
+          "TIMEOUT": 504, "CANCELLED": 503, "NOT_READY": 503, "INTERNAL": 500, "UNAVAILABLE": 503, "MODEL_ERROR": 500}
 """The HTTP status of each error code; 503s may be retried (BUSY: nothing was admitted)."""
 CLIENT_CLOSED = 499
 """The status logged for a request whose client left before its answer (nobody receives it)."""

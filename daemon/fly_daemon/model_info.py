@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fly_llm.common.config import FLyConfig
+from fly_llm.common.fim import FimTokens
 
 if TYPE_CHECKING:
     from fly_llm.decoding.engine import FLyEngine
@@ -36,6 +37,8 @@ class ModelInfo:
     device: str
     dtype: str
     fly_defaults: FLyConfig
+    fim: FimTokens | None = None
+    """Its tokenizer's fill-in-the-middle tokens (fly_llm.common.fim); None: it cannot fill in the middle."""
 
     @property
     def on_gpu(self) -> bool:
@@ -52,7 +55,7 @@ class ModelInfo:
                    size_bytes=_count(target, "parameters", "buffers", in_bytes=True),
                    quantization=engine.target_quantization, draft_quantization=engine.draft_quantization,
                    device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
-                   fly_defaults=engine.config)
+                   fly_defaults=engine.config, fim=getattr(engine, "fim", None))
 
 
 def _architecture(target: Any) -> str:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fly_llm.client.core import build_options, checked
 from fly_llm.common.config import FLyOverrides
 from fly_llm.common.errors import BadRequest
+from fly_llm.common.fim import FimTokens, Infill
 from fly_llm.common.protocol import GenerateRequest, GenerateResult
 from fly_llm.common.stats import FinishReason
 from fly_llm.common.tools import STRUCTURE_OPTIONS, ToolCall, closed_tool, schema_format
@@ -247,19 +248,24 @@ class ChatBody(OllamaBody):
 
 class GenerateBody(OllamaBody):
     """POST /api/generate: the prompt (with `system`) through the chat template, or as it is with `raw`
-    or when the target has no template. `suffix`, `template`, `context` and `images` are refused."""
+    or when the target has no template; with a `suffix`, the middle between prompt and suffix (the target's
+    FIM tokens, no chat template, as Ollama's `{{ if .Suffix }}` templates do). `template`, `context` and
+    `images` are refused."""
 
     prompt: str = ""
     system: str | None = None
     raw: bool = False
-    suffix: str | None = Field(None, description="Refused unless empty: no fill-in-the-middle.")
+    suffix: str | None = Field(None, description=(
+        "Fill in the middle between prompt and suffix (empty: none, as in Ollama)."))
     template: str | None = Field(None, description="Refused unless empty: the target's chat template is used.")
     context: list[int] | None = Field(None, description="Refused unless empty: send the conversation to /api/chat.")
     images: list[str] | None = Field(None, description="Refused unless empty: the served models read text only.")
 
     @model_validator(mode="after")
     def _unserved(self) -> "GenerateBody":
-        for name, why in (("suffix", "no fill-in-the-middle"), ("template", "the target's chat template is used"),
+        if self.suffix and self.system:
+            raise ValueError("system is not served with suffix (fill-in-the-middle uses no chat template)")
+        for name, why in (("template", "the target's chat template is used"),
                           ("context", "send the conversation to /api/chat as messages"),
                           ("images", "the served models read text only")):
             if getattr(self, name):
@@ -268,9 +274,11 @@ class GenerateBody(OllamaBody):
 
     @property
     def loads_only(self) -> bool:
-        return not self.prompt
+        return not (self.prompt or self.suffix)
 
     def _source(self, served: Served) -> dict[str, Any]:
+        if self.suffix:
+            return {"infill": Infill(prefix=self.prompt, suffix=self.suffix)}
         if self.raw or not served.chat_template:
             if self.system:
                 raise BadRequest("system needs the chat template (not with raw, nor a target without one)")
@@ -293,6 +301,21 @@ class ShowBody(BaseModel):
         if not (self.model or self.name):
             raise BadRequest("model: give the model's name")
         return self.model or self.name
+
+
+def show_template(chat_template: str, fim: FimTokens | None) -> str:
+    """/api/show's `template`: the chat template, inside an Ollama `{{ if .Suffix }}` branch that fills in the
+    middle with the target's FIM tokens where it has them (how clients such as Continue tell FIM is served)."""
+    if fim is None:
+        return chat_template
+    prefix, suffix, middle = fim.names
+    return (f"{{{{- if .Suffix }}}}{prefix}{{{{ .Prompt }}}}{suffix}{{{{ .Suffix }}}}{middle}"
+            f"{{{{- else }}}}{chat_template}{{{{- end }}}}")
+
+
+def capabilities(chat_template: str, fim: FimTokens | None) -> list[str]:
+    """/api/show's `capabilities`: completion; tools with a chat template; insert (Ollama's FIM) with FIM tokens."""
+    return ["completion", *(["tools"] if chat_template else []), *(["insert"] if fim is not None else [])]
 
 
 def ollama_tool_call(call: ToolCall, index: int) -> dict[str, Any]:

@@ -31,8 +31,8 @@ from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, UnknownM
                                     internal, refusal, unless_disconnected)
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.model_info import ModelInfo
-from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaBody, Served, ShowBody, model_card,
-                                   same_model)
+from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaBody, Served, ShowBody, capabilities,
+                                   model_card, same_model, show_template)
 
 B = TypeVar("B", bound=BaseModel)
 MANAGEMENT = ("/pull", "/push", "/create", "/copy", "/delete", "/embed", "/embeddings")
@@ -69,11 +69,11 @@ def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str) -> Fa
         model = await _served(client, (await _parsed(request, ShowBody)).asked)
         card, arch, template = model_card(model, client.started), model.architecture, model.chat_template
         return {"modelfile": f"# fly-daemon serves this model from local files loaded at start\nFROM {card['name']}\n",
-                "parameters": "", "template": template,
+                "parameters": "", "template": show_template(template, model.fim),
                 "details": card["details"], "modified_at": card["modified_at"],
                 "model_info": {"general.architecture": arch, "general.parameter_count": model.parameter_count,
                                f"{arch}.context_length": model.context_window},
-                "capabilities": ["completion", "tools"] if template else ["completion"]}
+                "capabilities": capabilities(template, model.fim)}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fly_llm.client.core import build_options, checked
 from fly_llm.common.errors import FLyError
+from fly_llm.common.fim import Infill
 from fly_llm.common.protocol import (
     MAX_CHOICES, MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, MessageToolCall, TokenLogprob, TopLogprob,
 )
@@ -286,7 +287,8 @@ class ChatCompletionRequest(GenerationBody, StructureOptions):
 
 
 class CompletionRequest(GenerationBody, FormatOptions):
-    """POST /v1/completions: the model continues the prompt text (one prompt; a list of exactly one is accepted)."""
+    """POST /v1/completions: the model continues the prompt text (one prompt; a list of exactly one is accepted),
+    or with `suffix` fills in what goes between the prompt and the suffix (the target's FIM tokens)."""
 
     object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl"
@@ -295,11 +297,16 @@ class CompletionRequest(GenerationBody, FormatOptions):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="Report each token's log-probability and this many alternatives.")
     echo: bool = Field(False, description="The prompt before the completion (with logprobs: its tokens' too).")
+    suffix: str | None = Field(None, description=(
+        "The text after the completion: fill in the middle between prompt and suffix (FIM_UNSUPPORTED for a "
+        "model without FIM tokens)."))
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             raise ValueError("prompt: give one string (several choices of it: n)")
+        if self.suffix is not None and self.echo:
+            raise ValueError("echo is not served with suffix (the completion goes between prompt and suffix)")
         if self.echo and self.stream:
             raise ValueError("echo is served without stream")
         if self.asked_max_tokens == 0 and not self.echo:
@@ -336,6 +343,8 @@ class CompletionRequest(GenerationBody, FormatOptions):
                 "text_offset": offsets}
 
     def _source(self) -> dict[str, Any]:
+        if self.suffix is not None:
+            return {"infill": Infill(prefix=self.text, suffix=self.suffix)}
         return {"prompt": self.text}
 
     def _choice(self, index: int, result: GenerateResult) -> dict[str, Any]:

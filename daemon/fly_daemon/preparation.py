@@ -85,8 +85,9 @@ class Preparation:
             raise TooLong(f"prompt of {chars} characters exceeds the limit of {cap}")
         text = request.prompt if isinstance(request, GenerateRequest) else request.text
         special = isinstance(request, GenerateRequest) or request.add_special
+        infill = request.infill if isinstance(request, GenerateRequest) else None
         try:
-            return self._engine.encode(text, *_template_inputs(request), add_special=special)
+            return self._engine.encode(text, *_template_inputs(request), add_special=special, infill=infill)
         except FLyError:
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects these messages
@@ -94,10 +95,12 @@ class Preparation:
 
 
 def _prompt_chars(request: GenerateRequest | TokenizeRequest) -> int:
-    """Characters of a request's prompt: its text, or its messages and tools as JSON."""
+    """Characters of a request's prompt: its text, its fill-in-the-middle parts, or its messages and tools as JSON."""
     text = request.prompt if isinstance(request, GenerateRequest) else request.text
     if text is not None:
         return len(text)
+    if isinstance(request, GenerateRequest) and request.infill is not None:
+        return request.infill.chars
     return len(json.dumps(_template_inputs(request), ensure_ascii=False))
 
 

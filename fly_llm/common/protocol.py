@@ -15,6 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from fly_llm.common.config import FLyConfig, FLyOverrides, SamplingParams
 from fly_llm.common.errors import BadRequest, TooLong
+from fly_llm.common.fim import Infill
 from fly_llm.common.json_text import loads
 from fly_llm.common.stats import FinishReason, GrammarCacheStats, PromptStats, RequestStats
 from fly_llm.common.tools import (
@@ -151,12 +152,15 @@ def _check_tool_results(messages: list[ChatMessage] | None) -> None:
 # ---- requests (client → daemon) ----
 
 class GenerateRequest(_Message, StructureOptions):
-    """Generate from a prompt string or from chat messages (exactly one of them), its output constrained by
-    the structure options (`fly_llm.common.tools.StructureOptions`: tools, tool_choice, response_format, ...)."""
+    """Generate from a prompt string, from chat messages or by filling in the middle (exactly one of them), its
+    output constrained by the structure options (`fly_llm.common.tools.StructureOptions`: tools, tool_choice,
+    response_format, ...)."""
 
     kind: Literal["generate"] = "generate"
     prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    infill: Infill | None = Field(None, description="Fill in the middle (fly_llm.common.fim): the target's FIM "
+                                  "tokens, no chat template; FIM_UNSUPPORTED for a target without them.")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     fly: FLyOverrides = Field(default_factory=FLyOverrides)
     stream: bool = False
@@ -173,14 +177,17 @@ class GenerateRequest(_Message, StructureOptions):
         _check_tools(self.tools)
         if self.prompt_logprobs and self.logprobs is None:
             raise ValueError("prompt_logprobs needs logprobs (how many alternatives per token)")
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if sum(x is not None for x in (self.prompt, self.messages, self.infill)) != 1:
+            raise ValueError("give exactly one of 'prompt', 'messages' or 'infill'")
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt must not be empty")
         if self.tools and self.messages is None:
             raise ValueError("tools need chat messages (the chat template renders them)")
         _check_messages(self.messages)
         _check_tool_results(self.messages)
+        if self.infill is not None and self.infill.chars > MAX_PROMPT_CHARS:
+            raise PydanticCustomError("too_long", "infill holds {total} characters, over the limit of {limit}",
+                                      {"total": self.infill.chars, "limit": MAX_PROMPT_CHARS})
         self.structure  # noqa: B018 - validates the structure options together
         return self
 

@@ -43,7 +43,8 @@ from fly_llm.decoding.row_faults import RowFaults
 from fly_llm.decoding.stages import NgramStage, RowStart, build_cascade
 from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import PAD_TOKEN, RowRules, RowSampling, Verdict, verify
-from fly_llm.common.errors import BadRequest, FLyError, TooLong, contained, error_from_code
+from fly_llm.common.errors import BadRequest, FimUnsupported, FLyError, TooLong, contained, error_from_code
+from fly_llm.common.fim import Infill, fim_tokens, infill_ids
 from fly_llm.model.quantization import quantization_of
 from fly_llm.common.stats import FinishReason, PromptStats, RequestStats
 
@@ -136,7 +137,8 @@ class FLyEngine:
         self.draft_quantization = quantization_of(draft) if draft is not None else "none"
         self.stats = RequestStats()
         self.policy = policy or AdaptivePolicy()
-        self._eos = _eos_ids(tokenizer, target)
+        self.fim = fim_tokens(tokenizer.get_vocab())  # None: the target cannot fill in the middle
+        self._eos = _eos_ids(tokenizer, target) | (self.fim.ends if self.fim else frozenset())
         self.vocab_size = int(head.out_features) if head is not None else len(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, sorted(self._eos), cache_bytes=grammar_cache_bytes,
                                         max_grammar_bytes=max_grammar_bytes, workers=grammar_workers)
@@ -152,13 +154,16 @@ class FLyEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
-               tools: list[dict] | None = None, add_special: bool = True) -> list[int]:
-        """Token ids of a prompt (with the tokenizer's special tokens unless not `add_special`), or of chat
-        messages (and the tools offered) through the chat template."""
-        if (prompt is None) == (messages is None):
-            raise BadRequest("give exactly one of prompt or messages")
+               tools: list[dict] | None = None, add_special: bool = True, infill: Infill | None = None) -> list[int]:
+        """Token ids of a prompt (with the tokenizer's special tokens unless not `add_special`), of chat
+        messages (and the tools offered) through the chat template, or of a fill-in-the-middle request
+        (`fly_llm.common.fim`; FimUnsupported when the target has no FIM tokens)."""
+        if sum(x is not None for x in (prompt, messages, infill)) != 1:
+            raise BadRequest("give exactly one of prompt, messages or infill")
         if tools and messages is None:
             raise BadRequest("tools need chat messages (the chat template renders them)")
+        if infill is not None:
+            return self._encode_infill(infill)
         if messages is not None:
             try:
                 ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
@@ -167,6 +172,18 @@ class FLyEngine:
                 raise BadRequest(f"cannot apply the chat template: {exc}") from exc
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+
+    def _encode_infill(self, infill: Infill) -> list[int]:
+        """The FIM prompt: the target's FIM tokens as single ids, the request's text as plain text (a special
+        token's name in it is text, never the token), after the tokenizer's leading special tokens (BOS)."""
+        if self.fim is None:
+            raise FimUnsupported(f"the model {self.target_name!r} has no fill-in-the-middle tokens "
+                                 "(e.g. <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>)")
+
+        def plain(text: str) -> list[int]:
+            return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)) if text else []
+
+        return infill_ids(infill, self.fim, plain, lead=list(self.tokenizer.encode("", add_special_tokens=True)))
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of token ids, special tokens included; BadRequest for an id outside the vocabulary."""

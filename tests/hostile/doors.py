@@ -226,7 +226,7 @@ class ZmqDoor:
 
 class HttpDoor:
     """Cases as POSTs to /v1/chat/completions (messages) or /v1/completions (a prompt), raw frames as bodies,
-    a case with a route of its own (/tokenize, /detokenize) there as it is."""
+    a case with a route of its own (/tokenize, /detokenize, /infill) there as it is."""
 
     name = "http"
 
@@ -293,7 +293,7 @@ def plain_outcome(response: httpx.Response, error_code: Callable[[Any], str | No
     return Outcome("refused", code)
 
 
-ROUTE_ANSWERS = {"/tokenize": ("tokens", list), "/detokenize": ("content", str)}
+ROUTE_ANSWERS = {"/tokenize": ("tokens", list), "/detokenize": ("content", str), "/infill": ("content", str)}
 """What a served answer of a route of its own holds: (field, type)."""
 
 

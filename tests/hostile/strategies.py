@@ -42,7 +42,7 @@ FORMATS = ["date-time", "date", "time", "email", "uri", "uuid", "ipv4", "ipv6", 
            "x-unknown", "", "\x00", "%s%n", "json-pointer", "idn-email"]
 TOOL_NAMES = ["get_weather", "search", "a", "x" * 64, "x" * 65, "", "bad name", "naïve", "a/b", "-", ".", "ok.v2",
               "<tool_call>", "\ud800", "__proto__", "1" * 10]
-STOP_CODES = ("BAD_REQUEST", "TOO_LONG", "BUSY", "TIMEOUT")
+STOP_CODES = ("BAD_REQUEST", "TOO_LONG", "FIM_UNSUPPORTED", "BUSY", "TIMEOUT")
 """The codes a hostile request may be refused with; anything else (INTERNAL, a death, a hang) is a finding."""
 
 
@@ -412,6 +412,24 @@ def _detokenize_case() -> st.SearchStrategy[Case]:
     return st.one_of(known, ids, huge, bad).map(lambda body: Case("detokenize", body, route="/detokenize"))
 
 
+def _infill_case() -> st.SearchStrategy[Case]:
+    """Fill-in-the-middle: POST /infill bodies (odd text, other files, n_predict at its edges, samplers on and
+    off, mistyped and unknown fields; whole answers) and `suffix` on /v1/completions. The fuzzed daemon's
+    tiny pair has no FIM tokens, so a valid one is refused FIM_UNSUPPORTED; everything else before that."""
+    files = st.lists(st.fixed_dictionaries({"filename": text(), "text": text()}), max_size=3)
+    infill = st.builds(lambda prefix, suffix, extra, n, top_k: _request(input_prefix=prefix, input_suffix=suffix,
+                                                                        input_extra=extra, n_predict=n, top_k=top_k),
+                       text(), text(), st.one_of(files, st.sampled_from([[{"filename": "f"}], [{"text": 1}], "x"])),
+                       st.sampled_from([None, -1, 0, 1, 8, -2, 10**9, *MISTYPED]), st.sampled_from([None, 0, 40]))
+    bad = st.sampled_from([{}, {"input_prefix": None}, {"input_prefix": 7}, {"input_sufix": "x"},
+                           {"input_extra": [{"text": "t"}] * 65}, {"input_prefix": "ab " * 400_000}])
+    completions = st.builds(lambda prompt, suffix: {"prompt": prompt, "suffix": suffix, "sampling": {"max_tokens": 4}},
+                            st.sampled_from(PROMPTS), st.one_of(text(), st.sampled_from([None, 7, ["x"]])))
+    return st.one_of(infill.map(lambda body: Case("infill", body, route="/infill")),
+                     bad.map(lambda body: Case("infill", body, route="/infill")),
+                     completions.map(lambda body: Case("infill", body)))
+
+
 def _generation(draw: st.DrawFn) -> dict[str, Any]:
     """A prompt (/v1/completions) or a plain chat (/v1/chat/completions), and sampling options, mostly valid
     (so that the fields under test are reached), some at their edges."""
@@ -454,7 +472,7 @@ def _outside(value: Any, low: int, high: int) -> bool:
 
 OPENAI_FAMILIES: dict[str, st.SearchStrategy[Case]] = {
     "tokenize": _tokenize_case(), "detokenize": _detokenize_case(), "choices": _choices_case(),
-    "logprobs": _logprobs_case(),
+    "logprobs": _logprobs_case(), "infill": _infill_case(),
 }
 """The OpenAI door's own families (its routes and fields the other doors do not have)."""
 
@@ -471,6 +489,6 @@ FAMILIES: dict[str, st.SearchStrategy[Case]] = {
 
 CI_EXAMPLES = {"schema": 50, "tools": 40, "messages": 35, "params": 25, "frame": 25, "ref_chain": 4,
                "deep_arguments": 4, "forced_deep": 3, "empty_language": 7,
-               "tokenize": 25, "detokenize": 25, "choices": 30, "logprobs": 35}
-"""Cases per family and door in CI (193 of `FAMILIES` per door, 115 of `OPENAI_FAMILIES`): the random
+               "tokenize": 25, "detokenize": 25, "choices": 30, "logprobs": 35, "infill": 25}
+"""Cases per family and door in CI (193 of `FAMILIES` per door, 140 of `OPENAI_FAMILIES`): the random
 families get most, each known killer a few."""

@@ -153,9 +153,18 @@ def _stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "mean_tokens": round(sum(r["tokens_predicted"] for r in rows) / len(rows), 1) if rows else None}
 
 
+def common_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the requests every server in `rows` measured (parts cut short compare like with like)."""
+    servers = {r["server"] for r in rows}
+    ids = set.intersection(*({r["request_id"] for r in rows if r["server"] == s} for s in servers)) if rows else set()
+    return [r for r in rows if r["request_id"] in ids]
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per server: p50/p95 time to last token over all requests, the first at each position and the
-    keystrokes; its p50 and p95 over llama.cpp's; how many answers are llama.cpp's exactly."""
+    """Per server, over the requests every server measured: p50/p95 time to last token over all of them,
+    the first at each position and the keystrokes; its p50 and p95 over llama.cpp's; how many answers
+    are llama.cpp's exactly."""
+    rows = common_rows(rows)
     servers = [s for s in SERVERS if any(r["server"] == s for r in rows)]
     summary: dict[str, Any] = {}
     for s in servers:
@@ -333,6 +342,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-tokens", type=int, default=1500)
     p.add_argument("--suffix-tokens", type=int, default=300)
     p.add_argument("--n-predict", type=int, default=64)
+    p.add_argument("--max-requests", type=int, help="measure at most this many of the part's pending requests, in order")
     p.set_defaults(dtype="auto", threads=2, concurrency=[1], exact=False)  # start_daemon's settings
     args = p.parse_args(argv)
     if not args.server and not args.report:
@@ -351,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             if needs_gguf and gguf is None:
                 raise SystemExit("llama.cpp needs the target as a .gguf file (--target FILE.gguf)")
             requests = pending(read_jsonl(args.out / "rows.jsonl"), args.server, request_set(args, gguf))
+            requests = requests[:args.max_requests] if args.max_requests is not None else requests
             if requests:
                 run_part(args, requests, gguf, Path(tmp))
     if args.report:

@@ -95,14 +95,14 @@ def row(server: str, request_id: str, seconds: float, tokens: int = 64, content:
 def test_summary_gives_percentiles_per_server_ratios_to_llamacpp_and_the_aim():
     rows = [row("llamacpp", "p0k0", 2.0), row("llamacpp", "p0k1", 1.0), row("llamacpp", "p1k0", 3.0),
             row("fly", "p0k0", 1.0, content="y"), row("fly", "p0k1", 0.5), row("fly", "p1k0", 1.5, tokens=10),
-            row("target", "p0k0", 2.5)]
+            row("target", "p0k0", 2.5), row("target", "p0k1", 2.0), row("target", "p1k0", 4.0)]
     summary = summarize(rows)
     assert summary["llamacpp"]["all"] == {"requests": 3, "p50_s": 2.0, "p95_s": 2.9, "mean_tokens": 64.0}
     assert summary["fly"]["first"]["p50_s"] == 1.25 and summary["fly"]["keystrokes"]["p50_s"] == 0.5
     assert summary["fly"]["all"]["mean_tokens"] == 46.0
     assert summary["fly"]["vs_llamacpp"] == {"p50": 0.5, "p95": 0.5, "same_content": "2/3"}
     assert summary["aim"] == {"fly_p50_over_llamacpp": 0.5, "aim": 0.7, "met": True}
-    assert summary["target"]["keystrokes"] == {"requests": 0, "p50_s": None, "p95_s": None, "mean_tokens": None}
+    assert summary["target"]["keystrokes"]["p50_s"] == 2.0
     settings = {"cpu": "cpu", "commits_measured": ["abc"], "command": "cmd", "n_predict": 64,
                 "source": {"path": "f.py", "commit": "c", "sha256": "0" * 64},
                 "requests": {"positions": 2, "keystrokes": 2, "chars_per_keystroke": 3, "prefix_tokens_mean": 1500,
@@ -112,6 +112,15 @@ def test_summary_gives_percentiles_per_server_ratios_to_llamacpp_and_the_aim():
     assert "| fly | 3 | 1.0 | 1.45 | 46.0 | 1.25 | 0.5 | 0.5 | 0.5 | 2/3 |" in text
     assert "aim ≤ 0.7: met" in text and "llama-server build: flags" in text
     assert "aim" not in summarize([r for r in rows if r["server"] != "fly"])
+
+
+def test_servers_are_compared_on_the_requests_every_one_of_them_measured():
+    rows = [row("llamacpp", "p0k0", 2.0), row("llamacpp", "p0k1", 1.0), row("fly", "p0k0", 1.0)]
+    summary = summarize(rows)
+    assert summary["llamacpp"]["all"]["requests"] == 1 and summary["fly"]["vs_llamacpp"]["p50"] == 0.5
+    assert summarize([r for r in rows if r["server"] == "llamacpp"])["llamacpp"]["all"]["requests"] == 2
+    assert summarize([row("target", "p0k0", 1.0)])["target"]["keystrokes"] == {
+        "requests": 0, "p50_s": None, "p95_s": None, "mean_tokens": None}
 
 
 def test_a_part_or_the_report_must_be_asked_for():

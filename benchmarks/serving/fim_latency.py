@@ -16,11 +16,15 @@ Servers, started one at a time (never two loaded at once), each warmed with one 
 - `fly`: `fly-daemon start --http` on the embedded pair (or --target/--draft), default FLy;
 - `target`: the same with `--stages ''`: the target alone, no drafting;
 - `llamacpp`: `llama-server -m TARGET.gguf --port P -t THREADS`, its defaults otherwise
-  (build it with benchmarks/serving/build_llama_server.sh).
+  (build it with benchmarks/serving/build_llama_server.sh);
+- `llamacpp-python`: where llama-server is not built, a reference from the same llama.cpp (llama-cpp-python's
+  `Llama` in this process, 2 threads, the PSM prompt with Qwen2.5-Coder's FIM tokens; its own `suffix` support
+  sends prefix token 0): no HTTP, so its latency is a little lower than a server's.
 
 Each part appends its rows to --out/rows.jsonl and skips the requests it already has there (resumable);
-`--report` writes results.json and results.md: p50/p95 per server, over all requests, the first request
-at each position (a cold prefix) and the keystrokes after it, and FLy's p50 over llama.cpp's (aim ≤ 0.7×).
+`--max-requests N` measures only the first N pending ones. `--report` writes results.json and results.md over
+the requests every server measured: p50/p95 per server, over all of them, the first request at each position
+(a cold prefix) and the keystrokes after it, and FLy's p50 over llama.cpp's (aim ≤ 0.7×).
 
     flock /tmp/fly-cpu.lock python benchmarks/serving/fim_latency.py --server llamacpp --out DIR
     flock /tmp/fly-cpu.lock python benchmarks/serving/fim_latency.py --server fly --out DIR
@@ -51,9 +55,9 @@ from benchmarks.serving.serve_bench import add_model_arguments
 from benchmarks.serving.server_side_by_side import fly_server, stop, wait_for_models
 from benchmarks.serving.webui_check import free_port, get_json
 
-SERVERS = ("llamacpp", "fly", "target")
-REFERENCE = "llamacpp"
-"""The server every ratio is taken against."""
+SERVERS = ("llamacpp", "llamacpp-python", "fly", "target")
+REFERENCES = ("llamacpp", "llamacpp-python")
+"""The server every ratio is taken against: the first of these measured."""
 AIM = 0.7
 """Issue 47's aim: FLy's p50 at most this times llama.cpp's."""
 SOURCE_PATH = "fly_llm/decoding/engine.py"
@@ -162,8 +166,8 @@ def common_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per server, over the requests every server measured: p50/p95 time to last token over all of them,
-    the first at each position and the keystrokes; its p50 and p95 over llama.cpp's; how many answers
-    are llama.cpp's exactly."""
+    the first at each position and the keystrokes; its p50 and p95 over the reference's (llama-server,
+    else llama-cpp-python); how many answers are the reference's exactly."""
     rows = common_rows(rows)
     servers = [s for s in SERVERS if any(r["server"] == s for r in rows)]
     summary: dict[str, Any] = {}
@@ -171,24 +175,27 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         mine = [r for r in rows if r["server"] == s]
         summary[s] = {"all": _stats(mine), "first": _stats([r for r in mine if r["keystroke"] == 0]),
                       "keystrokes": _stats([r for r in mine if r["keystroke"] > 0])}
-    if REFERENCE in summary:
-        ref = summary[REFERENCE]["all"]
-        reference = {r["request_id"]: r["content"] for r in rows if r["server"] == REFERENCE}
+    name = next((s for s in REFERENCES if s in summary), None)
+    if name is not None:
+        summary["reference"] = name
+        ref = summary[name]["all"]
+        reference = {r["request_id"]: r["content"] for r in rows if r["server"] == name}
         for s in servers:
             mine = summary[s]["all"]
             both = [r for r in rows if r["server"] == s and r["request_id"] in reference]
-            summary[s]["vs_llamacpp"] = {"p50": _ratio(mine["p50_s"], ref["p50_s"]),
+            summary[s]["vs_reference"] = {"p50": _ratio(mine["p50_s"], ref["p50_s"]),
                                          "p95": _ratio(mine["p95_s"], ref["p95_s"]),
                                          "same_content": f"{sum(reference[r['request_id']] == r['content'] for r in both)}/{len(both)}"}
         if "fly" in summary:
-            ratio = summary["fly"]["vs_llamacpp"]["p50"]
-            summary["aim"] = {"fly_p50_over_llamacpp": ratio, "aim": AIM, "met": ratio is not None and ratio <= AIM}
+            ratio = summary["fly"]["vs_reference"]["p50"]
+            summary["aim"] = {"fly_p50_over_reference": ratio, "aim": AIM, "met": ratio is not None and ratio <= AIM}
     return summary
 
 
 def markdown(summary: dict[str, Any], settings: dict[str, Any]) -> str:
     """results.md: the latency table and how it was measured."""
     servers = [s for s in SERVERS if s in summary]
+    ref = summary.get("reference")
     lines = [f"# FIM autocomplete latency ({settings['cpu']}, commit {', '.join(settings['commits_measured'])})", "",
              f"`{settings['command']}`", "",
              f"Source: `{settings['source']['path']}` at {settings['source']['commit']} (sha256 "
@@ -197,16 +204,17 @@ def markdown(summary: dict[str, Any], settings: dict[str, Any]) -> str:
              f"prefix {settings['requests']['prefix_tokens_mean']} tokens, suffix {settings['requests']['suffix_tokens_mean']} "
              f"tokens on average; n_predict {settings['n_predict']}, greedy, /infill, not streamed.", "",
              "Time to last token, seconds:", "",
-             "| server | requests | p50 | p95 | mean tokens | first p50 | keystroke p50 | p50 × llama.cpp | p95 × llama.cpp | same content as llama.cpp |",
+             f"| server | requests | p50 | p95 | mean tokens | first p50 | keystroke p50 | p50 × {ref} | p95 × {ref} "
+             f"| same content as {ref} |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in servers:
-        a, v = summary[s]["all"], summary[s].get("vs_llamacpp", {})
+        a, v = summary[s]["all"], summary[s].get("vs_reference", {})
         lines.append(f"| {s} | {a['requests']} | {a['p50_s']} | {a['p95_s']} | {a['mean_tokens']} | "
                      f"{summary[s]['first']['p50_s']} | {summary[s]['keystrokes']['p50_s']} | {v.get('p50')} | "
                      f"{v.get('p95')} | {v.get('same_content')} |")
     if "aim" in summary:
         aim = summary["aim"]
-        lines += ["", f"FLy's p50 over llama.cpp's: {aim['fly_p50_over_llamacpp']} (aim ≤ {aim['aim']}: "
+        lines += ["", f"FLy's p50 over {ref}'s: {aim['fly_p50_over_reference']} (aim ≤ {aim['aim']}: "
                       f"{'met' if aim['met'] else 'not met'})."]
     lines += ["", f"llama-server build: {settings['llama_server_build'] or 'unknown'}", ""]
     return "\n".join(lines)
@@ -272,26 +280,68 @@ def llama_server(binary: Path, gguf: Path, threads: int, workdir: Path) -> Itera
         stop(proc)
 
 
-def infill(url: str, request: FimRequest, n_predict: int) -> tuple[float, int, str]:
-    """One greedy /infill request, not streamed: (seconds to its answer, tokens predicted, content)."""
-    body = {"input_prefix": request.prefix, "input_suffix": request.suffix, "n_predict": n_predict,
+def infill_body(request: FimRequest, n_predict: int) -> dict[str, Any]:
+    """The greedy /infill request, not streamed."""
+    return {"input_prefix": request.prefix, "input_suffix": request.suffix, "n_predict": n_predict,
             "temperature": 0, "stream": False}
-    start = time.perf_counter()
-    answer = get_json(f"{url}/infill", body, timeout=1800)
-    return time.perf_counter() - start, int(answer["tokens_predicted"]), answer["content"]
+
+
+def psm_prompt(request: FimRequest) -> str:
+    """Qwen2.5-Coder's prefix-suffix-middle prompt as text (its FIM tokens spelled out, read as the tokens)."""
+    return f"<|fim_prefix|>{request.prefix}<|fim_suffix|>{request.suffix}<|fim_middle|>"
+
+
+Complete = Callable[[FimRequest, int], tuple[int, str]]
+"""A server's door: (request, n_predict) -> (tokens predicted, the middle)."""
+
+
+@contextmanager
+def http_infill(server: Iterator[str]) -> Iterator[Complete]:
+    """The /infill door of an HTTP server (a context manager yielding its URL), warmed with one request."""
+    with server as url:
+        get_json(f"{url}/infill", WARMUP)
+
+        def complete(request: FimRequest, n_predict: int) -> tuple[int, str]:
+            answer = get_json(f"{url}/infill", infill_body(request, n_predict), timeout=1800)
+            return int(answer["tokens_predicted"]), answer["content"]
+
+        yield complete
+
+
+@contextmanager
+def in_process_llama(gguf: Path, threads: int) -> Iterator[Complete]:
+    """llama-cpp-python's `Llama` in this process on `gguf` (n_ctx 4096, `threads` for decode and batch):
+    the PSM prompt as text, greedy, `repeat_penalty` 1; it reuses the prompt's common start as a server's
+    cache does. No HTTP: a reference for when llama-server is not built, its latency a little lower."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def complete(request: FimRequest, n_predict: int) -> tuple[int, str]:
+        out = llm.create_completion(psm_prompt(request), max_tokens=n_predict, temperature=0, repeat_penalty=1.0)
+        return int(out["usage"]["completion_tokens"]), out["choices"][0]["text"]
+
+    complete(FimRequest("warmup", 0, 0, WARMUP["input_prefix"], WARMUP["input_suffix"]), 4)
+    try:
+        yield complete
+    finally:
+        llm.close()
 
 
 def run_part(args: argparse.Namespace, requests: list[FimRequest], gguf: Path | None, workdir: Path) -> None:
     """Start `args.server`, warm it, measure the requests given; append each row to rows.jsonl."""
     commit = git_commit() or "unknown"
     if args.server == "llamacpp":
-        server = llama_server(args.llama_server, gguf, args.threads, workdir)
+        server = http_infill(llama_server(args.llama_server, gguf, args.threads, workdir))
+    elif args.server == "llamacpp-python":
+        server = in_process_llama(gguf, args.threads)
     else:
-        server = _fly_url(args, workdir, args.server == "fly")
-    with server as url:
-        get_json(f"{url}/infill", WARMUP)
+        server = http_infill(_fly_url(args, workdir, args.server == "fly"))
+    with server as complete:
         for q in requests:
-            seconds, tokens, content = infill(url, q, args.n_predict)
+            start = time.perf_counter()
+            tokens, content = complete(q, args.n_predict)
+            seconds = time.perf_counter() - start
             row = Row(args.server, q.request_id, q.position, q.keystroke, round(seconds, 3), tokens, content, commit)
             with open(args.out / "rows.jsonl", "a") as f:
                 f.write(json.dumps(asdict(row)) + "\n")
@@ -356,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.server:
-        needs_gguf = args.server == "llamacpp" or not (args.out / "requests.jsonl").exists()
+        needs_gguf = args.server.startswith("llamacpp") or not (args.out / "requests.jsonl").exists()
         with target_gguf(args.target, needs_gguf) as gguf, tempfile.TemporaryDirectory(prefix="fly-fim-") as tmp:
             if needs_gguf and gguf is None:
                 raise SystemExit("llama.cpp needs the target as a .gguf file (--target FILE.gguf)")

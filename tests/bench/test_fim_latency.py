@@ -16,6 +16,7 @@ from benchmarks.serving.fim_latency import (
     parse_args,
     pending,
     percentile,
+    psm_prompt,
     read_jsonl,
     summarize,
 )
@@ -100,8 +101,8 @@ def test_summary_gives_percentiles_per_server_ratios_to_llamacpp_and_the_aim():
     assert summary["llamacpp"]["all"] == {"requests": 3, "p50_s": 2.0, "p95_s": 2.9, "mean_tokens": 64.0}
     assert summary["fly"]["first"]["p50_s"] == 1.25 and summary["fly"]["keystrokes"]["p50_s"] == 0.5
     assert summary["fly"]["all"]["mean_tokens"] == 46.0
-    assert summary["fly"]["vs_llamacpp"] == {"p50": 0.5, "p95": 0.5, "same_content": "2/3"}
-    assert summary["aim"] == {"fly_p50_over_llamacpp": 0.5, "aim": 0.7, "met": True}
+    assert summary["fly"]["vs_reference"] == {"p50": 0.5, "p95": 0.5, "same_content": "2/3"}
+    assert summary["aim"] == {"fly_p50_over_reference": 0.5, "aim": 0.7, "met": True}
     assert summary["target"]["keystrokes"]["p50_s"] == 2.0
     settings = {"cpu": "cpu", "commits_measured": ["abc"], "command": "cmd", "n_predict": 64,
                 "source": {"path": "f.py", "commit": "c", "sha256": "0" * 64},
@@ -117,10 +118,18 @@ def test_summary_gives_percentiles_per_server_ratios_to_llamacpp_and_the_aim():
 def test_servers_are_compared_on_the_requests_every_one_of_them_measured():
     rows = [row("llamacpp", "p0k0", 2.0), row("llamacpp", "p0k1", 1.0), row("fly", "p0k0", 1.0)]
     summary = summarize(rows)
-    assert summary["llamacpp"]["all"]["requests"] == 1 and summary["fly"]["vs_llamacpp"]["p50"] == 0.5
+    assert summary["llamacpp"]["all"]["requests"] == 1 and summary["fly"]["vs_reference"]["p50"] == 0.5
     assert summarize([r for r in rows if r["server"] == "llamacpp"])["llamacpp"]["all"]["requests"] == 2
     assert summarize([row("target", "p0k0", 1.0)])["target"]["keystrokes"] == {
         "requests": 0, "p50_s": None, "p95_s": None, "mean_tokens": None}
+
+
+def test_llamacpp_python_is_the_reference_when_llama_server_did_not_run():
+    rows = [row("llamacpp-python", "p0k0", 2.0), row("fly", "p0k0", 1.0)]
+    summary = summarize(rows)
+    assert summary["reference"] == "llamacpp-python" and summary["aim"]["fly_p50_over_reference"] == 0.5
+    assert summarize(rows + [row("llamacpp", "p0k0", 4.0)])["reference"] == "llamacpp"
+    assert psm_prompt(FimRequest("x", 0, 0, "a = ", "\nb")) == "<|fim_prefix|>a = <|fim_suffix|>\nb<|fim_middle|>"
 
 
 def test_a_part_or_the_report_must_be_asked_for():

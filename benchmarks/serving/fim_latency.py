@@ -92,6 +92,8 @@ class Row:
     tokens_predicted: int
     content: str
     commit: str
+    details: dict[str, Any] | None = None
+    """The answer's `timings` (prompt tokens evaluated: the cache's reuse) and `fly_stats`, where given."""
 
 
 def lines_within(lines: list[str], budget: int, count_tokens: Callable[[str], int], from_end: bool) -> str:
@@ -291,8 +293,8 @@ def psm_prompt(request: FimRequest) -> str:
     return f"<|fim_prefix|>{request.prefix}<|fim_suffix|>{request.suffix}<|fim_middle|>"
 
 
-Complete = Callable[[FimRequest, int], tuple[int, str]]
-"""A server's door: (request, n_predict) -> (tokens predicted, the middle)."""
+Complete = Callable[[FimRequest, int], tuple[int, str, dict[str, Any] | None]]
+"""A server's door: (request, n_predict) -> (tokens predicted, the middle, the answer's details)."""
 
 
 @contextmanager
@@ -301,9 +303,10 @@ def http_infill(server: Iterator[str]) -> Iterator[Complete]:
     with server as url:
         get_json(f"{url}/infill", WARMUP)
 
-        def complete(request: FimRequest, n_predict: int) -> tuple[int, str]:
+        def complete(request: FimRequest, n_predict: int) -> tuple[int, str, dict[str, Any] | None]:
             answer = get_json(f"{url}/infill", infill_body(request, n_predict), timeout=1800)
-            return int(answer["tokens_predicted"]), answer["content"]
+            details = {k: answer[k] for k in ("timings", "tokens_cached", "fly_stats") if k in answer}
+            return int(answer["tokens_predicted"]), answer["content"], details
 
         yield complete
 
@@ -317,9 +320,9 @@ def in_process_llama(gguf: Path, threads: int) -> Iterator[Complete]:
 
     llm = Llama(str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
 
-    def complete(request: FimRequest, n_predict: int) -> tuple[int, str]:
+    def complete(request: FimRequest, n_predict: int) -> tuple[int, str, dict[str, Any] | None]:
         out = llm.create_completion(psm_prompt(request), max_tokens=n_predict, temperature=0, repeat_penalty=1.0)
-        return int(out["usage"]["completion_tokens"]), out["choices"][0]["text"]
+        return int(out["usage"]["completion_tokens"]), out["choices"][0]["text"], None
 
     complete(FimRequest("warmup", 0, 0, WARMUP["input_prefix"], WARMUP["input_suffix"]), 4)
     try:
@@ -340,9 +343,10 @@ def run_part(args: argparse.Namespace, requests: list[FimRequest], gguf: Path | 
     with server as complete:
         for q in requests:
             start = time.perf_counter()
-            tokens, content = complete(q, args.n_predict)
+            tokens, content, details = complete(q, args.n_predict)
             seconds = time.perf_counter() - start
-            row = Row(args.server, q.request_id, q.position, q.keystroke, round(seconds, 3), tokens, content, commit)
+            row = Row(args.server, q.request_id, q.position, q.keystroke, round(seconds, 3), tokens, content, commit,
+                      details)
             with open(args.out / "rows.jsonl", "a") as f:
                 f.write(json.dumps(asdict(row)) + "\n")
             print(f"{args.server} {q.request_id}: {seconds:.2f} s, {tokens} tokens", flush=True)

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hostile.doors import Finding, FuzzTarget, HttpDoor, ZmqDoor, greedy_reference, run_case  # noqa: E402
-from hostile.strategies import CI_EXAMPLES, FAMILIES, Case  # noqa: E402
+from hostile.strategies import CI_EXAMPLES, FAMILIES, OPENAI_FAMILIES, Case  # noqa: E402
 from support.tiny_models import save_tiny_pair  # noqa: E402
 
 KINDS = ("crash", "hang", "bad_answer", "exact")
@@ -60,10 +60,12 @@ class Tally:
                 "by_family": {f: dict(c) for f, c in sorted(self.by_family.items())}, "first_findings": self.first}
 
 
-def split(examples: int) -> dict[str, int]:
-    """`examples` cases over the families in the CI run's proportions (at least one each)."""
-    total = sum(CI_EXAMPLES.values())
-    return {family: max(1, round(examples * n / total)) for family, n in CI_EXAMPLES.items()}
+def split(examples: int, door: str) -> dict[str, int]:
+    """`examples` cases over `door`'s families (the HTTP door's own too: its routes, the embedding routes among
+    them) in the CI run's proportions (at least one each)."""
+    families = {f: n for f, n in CI_EXAMPLES.items() if f in FAMILIES or door == "http"}
+    total = sum(families.values())
+    return {family: max(1, round(examples * n / total)) for family, n in families.items()}
 
 
 def run_family(target: FuzzTarget, door: ZmqDoor | HttpDoor, family: str, examples: int, seed_value: int,
@@ -73,7 +75,7 @@ def run_family(target: FuzzTarget, door: ZmqDoor | HttpDoor, family: str, exampl
     @seed(seed_value)
     @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(case=FAMILIES[family])
+    @given(case=(FAMILIES | OPENAI_FAMILIES)[family])
     def one(case: Case) -> None:
         tally.requests += 1
         try:
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for name in args.doors:
                 door = {"zmq": ZmqDoor, "http": HttpDoor}[name](target)
-                for i, (family, n) in enumerate(split(args.examples).items()):
+                for i, (family, n) in enumerate(split(args.examples, name).items()):
                     run_family(target, door, family, n, args.seed * 1000 + i, tallies[name], args.check_every)
                     print(f"{name} {family}: {dict(tallies[name].by_family.get(family, {}))}", flush=True)
         finally:

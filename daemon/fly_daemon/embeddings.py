@@ -209,7 +209,8 @@ def _sequences(embedder: Embedder, inputs: Sequence[str] | Sequence[Sequence[int
         ids = [list(s) for s in inputs]  # type: ignore[union-attr]
         bad = next((t for s in ids for t in s if not 0 <= t < embedder.vocab_size), None)
         if bad is not None:
-            raise BadRequest(f"token id {bad} is outside the embedding model's vocabulary (0..{embedder.vocab_size - 1})")
+            raise BadRequest(f"token id {bad} is outside the embedding model's vocabulary "
+                             f"(0..{embedder.vocab_size - 1})")
     return [embedder.sequence(s, truncate) for s in ids]
 
 

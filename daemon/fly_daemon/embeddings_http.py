@@ -38,8 +38,8 @@ class OpenAIEmbeddingBody(_Strict):
     """POST /v1/embeddings: OpenAI's fields (`user` is accepted and not used)."""
 
     model: StrictStr
-    input: StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)] \
-        | TokenIds
+    input: (StrictStr | Annotated[list[StrictStr], Field(min_length=1)]
+            | Annotated[list[TokenIds], Field(min_length=1)] | TokenIds)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
     user: StrictStr | None = None
@@ -90,8 +90,8 @@ def openai_embeddings(service: EmbeddingService) -> APIRouter:
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         encode = _base64 if body.encoding_format == "base64" else _floats
-        return {"object": "list", "model": embedder.name,
-                "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(done.vectors)],
+        data = [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(done.vectors)]
+        return {"object": "list", "model": embedder.name, "data": data,
                 "usage": {"prompt_tokens": done.tokens, "total_tokens": done.tokens}}
 
     return router

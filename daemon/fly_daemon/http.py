@@ -4,8 +4,8 @@ Requests go to the scheduler of a serving core (fly_daemon.core, which builds th
 settings) through its `InProcessClient` (the engine knows nothing of HTTP). Routes: POST
 /v1/chat/completions, POST /v1/completions (server-sent events with `"stream": true`), GET
 /v1/models, GET /health; POST /v1/embeddings (the core's embedding worker, fly_daemon.embeddings_http);
-POST /tokenize and /detokenize (llama.cpp's shapes), GET /metrics (Prometheus); Ollama's API is mounted at /api (fly_daemon.ollama_http; what the two share, shape aside, is
-fly_daemon.http_common). Errors are OpenAI's error shape with our stable codes (fly_llm.common.errors) as `code`; a
+POST /tokenize and /detokenize (llama.cpp's shapes), GET /metrics (Prometheus); Ollama's API is mounted
+at /api (fly_daemon.ollama_http; what the two share, shape aside, is fly_daemon.http_common). Errors are OpenAI's error shape with our stable codes (fly_llm.common.errors) as `code`; a
 client that disconnects, while waiting or mid-stream, cancels its request. A non-loopback bind
 needs an API key (Bearer), as a non-loopback ZeroMQ bind needs CURVE. With a key, every route but
 /health needs it (/docs and /redoc are off, /openapi.json needs the key). A front on loopback

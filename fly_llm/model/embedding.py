@@ -136,7 +136,8 @@ class SentenceEmbedder:
         limit = min(tokenizer.model_max_length if tokenizer.model_max_length < _HUGE else _HUGE,
                     getattr(model.config, "max_position_embeddings", _HUGE))
         max_length = min(int(config.get("max_seq_length") or limit), limit)
-        return cls(model, tokenizer, name=name, max_length=max_length, pooling=_pooling(config, source), aliases=aliases)
+        return cls(model, tokenizer, name=name, max_length=max_length, pooling=_pooling(config, source),
+                   aliases=aliases)
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Each text's token ids, without the special tokens (`sequence` adds them)."""

@@ -141,7 +141,8 @@ def test_off_refuses_and_the_routes_keep_the_key_rule(loaded):
     answer = off.post("/v1/embeddings", json={"model": "enc", "input": "x"})
     assert answer.status_code == 400 and "--no-embeddings" in answer.json()["error"]["message"]
     assert off.post("/api/embed", json={"model": "enc", "input": "x"}).json()["code"] == "BAD_REQUEST"
-    keyed = TestClient(create_app(None, api_key="k", embeddings=EmbeddingService(lambda: loaded)))  # type: ignore[arg-type]
+    keyed = TestClient(create_app(None, api_key="k",  # type: ignore[arg-type]
+                                  embeddings=EmbeddingService(lambda: loaded)))
     for path in ("/v1/embeddings", "/api/embed", "/api/embeddings"):
         assert keyed.post(path, json={"model": "enc", "input": "x", "prompt": "x"}).status_code == 401
     served = keyed.post("/api/embed", json={"model": "enc", "input": "x"}, headers={"Authorization": "Bearer k"})

@@ -71,7 +71,7 @@ class Streams:
 
     def _run(self) -> None:
         body = {"model": self.model, "prompt": PROMPT, "max_tokens": self.max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+                "stream": True, "stream_options": {"include_usage": True}}
         with httpx.Client(timeout=600) as client:
             while not self._stop.is_set():
                 times, tokens = [], 0

@@ -99,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("--embedding-queue-size", type=int, help="inputs waiting to be embedded; more get BUSY")
     embed.add_argument("--embedding-threads", type=int,
                        help="torch threads of the embedding worker (default 1: generation keeps the other cores)")
+    embed.add_argument("--embedding-nice", type=int,
+                       help="niceness of the embedding worker thread, 0-19 (default 10: generation comes first)")
     start.add_argument("--foreground", action="store_true", help="stay attached; log to the terminal")
     start.add_argument("--wait", type=float, default=900.0, help="detached: seconds to wait for 'ready'")
     start.add_argument("-v", "--verbose", action="store_true")

@@ -6,14 +6,16 @@ loader the core hands in) and serves a bounded FIFO of requests. Inputs are toke
 loop, then queued (at most `embedding_queue_size` inputs wait, all requests together; more get BUSY);
 the worker runs the encoder on at most `embedding_batch_size` sequences at a time, drawn across
 requests (a request's inputs longest-first, so padding stays small), with its own `embedding_threads`
-torch intra-op threads (torch's thread count is per thread: the model thread keeps its own). A request
-whose client leaves is dropped from the queue. The HTTP routes are fly_daemon.embeddings_http.
+torch intra-op threads (torch's thread count is per thread: the model thread keeps its own) and a
+niceness of `embedding_nice` (on Linux a thread's own), so that when both want the cores, the model
+thread's get them. A request whose client leaves is dropped from the queue. The HTTP routes are fly_daemon.embeddings_http.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -47,6 +49,8 @@ class EmbeddingSettings(BaseModel):
                                       "embedded, all requests together; a request that does not fit gets BUSY.")
     embedding_threads: int = Field(1, ge=1, le=1024, description="Torch intra-op threads of the embedding worker "
                                    "(the model thread keeps its own; 1 leaves generation the other cores).")
+    embedding_nice: int = Field(10, ge=0, le=19, description="Niceness of the embedding worker thread (Linux): "
+                                "when both want the cores, generation's threads get most of them; 0 = equal share.")
 
 
 class Embedder(Protocol):
@@ -156,6 +160,10 @@ class EmbeddingService:
     # ---- the worker thread ----
 
     def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.settings.embedding_nice)  # this thread
+        except (OSError, AttributeError) as exc:  # not Linux, or not allowed: equal share
+            log.warning("the embedding worker keeps its priority: %s", exc)
         try:
             embedder = self._load()  # type: ignore[misc]  # set whenever embeddings are on
         except Exception as exc:  # noqa: BLE001  # told to every request: the daemon serves on without embeddings

@@ -9,11 +9,13 @@ Starts `fly-daemon start --foreground --http` in a subprocess (its default embed
 - stream: greedy streams back to back (POST /v1/completions, `--max-tokens` each) for `--seconds`;
 - embed: `--chunks` texts of ~256 MiniLM word pieces (seeded random words) posted to /api/embed
   (truncate: the model's 256) `--per-request` at a time by `--clients` concurrent posters, as a RAG indexer;
-- both: the streams run while the same chunks are embedded.
+- both: the same chunks are posted again and, while they are being embedded, the streams run for
+  `--both-seconds` (the chunks embedded by then are counted; the rest is dropped with the daemon).
 
 Per phase: the streams' decode rate (completion tokens over first-to-last chunk, median over the streams
 that ran wholly inside the phase), their chunk gaps (median, p99, max) and the embedding rate (texts/s,
-tokens per text). The slowdown is the stream rate during `both` against `stream`. Writes JSON to `--out`.
+tokens per text). The slowdown is the stream rate during `both` against `stream`. Each phase prints as it
+ends; the JSON goes to `--out`.
 """
 
 from __future__ import annotations
@@ -101,22 +103,38 @@ class Streams:
                 "gap_ms_max": round(1e3 * gaps[-1], 1)}
 
 
-def embed_all(url: str, model: str, texts: list[str], per_request: int, clients: int) -> dict:
-    """Post `texts` to /api/embed in requests of `per_request` from `clients` threads; texts/s and tokens."""
-    batches = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
+class Embedding:
+    """Posts texts to /api/embed in requests of `per_request` from `clients` threads, counting what is done."""
 
-    def post(batch: list[str]) -> int:
-        answer = httpx.post(f"{url}/api/embed", json={"model": model, "input": batch}, timeout=1800)
+    def __init__(self, url: str, model: str, texts: list[str], per_request: int, clients: int) -> None:
+        self.url, self.model, self.clients = url, model, clients
+        self.batches = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
+        self.texts = self.tokens = 0
+        self.start = self.end = 0.0
+        self._lock = threading.Lock()
+
+    def _post(self, batch: list[str]) -> None:
+        answer = httpx.post(f"{self.url}/api/embed", json={"model": self.model, "input": batch}, timeout=1800)
         answer.raise_for_status()
         assert len(answer.json()["embeddings"]) == len(batch)
-        return answer.json()["prompt_eval_count"]
+        with self._lock:
+            self.texts += len(batch)
+            self.tokens += answer.json()["prompt_eval_count"]
 
-    start = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        tokens = sum(pool.map(post, batches))
-    elapsed = time.perf_counter() - start
-    return {"texts": len(texts), "seconds": round(elapsed, 1), "texts_per_s": round(len(texts) / elapsed, 1),
-            "tokens_per_text": round(tokens / len(texts), 1)}
+    def run(self) -> "Embedding":
+        """Embed every batch (returns when all are done)."""
+        self.start = time.perf_counter()
+        with ThreadPoolExecutor(self.clients) as pool:
+            list(pool.map(self._post, self.batches))
+        self.end = time.perf_counter()
+        return self
+
+    def summary(self, until: float | None = None) -> dict:
+        """Texts embedded, seconds, texts/s and tokens per text, up to `until` (default: the end)."""
+        with self._lock:
+            elapsed = (until or self.end) - self.start
+            return {"texts": self.texts, "seconds": round(elapsed, 1), "texts_per_s": round(self.texts / elapsed, 1),
+                    "tokens_per_text": round(self.tokens / max(self.texts, 1), 1)}
 
 
 def start_daemon(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Popen, str]:
@@ -137,7 +155,8 @@ def start_daemon(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
     cmd = [sys.executable, "-m", "fly_daemon.cli", "start", "--foreground", "--endpoint",
            f"ipc://{workdir / 'd.sock'}", "--http", f"127.0.0.1:{port}", *models, *shlex.split(args.daemon_args)]
     log = open(workdir / "daemon.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, FLY_RUNTIME_DIR=str(workdir)))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, FLY_RUNTIME_DIR=str(workdir)))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline:
@@ -163,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens per stream")
     parser.add_argument("--seconds", type=float, default=30.0, help="length of the streams-only phase")
+    parser.add_argument("--both-seconds", type=float, default=60.0, help="streams measured while embedding")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/embeddings/stall.json"))
     args = parser.parse_args(argv)
     texts = chunks(args.chunks, args.words)
@@ -170,18 +190,27 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = start_daemon(args, Path(tmp))
         try:
             model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-            embed_all(url, args.embedding_model, texts[:4], 4, 1)  # loads the embedding model (lazy)
-            result: dict = {"command": shlex.join(["python", "benchmarks/embedding_stall.py", *(argv or sys.argv[1:])]),
-                            "target": model, "cpus": os.cpu_count()}
+            Embedding(url, args.embedding_model, texts[:4], 4, 1).run()  # loads the embedding model (lazy)
+            command = ["python", "benchmarks/embedding_stall.py", *(argv if argv is not None else sys.argv[1:])]
+            result: dict = {"command": shlex.join(command), "target": model, "cpus": os.cpu_count(),
+                            "daemon_args": args.daemon_args}
             with Streams(url, model, args.max_tokens) as streams:
                 start = time.perf_counter()
                 time.sleep(args.seconds)
                 result["stream"] = streams.summary(start, time.perf_counter())
-            result["embed"] = embed_all(url, args.embedding_model, texts, args.per_request, args.clients)
+            print("stream", result["stream"], flush=True)
+            alone = Embedding(url, args.embedding_model, texts, args.per_request, args.clients)
+            result["embed"] = alone.run().summary()
+            print("embed", result["embed"], flush=True)
+            both = Embedding(url, args.embedding_model, texts, args.per_request, args.clients)
+            threading.Thread(target=both.run, daemon=True).start()
+            time.sleep(1.0)  # the first requests are queued
             with Streams(url, model, args.max_tokens) as streams:
                 start = time.perf_counter()
-                result["both_embed"] = embed_all(url, args.embedding_model, texts, args.per_request, args.clients)
+                time.sleep(args.both_seconds)
                 result["both_stream"] = streams.summary(start, time.perf_counter())
+            result["both_embed"] = both.summary(time.perf_counter())
+            print("both", result["both_stream"], result["both_embed"], flush=True)
         finally:
             proc.terminate()
             proc.wait(60)

@@ -76,13 +76,13 @@ else
     -p no:cacheprovider -m slow tests/engine/test_default_models_slow.py -k "vocabulary or exact_mode"
 fi
 
-run "daemon on cuda, concurrent requests (tiny pair)" 60 "$PYTHON" -m benchmarks.serve_bench --device cuda \
+run "daemon on cuda, concurrent requests (tiny pair)" 60 "$PYTHON" -m benchmarks.serving.serve_bench --device cuda \
   --dtype float32 --requests 8 --concurrency 1 4 --max-tokens 32
 
 if [[ -n $embedded ]]; then
   SUMMARY+=("fly-bench, cuda bfloat16 (embedded pair): skipped ($embedded)")
 else
-  run "fly-bench, cuda bfloat16 (embedded pair)" 150 "$PYTHON" -m benchmarks.cli --device cuda --dtype bfloat16 \
+  run "fly-bench, cuda bfloat16 (embedded pair)" 150 "$PYTHON" -m benchmarks.harness.cli --device cuda --dtype bfloat16 \
     --limit 1 --max-tokens 64 --methods spd fly --out "$OUT_DIR/fly-bench"
 fi
 summary

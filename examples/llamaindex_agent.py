@@ -82,6 +82,10 @@ async def run_agent(agent: FunctionAgent, question: str,
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The RAG example's index and the daemon's embeddings (this folder is on sys.path when run as a script);
+    # imported here so that build_agent and run_agent work with any index, without the data wheel.
+    from llamaindex_rag import DAEMON_HTTP, daemon_embedding, load_index
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("question", nargs="?", default=QUESTION)
     parser.add_argument("--endpoint", help="daemon endpoint (default: $FLY_ENDPOINT or the local socket)")
@@ -90,10 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-chars", type=int, default=None, help="index only the first N characters")
     parser.add_argument("--http", default=DAEMON_HTTP, help="the daemon's HTTP front (for the embeddings)")
     args = parser.parse_args(argv)
-    # The RAG example's index and the daemon's embeddings (this folder is on sys.path when run as a script);
-    # imported here so that build_agent and run_agent work with any index, without the data wheel.
-    from llamaindex_rag import DAEMON_HTTP, daemon_embedding, load_index
-
     options = {"max_tokens": args.max_tokens, "temperature": 0.0, "timeout": 900.0}
     llm = FLyLLM(**options, **({"endpoint": args.endpoint} if args.endpoint else {}))
     Settings.embed_model = daemon_embedding(args.http)

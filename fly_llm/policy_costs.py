@@ -26,7 +26,8 @@ import torch
 
 from fly_llm.decoding.policy import Costs
 from fly_llm.model import kernels
-from fly_llm.model.cache import MANIFEST, cache_root
+from fly_llm.model.cache import MANIFEST
+from fly_llm.model.cache_paths import cache_root
 from fly_llm.model.kernels.build import build_directory
 from fly_llm.model.kernels.cpu import cpu_flags, cpu_model
 from fly_llm.model.kernels.w4a8 import ISA_ENV

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fly_llm.common.tool_formats import CallParser
-from fly_llm.common.tools import ToolCall
+from fly_llm.common.tools import ToolCall, UnparsedCall
 
 
 class CallText:
@@ -18,6 +18,11 @@ class CallText:
         self._held = ""
         self._shown = False
         self.called = False
+
+    @property
+    def invalid(self) -> list[UnparsedCall]:
+        """The call blocks that stayed text (they did not parse, or were cut off)."""
+        return self._parser.unparsed
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         """Add the model's new text (`finished`: its last); return (text to show now, calls completed by it)."""

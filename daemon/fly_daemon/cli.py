@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="characters a prompt may have before it is tokenized (default: 16 x the token limit)")
     serve.add_argument("--max-requests-per-client", type=int,
                        help="queued + running requests of one client (socket or HTTP connection); more get BUSY")
+    serve.add_argument("--max-tokens-per-client", type=int,
+                       help="weight (max_tokens + echoed prompt tokens) of one client's requests; more get BUSY")
+    serve.add_argument("--max-reply-units", type=int,
+                       help="n x (echoed prompt tokens + max_tokens) x (1 + top logprobs) per request; more: TOO_LONG")
     serve.add_argument("--share-prefix-cache", action="store_true", default=None,
                        help="one prefix cache for all clients (single tenant); default: one per credential")
     serve.add_argument("--max-frame-bytes", type=int)
@@ -73,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     serve.add_argument("--prefix-cache-mb", type=int, help="MiB of KV kept of recent prompts for reuse (0: off)")
     serve.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled per step (0: whole prompts)")
+    serve.add_argument("--grammar-cache-mb", type=int, help="MiB of compiled grammars kept for reuse")
+    serve.add_argument("--max-grammar-mb", type=int, help="MiB one grammar may compile to; more get BAD_REQUEST")
+    serve.add_argument("--grammar-workers", type=int, help="sandbox processes judging new grammars at once")
     serve.add_argument("--curve-secret-key", type=Path, help="server certificate (zmq.auth) for a tcp bind")
     serve.add_argument("--curve-clients", type=Path, help="directory of allowed client public certificates")
     serve.add_argument("--http", metavar="HOST:PORT",
@@ -320,7 +327,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(st.model_dump_json(indent=2))
         return 0
-    s, p = st.stats, st.prompt
+    s, p, g = st.stats, st.prompt, st.grammars
     print(f"state      {st.state} (pid {st.pid}, up {_duration(st.uptime_s)}) on {endpoint}\n"
           f"models     target {st.target}  draft {st.draft}\n"
           f"load       {st.queue_depth} queued, {st.active} running, largest batch {st.max_batch_size_seen}\n"
@@ -329,7 +336,10 @@ def _status(args: argparse.Namespace) -> int:
           f"accepted   MAT {s.mat:.2f} tokens/round, {s.accepted_native + s.accepted_loose} of {s.drafted} "
           f"drafted ({s.loose_rate:.0%} loosely)\n"
           f"prompts    {p.prompt_tokens} tokens, {p.hit_rate:.0%} from the prefix cache "
-          f"({p.cache_bytes / 2**20:.1f} of {p.cache_budget_bytes / 2**20:.0f} MiB, {p.cache_evictions} blocks evicted)")
+          f"({p.cache_bytes / 2**20:.1f} of {p.cache_budget_bytes / 2**20:.0f} MiB, {p.cache_evictions} blocks evicted)\n"
+          f"grammars   {g.compiled_entries} compiled, {g.compiled_bytes / 2**20:.1f} of "
+          f"{g.compiled_budget_bytes / 2**20:.0f} MiB (texts {g.texts_bytes / 2**20:.1f} MiB, verdicts "
+          f"{g.verdict_bytes / 2**20:.1f} MiB)")
     return 0
 
 

@@ -104,7 +104,9 @@ def _engine_loader(spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings) ->
 
         log.info("loading models: target=%s draft=%s (%s, %s)", spec.target or "embedded default",
                  spec.draft or "default", spec.dtype, spec.device)
-        return load_engine(spec, fly, prefix_cache_mb=settings.prefix_cache_mb, prefill_chunk=settings.prefill_chunk)
+        return load_engine(spec, fly, prefix_cache_mb=settings.prefix_cache_mb, prefill_chunk=settings.prefill_chunk,
+                           grammar_cache_mb=settings.grammar_cache_mb, max_grammar_mb=settings.max_grammar_mb,
+                           grammar_workers=settings.grammar_workers)
 
     return load_engine
 

@@ -4,14 +4,17 @@ Requests go to the scheduler of a serving core (fly_daemon.core, which builds th
 settings) through its `InProcessClient` (the engine knows nothing of HTTP). Routes: POST
 /v1/chat/completions, POST /v1/completions (server-sent events with `"stream": true`), GET
 /v1/models, GET /health; POST /v1/embeddings (the core's embedding worker, fly_daemon.embeddings_http);
-POST /tokenize and /detokenize (llama.cpp's shapes), GET /metrics (Prometheus); Ollama's API is mounted
-at /api (fly_daemon.ollama_http; what the two share, shape aside, is fly_daemon.http_common). Errors are OpenAI's error shape with our stable codes (fly_llm.common.errors) as `code`; a
-client that disconnects, while waiting or mid-stream, cancels its request. A non-loopback bind
-needs an API key (Bearer), as a non-loopback ZeroMQ bind needs CURVE. With a key, every route but
-/health needs it (/docs and /redoc are off, /openapi.json needs the key). A front on loopback
-answers only requests whose Host header is a loopback name, its bound host or an allowed host (a
-web page reaching it by DNS rebinding names its own host); others get 421, in Ollama's error shape under
-/api. An unexpected failure answers INTERNAL
+POST /infill, /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
+(Prometheus); POST /v1/responses (OpenAI's Responses API, stateless: fly_daemon.responses_api) and POST
+/v1/messages, /v1/messages/count_tokens (Anthropic's Messages API: fly_daemon.messages_api), each served as
+one chat request; Ollama's API is mounted at /api (fly_daemon.ollama_http; what they all share, shape aside,
+is fly_daemon.http_common). Errors are OpenAI's error shape with our stable codes (fly_llm.common.errors) as
+`code` (Anthropic's shape under /v1/messages); a client that disconnects, while waiting or mid-stream, cancels
+its request. A non-loopback bind needs an API key (`Authorization: Bearer` or `x-api-key`), as a non-loopback
+ZeroMQ bind needs CURVE. With a key, every route but /health needs it (/docs and /redoc are off,
+/openapi.json needs the key). A front on loopback answers only requests whose Host header is a loopback
+name, its bound host or an allowed host (a web page reaching it by DNS rebinding names its own host);
+others get 421, in the error shape of the API asked for. An unexpected failure answers INTERNAL
 with a request id that the log's traceback carries, never the exception's text. Connections are timed
 out and capped by fly_daemon.http_connections (the `http_*` settings).
 """
@@ -26,6 +29,7 @@ import re
 import secrets
 import socket
 import threading
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from typing import Any
 
@@ -34,31 +38,37 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import fly_llm
 from fly_llm.common.errors import BadRequest, FLyError, Unauthorized
-from fly_llm.common.protocol import MAX_FRAME_BYTES, GenerateResult, TokenChunk
+from fly_llm.common.protocol import MAX_FRAME_BYTES, GenerateRequest, GenerateResult, TokenChunk
 
 from fly_daemon.embeddings import EmbeddingService
 from fly_daemon.embeddings_http import openai_embeddings
 from fly_daemon.http_connections import HttpLimits, guarded_protocol
-from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, UnknownModel, error_headers, http_status,
-                                    internal, refusal, unless_disconnected)
+from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Event, EventShaper, Replies, Translated, UnknownModel,
+                                    error_headers, http_status, internal, refusal, unless_disconnected)
 from fly_daemon.inproc import InProcessClient
+from fly_daemon.llamacpp_api import InfillBody, infill_answer, infill_chunk
+from fly_daemon.messages_api import CountTokensRequest, MessagesRequest
+from fly_daemon.messages_stream import anthropic_error
 from fly_daemon.ollama_http import ollama_app, ollama_error
 from fly_daemon.openai_api import (
     ChatCompletionRequest, CompletionRequest, DetokenizeBody, GenerationBody, TokenizeBody, error_body,
 )
+from fly_daemon.responses_api import ResponsesRequest
 from fly_daemon.runtime import host_port, is_loopback_host
 
 log = logging.getLogger("fly_daemon")
 
 OLLAMA_PREFIX = "/api"
 """Where Ollama's API (fly_daemon.ollama_http) is mounted."""
+MESSAGES_PREFIX = "/v1/messages"
+"""Anthropic's Messages API: errors under it are in Anthropic's shape."""
 MISDIRECTED = 421
 """The status of a request whose Host header names a host this front does not serve."""
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -71,9 +81,9 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
                embeddings: EmbeddingService = EmbeddingService()) -> FastAPI:
     """The FastAPI app serving `client`'s scheduler, and `embeddings` (default: none) on the embedding routes.
 
-    With `api_key`, every route but /health needs `Authorization: Bearer <api_key>` (/docs and /redoc are
-    off). With `allowed_hosts` (see `trusted_hosts`), a request whose Host header names another host is
-    refused (421).
+    With `api_key`, every route but /health needs `Authorization: Bearer <api_key>` or `x-api-key: <api_key>`
+    (/docs and /redoc are off). With `allowed_hosts` (see `trusted_hosts`), a request whose Host header names
+    another host is refused (421).
     """
     guard = [Depends(_bearer(api_key))] if api_key else []
     docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if api_key else {}
@@ -93,10 +103,29 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _generate(client, body, request, tenant)
 
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await _translated(client, body, request, tenant)
+
+    @v1.post("/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await _translated(client, body, request, tenant)
+
+    @v1.post("/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict[str, Any]:
+        await _served_model(client, body.model)
+        reply = await client.tokenize(messages=body.chat_messages(), tools=body.tool_specs())
+        return {"input_tokens": reply.count}
+
     @v1.get("/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": client.served_model(), "object": "model",
-                                            "created": int(client.scheduler.started), "owned_by": "fly-llm"}]}
+                                            "created": int(client.started), "owned_by": "fly-llm"}]}
+
+    @app.post("/infill", dependencies=guard)
+    async def infill(body: InfillBody, request: Request) -> Response:
+        """llama.cpp's fill-in-the-middle (fly_daemon.llamacpp_api)."""
+        return await _infill(client, body, request, tenant)
 
     @app.post("/tokenize", dependencies=guard)
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
@@ -110,7 +139,7 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     @app.get("/metrics", dependencies=guard)
     async def metrics() -> Response:
         """The daemon's Prometheus metrics (fly_daemon.metrics), as on --metrics-port."""
-        return Response(generate_latest(client.scheduler.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(client.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -166,12 +195,15 @@ def _bad_host(value: str) -> str:
 
 
 def _bearer(api_key: str) -> Callable[..., Awaitable[None]]:
-    """A dependency that refuses requests without `Authorization: Bearer <api_key>` (UNAUTHORIZED, 401)."""
-    scheme = HTTPBearer(auto_error=False)
+    """A dependency that refuses requests without `Authorization: Bearer <api_key>` or `x-api-key: <api_key>`
+    (Anthropic's header) (UNAUTHORIZED, 401)."""
+    bearer, header = HTTPBearer(auto_error=False), APIKeyHeader(name="x-api-key", auto_error=False)
 
-    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(scheme)) -> None:
-        if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), api_key.encode()):
-            raise Unauthorized("a valid API key is required (Authorization: Bearer <key>)")
+    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+                    key: str | None = Depends(header)) -> None:
+        given = credentials.credentials if credentials is not None else key
+        if given is None or not secrets.compare_digest(given.encode(), api_key.encode()):
+            raise Unauthorized("a valid API key is required (Authorization: Bearer <key>, or x-api-key: <key>)")
 
     return check
 
@@ -181,20 +213,9 @@ def _bearer(api_key: str) -> Callable[..., Awaitable[None]]:
 async def _generate(client: InProcessClient, body: GenerationBody, request: Request, tenant: str) -> Response:
     """Serve one chat or text completion (its `n` choices submitted together), whole or as server-sent
     events, as `tenant` and its connection's peer."""
-    peer = request.client.host if request.client else "unknown"
-
     async def start() -> tuple[dict[str, Any], list[Replies], list[TokenChunk | GenerateResult]]:
-        model = await client.loaded_model()
-        if body.model != model:
-            raise UnknownModel(f"model {body.model!r} is not served here; GET /v1/models lists {model!r}")
-        head = body.head(model)
-        streams = [client.replies(r, tenant=tenant, client=f"{tenant}@{peer}") for r in body.choice_requests(head["id"])]
-        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
-        failed = [f for f in firsts if isinstance(f, BaseException)]
-        if failed:  # an error before the first token is a plain HTTP error (the other choices are cancelled)
-            await asyncio.gather(*(s.aclose() for s in streams))
-            raise failed[0]
-        return head, streams, firsts
+        head = body.head(await _served_model(client, body.model))
+        return head, *await _submitted(client, body.choice_requests(head["id"]), request, tenant)
 
     try:
         head, streams, firsts = await unless_disconnected(request, start())
@@ -203,6 +224,103 @@ async def _generate(client: InProcessClient, body: GenerationBody, request: Requ
     if not body.stream:
         return JSONResponse(body.response(head, firsts))
     return StreamingResponse(_events(body, head, firsts, streams), media_type="text/event-stream")
+
+
+async def _served_model(client: InProcessClient, asked: str) -> str:
+    """The served model's name, once loaded, if `asked` names it; else UnknownModel (404)."""
+    model = await client.loaded_model()
+    if asked != model:
+        raise UnknownModel(f"model {asked!r} is not served here; GET /v1/models lists {model!r}")
+    return model
+
+
+async def _submitted(client: InProcessClient, requests: list[GenerateRequest], request: Request,
+                     tenant: str) -> tuple[list[Replies], list[TokenChunk | GenerateResult]]:
+    """Submit `requests` as `tenant` and the connection's peer; their reply streams and first replies.
+    An error before the first reply is raised (the other requests are cancelled)."""
+    peer = request.client.host if request.client else "unknown"
+    streams = [client.replies(r, tenant=tenant, client=f"{tenant}@{peer}") for r in requests]
+    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    failed = [f for f in firsts if isinstance(f, BaseException)]
+    if failed:  # an error before the first token is a plain HTTP error (the other choices are cancelled)
+        await asyncio.gather(*(s.aclose() for s in streams))
+        raise failed[0]
+    return streams, firsts
+
+
+async def _translated(client: InProcessClient, body: Translated, request: Request, tenant: str) -> Response:
+    """Serve a request of another API (the Responses or Messages API) as one chat request, whole or as the
+    server-sent events its shaper makes, as `tenant` and its connection's peer."""
+    async def start() -> tuple[EventShaper, Replies, TokenChunk | GenerateResult]:
+        shaper = body.shaper(await _served_model(client, body.model))
+        [replies], [first] = await _submitted(client, [body.to_generate(shaper.id)], request, tenant)
+        return shaper, replies, first
+
+    try:
+        shaper, replies, first = await unless_disconnected(request, start())
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    if not body.stream:
+        await replies.aclose()
+        return JSONResponse(shaper.whole(first))  # a request without stream answers with its result
+    return StreamingResponse(_shaped(shaper, first, replies), media_type="text/event-stream")
+
+
+async def _shaped(shaper: EventShaper, first: TokenChunk | GenerateResult, replies: Replies) -> AsyncIterator[str]:
+    """A translated stream's events; an error after the first is the shaper's failure events."""
+    try:
+        for event in shaper.opening():
+            yield _named_event(event)
+        reply = first
+        while isinstance(reply, TokenChunk):
+            for event in shaper.chunk(reply):
+                yield _named_event(event)
+            reply = await anext(replies)
+        for event in shaper.final(reply):
+            yield _named_event(event)
+    except FLyError as exc:
+        for event in shaper.failure(exc, http_status(exc)):
+            yield _named_event(event)
+    except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
+        for event in shaper.failure(internal(exc), 500):
+            yield _named_event(event)
+    finally:
+        await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
+
+
+async def _infill(client: InProcessClient, body: InfillBody, request: Request, tenant: str) -> Response:
+    """Serve one /infill request, whole or as server-sent events in llama.cpp's shape (no `[DONE]`)."""
+    async def start() -> tuple[str, Replies, TokenChunk | GenerateResult]:
+        model = await client.loaded_model()
+        no_limit = client.limits.max_tokens_limit  # clipped to what fits the context window
+        [replies], [first] = await _submitted(
+            client, [body.to_generate(f"infill-{uuid.uuid4().hex}", no_limit)], request, tenant)
+        return model, replies, first
+
+    try:
+        model, replies, first = await unless_disconnected(request, start())
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    if not body.stream:
+        await replies.aclose()
+        return JSONResponse(infill_answer(first, model, first.text))
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            reply = first
+            while isinstance(reply, TokenChunk):
+                if reply.text:
+                    yield _event(infill_chunk(reply.text))
+                reply = await anext(replies)
+            yield _event(infill_answer(reply, model))
+        except FLyError as exc:
+            yield _event(error_body(exc, _error_type(http_status(exc))))
+        except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
+            yield _event(error_body(internal(exc), _error_type(500)))
+        finally:
+            await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 async def _events(body: GenerationBody, head: dict[str, Any], firsts: list[TokenChunk | GenerateResult],
@@ -272,35 +390,48 @@ def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-# ---- errors in OpenAI's shape ----
+def _named_event(data: Event) -> str:
+    """A server-sent event named by its data's `type` (as the Responses and Messages APIs send them)."""
+    return f"event: {data['type']}\n{_event(data)}"
+
+
+# ---- errors in OpenAI's shape (Anthropic's under MESSAGES_PREFIX) ----
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(FLyError)
-    async def fly_error(_: Request, exc: FLyError) -> JSONResponse:
+    async def fly_error(request: Request, exc: FLyError) -> JSONResponse:
         status = http_status(exc)
-        return _error(exc, status, "model" if isinstance(exc, UnknownModel) else None, error_headers(status))
+        return _error(request.url.path, exc, status, "model" if isinstance(exc, UnknownModel) else None,
+                      error_headers(status))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         if errors[0]["type"] == "json_invalid":
-            return _error(BadRequest(f"the body is not valid JSON: {errors[0]['ctx']['error']}"), 400)
+            return _error(request.url.path, BadRequest(f"the body is not valid JSON: {errors[0]['ctx']['error']}"), 400)
         fields = [".".join(str(part) for part in e["loc"][1:]) for e in errors]  # loc[0] is "body"
         problems = "; ".join(f"{field or 'body'}: {e['msg']}" for field, e in zip(fields, errors[:5]))
-        return _error(BadRequest(problems), 400, fields[0] or None)
+        return _error(request.url.path, BadRequest(problems), 400, fields[0] or None)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method, body size
-        return _error(refusal(exc), exc.status_code, None, exc.headers)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method, size
+        return _error(request.url.path, refusal(exc), exc.status_code, None, exc.headers)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return _error(internal(exc), 500)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return _error(request.url.path, internal(exc), 500)
 
 
-def _error(error: FLyError, status: int, param: str | None = None,
+def _error(path: str, error: FLyError, status: int, param: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(error, _error_type(status), param), status_code=status, headers=headers)
+    """The error answer to a request for `path`: Anthropic's shape under MESSAGES_PREFIX, else OpenAI's."""
+    body = anthropic_error(error, status) if _under(path, MESSAGES_PREFIX) else \
+        error_body(error, _error_type(status), param)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + "/")
 
 
 def _error_type(status: int) -> str:
@@ -339,7 +470,7 @@ class _BodyLimit:
 
 class _TrustedHosts:
     """ASGI middleware: a request whose Host header names none of `hosts` is refused (421, BAD_REQUEST), before
-    routing, in Ollama's error shape under OLLAMA_PREFIX and in OpenAI's elsewhere."""
+    routing, in Ollama's error shape under OLLAMA_PREFIX, Anthropic's under MESSAGES_PREFIX, OpenAI's elsewhere."""
 
     def __init__(self, app: ASGIApp, hosts: Collection[str]) -> None:
         self.app = app
@@ -353,10 +484,10 @@ class _TrustedHosts:
         error = BadRequest(f"Host {host[:100]!r} is not served here (allowed: {', '.join(sorted(self.hosts))}; "
                            "add one with --allowed-host or FLY_ALLOWED_HOSTS)")
         path = scope["path"]
-        if path == OLLAMA_PREFIX or path.startswith(OLLAMA_PREFIX + "/"):
+        if _under(path, OLLAMA_PREFIX):
             answer = JSONResponse(ollama_error(error), status_code=MISDIRECTED)
         else:
-            answer = _error(error, MISDIRECTED)
+            answer = _error(path, error, MISDIRECTED)
         await answer(scope, receive, send)
 
 

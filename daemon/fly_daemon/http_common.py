@@ -2,8 +2,10 @@
 
 Each error code's HTTP status and headers, an HTTP-level refusal as our error, the INTERNAL answer that
 hides an unexpected failure behind a request id, a body parsed whatever its Content-Type, and a client's
-disconnect cancelling its request. Each
-API writes these in its own error shape.
+disconnect cancelling its request. Each API writes these in its own error shape. `Translated` and
+`EventShaper` are what an API served as one chat request (the Responses API, fly_daemon.responses_api;
+Anthropic's Messages API, fly_daemon.messages_api) gives the front: its wire request, and its answer whole
+or as server-sent events.
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from fly_llm.common.errors import BadRequest, FLyError, Internal, TooLong
-from fly_llm.common.protocol import GenerateResult, TokenChunk, invalid
+from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk, invalid
 
 log = logging.getLogger("fly_daemon")
 T = TypeVar("T")
@@ -27,8 +30,8 @@ B = TypeVar("B", bound=BaseModel)
 Replies = AsyncGenerator[TokenChunk | GenerateResult, None]
 """One request's replies from the in-process client: chunks, then its result."""
 
-STATUS = {"BAD_REQUEST": 400, "TOO_LONG": 400, "UNAUTHORIZED": 401, "BUSY": 503, "TIMEOUT": 504,
-          "CANCELLED": 503, "NOT_READY": 503, "INTERNAL": 500, "UNAVAILABLE": 503, "MODEL_ERROR": 500}
+STATUS = {"BAD_REQUEST": 400, "TOO_LONG": 400, "FIM_UNSUPPORTED": 400, "UNAUTHORIZED": 401, "BUSY": 503,
+          "TIMEOUT": 504, "CANCELLED": 503, "NOT_READY": 503, "INTERNAL": 500, "UNAVAILABLE": 503, "MODEL_ERROR": 500}
 """The HTTP status of each error code; 503s may be retried (BUSY: nothing was admitted)."""
 CLIENT_CLOSED = 499
 """The status logged for a request whose client left before its answer (nobody receives it)."""
@@ -97,3 +100,47 @@ async def _disconnect(request: Request) -> None:
     """Return when the client disconnects (the body has been read, so the next message says so)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+Event = dict[str, Any]
+"""One server-sent event's data; its `type` is the event's name."""
+
+
+class EventShaper(ABC):
+    """One request's answer in another API's shape: whole, or as the events of its stream (each with a `type`)."""
+
+    id: str
+    """The answer's id (also its wire request's)."""
+
+    @abstractmethod
+    def opening(self) -> list[Event]:
+        """The events a stream opens with."""
+
+    @abstractmethod
+    def chunk(self, chunk: TokenChunk) -> list[Event]:
+        """The events of a chunk's new text and completed tool calls."""
+
+    @abstractmethod
+    def final(self, result: GenerateResult) -> list[Event]:
+        """The events that end a stream with its result."""
+
+    @abstractmethod
+    def failure(self, error: FLyError, status: int) -> list[Event]:
+        """The events that end a stream that failed after it began (`status`: the error's HTTP status)."""
+
+    @abstractmethod
+    def whole(self, result: GenerateResult) -> dict[str, Any]:
+        """The whole (non-streamed) answer."""
+
+
+class Translated(Protocol):
+    """A request of another API served as one chat request (see `EventShaper`)."""
+
+    model: str
+    stream: bool
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        """The wire request; BadRequest / TooLong (naming the field) if it is not valid."""
+
+    def shaper(self, model: str) -> EventShaper:
+        """A new answer of `model` to this request."""

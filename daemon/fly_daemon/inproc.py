@@ -1,6 +1,8 @@
 """An asyncio client of the scheduler inside the daemon's process: no socket, no serialisation.
 
-The HTTP front (fly_daemon.http) submits through it. Requests go to `Scheduler.submit` (tokenize
+The HTTP front (fly_daemon.http, fly_daemon.ollama_http) submits through it, and it is all the front
+sees of the scheduler: its state, limits, metrics and the served model's `ModelInfo`
+(fly_daemon.model_info), never the engine. Requests go to `Scheduler.submit` (tokenize
 requests to `Scheduler.tokenize`) with the LOCAL envelope; the model thread's replies come back
 through `deliver` (the serving core's emit, fly_daemon.core, routes LOCAL replies here), which
 hands each to the event loop of the coroutine waiting for it. A request whose consumer stops
@@ -14,6 +16,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
 from fly_llm.client.core import checked
@@ -22,6 +25,8 @@ from fly_llm.common.protocol import (
     ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest,
 )
 
+from fly_daemon.limits import Limits
+from fly_daemon.model_info import ModelInfo
 from fly_daemon.scheduler import LOCAL, Envelope, Scheduler
 
 _LOAD_POLL_S = 0.1
@@ -31,29 +36,51 @@ class InProcessClient:
     """Submit generate requests to a Scheduler in this process and await their replies (asyncio)."""
 
     def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+        self._scheduler = scheduler
         self._waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
     @property
     def state(self) -> HealthState:
-        return self.scheduler.state
+        return self._scheduler.state
 
     @property
     def detail(self) -> str:
-        return self.scheduler.detail
+        return self._scheduler.detail
+
+    @property
+    def limits(self) -> Limits:
+        return self._scheduler.limits
+
+    @property
+    def started(self) -> float:
+        """When the scheduler started (a Unix time)."""
+        return self._scheduler.started
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        """The scheduler's Prometheus metrics."""
+        return self._scheduler.metrics.registry
+
+    def model_info(self) -> ModelInfo:
+        """The served model; NotReady until the models are loaded."""
+        model = self._scheduler.model
+        if model is None:
+            raise NotReady(self.detail if self.state == "failed" else f"the daemon is {self.state}")
+        return model
+
+    async def loaded_model_info(self) -> ModelInfo:
+        """The served model, once the models are loaded (waits while they load); NotReady if loading failed."""
+        while self.state == "loading":
+            await asyncio.sleep(_LOAD_POLL_S)
+        return self.model_info()
 
     def served_model(self) -> str:
         """The target's name; NotReady until the models are loaded."""
-        engine = self.scheduler.engine
-        if engine is None:
-            raise NotReady(self.scheduler.detail if self.state == "failed" else f"the daemon is {self.state}")
-        return engine.target_name
+        return self.model_info().name
 
     async def loaded_model(self) -> str:
         """The target's name, once the models are loaded (waits while they load); NotReady if loading failed."""
-        while self.state == "loading":
-            await asyncio.sleep(_LOAD_POLL_S)
-        return self.served_model()
+        return (await self.loaded_model_info()).name
 
     def deliver(self, envelope: Envelope, message: BaseModel) -> None:
         """Hand a reply to the coroutine waiting for it (called from the model thread; others are dropped)."""
@@ -74,7 +101,7 @@ class InProcessClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._waiting[request.id] = (asyncio.get_running_loop(), queue)
         try:
-            self.scheduler.tokenize(LOCAL, request)
+            self._scheduler.tokenize(LOCAL, request)
             reply = await queue.get()
         finally:
             del self._waiting[request.id]
@@ -96,7 +123,7 @@ class InProcessClient:
         self._waiting[request.id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            self.scheduler.submit(LOCAL, request, tenant=tenant, client=client)
+            self._scheduler.submit(LOCAL, request, tenant=tenant, client=client)
             while not finished:
                 reply = await queue.get()
                 finished = not isinstance(reply, TokenChunk)
@@ -106,4 +133,4 @@ class InProcessClient:
         finally:
             del self._waiting[request.id]
             if not finished:
-                self.scheduler.cancel(LOCAL, request.id)
+                self._scheduler.cancel(LOCAL, request.id)

@@ -2,13 +2,13 @@
 translation into one `fly_llm.common.protocol.GenerateRequest`, and answers, stream lines and model cards in
 Ollama's shape. The routes are fly_daemon.ollama_http.
 
-`options` carry Ollama's sampling options that FLy has (num_predict, temperature, top_p, seed, stop,
-num_ctx checked against the context window), FLy's own options (k, window, entropy_threshold, loose)
-and the structure options Ollama has no field for (tool_choice, parallel_tool_calls, response_format;
-`fly_llm.common.tools.StructureOptions`), all validated where the wire request validates them. Ollama's
-load-time options (num_gpu, num_thread, ...) change no output and are ignored; a sampler FLy does not
-have (top_k, repeat_penalty, mirostat, ...) is accepted only at the value that turns it off; any
-other option is refused, so a typo never passes silently.
+`options` carry Ollama's sampling options that FLy has (num_predict, temperature, top_p, top_k, min_p,
+repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop, num_ctx checked against the
+context window), FLy's own options (k, window, entropy_threshold, loose) and the structure options Ollama
+has no field for (tool_choice, parallel_tool_calls, response_format; `fly_llm.common.tools.StructureOptions`),
+all validated where the wire request validates them. Ollama's load-time options (num_gpu, num_thread, ...)
+change no output and are ignored; a sampler FLy does not have (typical_p, tfs_z, mirostat) is accepted only
+at the value that turns it off; any other option is refused, so a typo never passes silently.
 """
 
 from __future__ import annotations
@@ -24,20 +24,23 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fly_llm.client.core import build_options, checked
 from fly_llm.common.config import FLyOverrides
 from fly_llm.common.errors import BadRequest
+from fly_llm.common.fim import FimTokens, Infill
 from fly_llm.common.protocol import GenerateRequest, GenerateResult
 from fly_llm.common.stats import FinishReason
 from fly_llm.common.tools import STRUCTURE_OPTIONS, ToolCall, closed_tool, schema_format
+
+from fly_daemon.model_info import ModelInfo
 
 OLLAMA_VERSION = "0.9.0"
 """The Ollama release whose API these routes follow (GET /api/version): streamed tool calls (0.8), `think` (0.9)."""
 LOAD_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
                           "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep"})
 """Ollama options about loading and running a model on the hardware: accepted and ignored (they change no output)."""
-SAMPLERS_OFF = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, "tfs_z": 1.0, "repeat_penalty": 1.0,
-                "presence_penalty": 0.0, "frequency_penalty": 0.0, "mirostat": 0}
+SAMPLERS_OFF = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0}
 """Ollama samplers FLy does not have, each with the value that turns it off (the only one accepted)."""
-SAMPLER_SETTINGS = frozenset({"repeat_last_n", "mirostat_tau", "mirostat_eta", "penalize_newline"})
-"""Settings of those samplers: accepted and ignored (they do nothing while their sampler is off)."""
+SAMPLER_SETTINGS = frozenset({"mirostat_tau", "mirostat_eta", "penalize_newline"})
+"""Settings accepted and ignored: mirostat's do nothing while it is off; penalize_newline is gone from Ollama's
+own engine, which (like FLy) penalizes a newline as any other token."""
 FLY_OPTIONS: tuple[str, ...] = (*FLyOverrides.model_fields, *(n for n in STRUCTURE_OPTIONS if n != "tools"))
 """FLy's options an Ollama request may add to `options` (`tools` is Ollama's own field)."""
 NO_LIMIT = (-1, -2)
@@ -56,6 +59,12 @@ class Options(BaseModel):
     num_predict: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = Field(None, description="FLy's repetition_penalty.")
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     num_ctx: int | None = Field(None, ge=1)
@@ -167,8 +176,10 @@ class OllamaBody(_Strict, ABC):
         limit = options.num_predict
         sampling, fly = build_options(
             max_tokens=served.no_limit_tokens if limit is None or limit in NO_LIMIT else limit,
-            temperature=options.temperature, top_p=options.top_p, seed=options.seed,
-            stop=[options.stop] if isinstance(options.stop, str) else options.stop,
+            temperature=options.temperature, top_p=options.top_p, top_k=options.top_k, min_p=options.min_p,
+            repetition_penalty=options.repeat_penalty, repeat_last_n=options.repeat_last_n,
+            presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
+            seed=options.seed, stop=[options.stop] if isinstance(options.stop, str) else options.stop,
             **options.extras(tuple(FLyOverrides.model_fields)))
         with checked():
             return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream, **structure,
@@ -237,19 +248,24 @@ class ChatBody(OllamaBody):
 
 class GenerateBody(OllamaBody):
     """POST /api/generate: the prompt (with `system`) through the chat template, or as it is with `raw`
-    or when the target has no template. `suffix`, `template`, `context` and `images` are refused."""
+    or when the target has no template; with a `suffix`, the middle between prompt and suffix (the target's
+    FIM tokens, no chat template, as Ollama's `{{ if .Suffix }}` templates do). `template`, `context` and
+    `images` are refused."""
 
     prompt: str = ""
     system: str | None = None
     raw: bool = False
-    suffix: str | None = Field(None, description="Refused unless empty: no fill-in-the-middle.")
+    suffix: str | None = Field(None, description=(
+        "Fill in the middle between prompt and suffix (empty: none, as in Ollama)."))
     template: str | None = Field(None, description="Refused unless empty: the target's chat template is used.")
     context: list[int] | None = Field(None, description="Refused unless empty: send the conversation to /api/chat.")
     images: list[str] | None = Field(None, description="Refused unless empty: the served models read text only.")
 
     @model_validator(mode="after")
     def _unserved(self) -> "GenerateBody":
-        for name, why in (("suffix", "no fill-in-the-middle"), ("template", "the target's chat template is used"),
+        if self.suffix and self.system:
+            raise ValueError("system is not served with suffix (fill-in-the-middle uses no chat template)")
+        for name, why in (("template", "the target's chat template is used"),
                           ("context", "send the conversation to /api/chat as messages"),
                           ("images", "the served models read text only")):
             if getattr(self, name):
@@ -258,9 +274,11 @@ class GenerateBody(OllamaBody):
 
     @property
     def loads_only(self) -> bool:
-        return not self.prompt
+        return not (self.prompt or self.suffix)
 
     def _source(self, served: Served) -> dict[str, Any]:
+        if self.suffix:
+            return {"infill": Infill(prefix=self.prompt, suffix=self.suffix)}
         if self.raw or not served.chat_template:
             if self.system:
                 raise BadRequest("system needs the chat template (not with raw, nor a target without one)")
@@ -285,6 +303,21 @@ class ShowBody(BaseModel):
         return self.model or self.name
 
 
+def show_template(chat_template: str, fim: FimTokens | None) -> str:
+    """/api/show's `template`: the chat template, inside an Ollama `{{ if .Suffix }}` branch that fills in the
+    middle with the target's FIM tokens where it has them (how clients such as Continue tell FIM is served)."""
+    if fim is None:
+        return chat_template
+    prefix, suffix, middle = fim.names
+    return (f"{{{{- if .Suffix }}}}{prefix}{{{{ .Prompt }}}}{suffix}{{{{ .Suffix }}}}{middle}"
+            f"{{{{- else }}}}{chat_template}{{{{- end }}}}")
+
+
+def capabilities(chat_template: str, fim: FimTokens | None) -> list[str]:
+    """/api/show's `capabilities`: completion; tools with a chat template; insert (Ollama's FIM) with FIM tokens."""
+    return ["completion", *(["tools"] if chat_template else []), *(["insert"] if fim is not None else [])]
+
+
 def ollama_tool_call(call: ToolCall, index: int) -> dict[str, Any]:
     """A tool call in Ollama's shape (arguments an object), with its id and index in the answer."""
     return {"id": call.id, "function": {"index": index, "name": call.name, "arguments": call.arguments}}
@@ -300,28 +333,16 @@ def same_model(asked: str, served: str) -> bool:
     return asked in (served, f"{served}:latest")
 
 
-def model_card(engine: Any, started: float) -> dict[str, Any]:
+def model_card(model: ModelInfo, started: float) -> dict[str, Any]:
     """The served target as /api/tags and /api/ps list a model: name, size in bytes, digest, details."""
-    target = engine.target
-    tensors = [*target.parameters(), *target.buffers()]
-    arch = architecture(engine)
-    return {"name": engine.target_name, "model": engine.target_name,
+    arch = model.architecture
+    return {"name": model.name, "model": model.name,
             "modified_at": datetime.fromtimestamp(started, timezone.utc).isoformat(),
-            "size": sum(t.numel() * t.element_size() for t in tensors),
-            "digest": hashlib.sha256(engine.target_name.encode()).hexdigest(),
-            "details": {"parent_model": "", "format": "gguf" if engine.target_name.endswith(".gguf") else "safetensors",
-                        "family": arch, "families": [arch], "parameter_size": _size(parameter_count(engine)),
-                        "quantization_level": engine.target_quantization.upper()}}
-
-
-def architecture(engine: Any) -> str:
-    """The target's architecture (its config's model_type), Ollama's model family."""
-    return str(getattr(engine.target.config, "model_type", "") or type(engine.target).__name__)
-
-
-def parameter_count(engine: Any) -> int:
-    """The number of values in the target's parameters (packed quantized weights count as stored)."""
-    return sum(t.numel() for t in engine.target.parameters())
+            "size": model.size_bytes,
+            "digest": hashlib.sha256(model.name.encode()).hexdigest(),
+            "details": {"parent_model": "", "format": "gguf" if model.name.endswith(".gguf") else "safetensors",
+                        "family": arch, "families": [arch], "parameter_size": _size(model.parameter_count),
+                        "quantization_level": model.quantization.upper()}}
 
 
 def _size(count: int) -> str:

@@ -32,8 +32,9 @@ from fly_daemon.embeddings_http import ollama_embeddings
 from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, UnknownModel, error_headers, http_status,
                                     internal, parsed_body, refusal, unless_disconnected)
 from fly_daemon.inproc import InProcessClient
-from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaBody, Served, ShowBody,
-                                   architecture, model_card, parameter_count, same_model)
+from fly_daemon.model_info import ModelInfo
+from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaBody, Served, ShowBody, capabilities,
+                                   model_card, same_model, show_template)
 
 MANAGEMENT = ("/pull", "/push", "/create", "/copy", "/delete")
 """Ollama routes fly-daemon refuses: it serves the models it loaded from local files at start."""
@@ -58,26 +59,25 @@ def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str,
 
     @app.get("/tags")
     async def tags() -> dict[str, Any]:
-        return {"models": [model_card(await _engine(client), client.scheduler.started)]}
+        return {"models": [model_card(await client.loaded_model_info(), client.started)]}
 
     @app.get("/ps")
     async def ps() -> dict[str, Any]:
-        engine = await _engine(client)
-        card = model_card(engine, client.scheduler.started)
-        vram = card["size"] if engine.device.type == "cuda" else 0
-        return {"models": [{**card, "expires_at": NEVER, "size_vram": vram, "context_length": engine.context_window}]}
+        model = await client.loaded_model_info()
+        card = model_card(model, client.started)
+        vram = card["size"] if model.on_gpu else 0
+        return {"models": [{**card, "expires_at": NEVER, "size_vram": vram, "context_length": model.context_window}]}
 
     @app.post("/show")
     async def show(request: Request) -> dict[str, Any]:
-        engine = await _served(client, (await parsed_body(request, ShowBody)).asked)
-        card = model_card(engine, client.scheduler.started)
-        arch, template = architecture(engine), getattr(engine.tokenizer, "chat_template", None) or ""
+        model = await _served(client, (await parsed_body(request, ShowBody)).asked)
+        card, arch, template = model_card(model, client.started), model.architecture, model.chat_template
         return {"modelfile": f"# fly-daemon serves this model from local files loaded at start\nFROM {card['name']}\n",
-                "parameters": "", "template": template if isinstance(template, str) else json.dumps(template),
+                "parameters": "", "template": show_template(template, model.fim),
                 "details": card["details"], "modified_at": card["modified_at"],
-                "model_info": {"general.architecture": arch, "general.parameter_count": parameter_count(engine),
-                               f"{arch}.context_length": engine.context_window},
-                "capabilities": ["completion", "tools"] if template else ["completion"]}
+                "model_info": {"general.architecture": arch, "general.parameter_count": model.parameter_count,
+                               f"{arch}.context_length": model.context_window},
+                "capabilities": capabilities(template, model.fim)}
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -93,18 +93,12 @@ def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str,
     return app
 
 
-async def _engine(client: InProcessClient) -> Any:
-    """The serving engine once the models are loaded (NotReady if loading failed)."""
-    await client.loaded_model()
-    return client.scheduler.engine
-
-
-async def _served(client: InProcessClient, asked: str) -> Any:
-    """The engine, if `asked` names its target; else UnknownModel (404)."""
-    engine = await _engine(client)
-    if not same_model(asked, engine.target_name):
-        raise UnknownModel(f"model {asked!r} not found: fly-daemon serves {engine.target_name!r} (GET /api/tags)")
-    return engine
+async def _served(client: InProcessClient, asked: str) -> ModelInfo:
+    """The served model once loaded (NotReady if loading failed), if `asked` names it; else UnknownModel (404)."""
+    model = await client.loaded_model_info()
+    if not same_model(asked, model.name):
+        raise UnknownModel(f"model {asked!r} not found: fly-daemon serves {model.name!r} (GET /api/tags)")
+    return model
 
 
 async def _serve(client: InProcessClient, body: OllamaBody, request: Request, tenant: str) -> Response:
@@ -113,12 +107,12 @@ async def _serve(client: InProcessClient, body: OllamaBody, request: Request, te
     peer = request.client.host if request.client else "unknown"
 
     async def start() -> tuple[Replies, TokenChunk | GenerateResult] | None:
-        engine = await _served(client, body.model)
+        model = await _served(client, body.model)
         if body.loads_only:
             return None
-        served = Served(context_window=engine.context_window,
-                        no_limit_tokens=min(client.scheduler.limits.max_tokens_limit, engine.context_window),
-                        chat_template=bool(getattr(engine.tokenizer, "chat_template", None)))
+        served = Served(context_window=model.context_window,
+                        no_limit_tokens=min(client.limits.max_tokens_limit, model.context_window),
+                        chat_template=bool(model.chat_template))
         replies = client.replies(body.to_generate(f"ollama-{uuid.uuid4().hex}", served), tenant=tenant,
                                  client=f"{tenant}@{peer}")
         return replies, await anext(replies)  # an error before the first token is a plain HTTP error

@@ -24,8 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fly_llm.client.core import build_options, checked
 from fly_llm.common.errors import FLyError
+from fly_llm.common.fim import Infill
 from fly_llm.common.protocol import (
-    MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, MessageToolCall, TokenLogprob, TopLogprob,
+    MAX_CHOICES, MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, MessageToolCall, TokenLogprob, TopLogprob,
 )
 from fly_llm.common.stats import FinishReason, RequestStats
 from fly_llm.common.tools import FormatOptions, StructureOptions, ToolCall, structure_options
@@ -65,15 +66,25 @@ class Message(_Strict):
         return turn
 
 
-MAX_CHOICES = 16
-"""Most choices (`n`) one request may ask for."""
-
 
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class GenerationBody(_Strict, ABC):
+class FLyFields(_Strict):
+    """FLy's own options, extra body fields on every generating route (OpenAI's, the Responses and Messages APIs)."""
+
+    k: int | None = Field(None, description="FLy: upper bound on draft tokens per round.")
+    window: int | None = Field(None, description="FLy: deferred window W.")
+    entropy_threshold: float | None = Field(None, description="FLy: entropy gate θ in nats.")
+    loose: bool | None = Field(None, description="FLy: loose acceptance (false = exact, lossless SPD).")
+
+    def fly_options(self) -> dict[str, Any]:
+        """These fields as `fly_llm.client.core.build_options` keywords."""
+        return {"k": self.k, "window": self.window, "entropy_threshold": self.entropy_threshold, "loose": self.loose}
+
+
+class GenerationBody(FLyFields, ABC):
     """The fields /v1/chat/completions and /v1/completions share; FLy's options are extra body fields."""
 
     object_name: ClassVar[str]
@@ -89,14 +100,16 @@ class GenerationBody(_Strict, ABC):
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens.")
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = Field(None, description="-2..2: subtracted once from a repeated token's logit.")
+    frequency_penalty: float | None = Field(None, description="-2..2: times a token's repeat count, subtracted.")
+    top_k: int | None = Field(None, description="Extra body (vLLM, llama-server): the k most likely tokens only.")
+    min_p: float | None = Field(None, description="Extra body: drop tokens under min_p × the most likely one's.")
+    repetition_penalty: float | None = Field(None, description="Extra body (vLLM): CTRL's ratio for repeats.")
+    repeat_last_n: int | None = Field(None, description="Extra body (llama-server): the tokens penalties count.")
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices: sampled requests decoded together in the batch.")
     user: str | None = Field(None, description="OpenAI's end-user id: accepted, not used.")
-    k: int | None = Field(None, description="FLy: upper bound on draft tokens per round.")
-    window: int | None = Field(None, description="FLy: deferred window W.")
-    entropy_threshold: float | None = Field(None, description="FLy: entropy gate θ in nats.")
-    loose: bool | None = Field(None, description="FLy: loose acceptance (false = exact, lossless SPD).")
 
     @model_validator(mode="after")
     def _one_max_tokens(self) -> "GenerationBody":
@@ -124,9 +137,10 @@ class GenerationBody(_Strict, ABC):
         """The wire request this body asks for; BadRequest / TooLong (naming the field) if it is not valid."""
         sampling, fly = build_options(
             max_tokens=self._wire_max_tokens(),
-            temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-            stop=[self.stop] if isinstance(self.stop, str) else self.stop,
-            k=self.k, window=self.window, entropy_threshold=self.entropy_threshold, loose=self.loose)
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, repeat_last_n=self.repeat_last_n, seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else self.stop, **self.fly_options())
         with checked():
             return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream,
                                    **structure_options(self), **self._source(), **self._logprob_fields())
@@ -144,7 +158,7 @@ class GenerationBody(_Strict, ABC):
         if self.n == 1:
             return [first]
         seeds = [None if self.seed is None else (self.seed + i) % 2**63 for i in range(self.n)]
-        return [first.model_copy(update={"id": f"{request_id}-{i}",
+        return [first.model_copy(update={"id": f"{request_id}-{i}", "choices": self.n,
                                          "sampling": first.sampling.model_copy(update={"seed": seed})})
                 for i, seed in enumerate(seeds)]
 
@@ -273,7 +287,8 @@ class ChatCompletionRequest(GenerationBody, StructureOptions):
 
 
 class CompletionRequest(GenerationBody, FormatOptions):
-    """POST /v1/completions: the model continues the prompt text (one prompt; a list of exactly one is accepted)."""
+    """POST /v1/completions: the model continues the prompt text (one prompt; a list of exactly one is accepted),
+    or with `suffix` fills in what goes between the prompt and the suffix (the target's FIM tokens)."""
 
     object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl"
@@ -282,11 +297,16 @@ class CompletionRequest(GenerationBody, FormatOptions):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="Report each token's log-probability and this many alternatives.")
     echo: bool = Field(False, description="The prompt before the completion (with logprobs: its tokens' too).")
+    suffix: str | None = Field(None, description=(
+        "The text after the completion: fill in the middle between prompt and suffix (FIM_UNSUPPORTED for a "
+        "model without FIM tokens)."))
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             raise ValueError("prompt: give one string (several choices of it: n)")
+        if self.suffix is not None and self.echo:
+            raise ValueError("echo is not served with suffix (the completion goes between prompt and suffix)")
         if self.echo and self.stream:
             raise ValueError("echo is served without stream")
         if self.asked_max_tokens == 0 and not self.echo:
@@ -323,6 +343,8 @@ class CompletionRequest(GenerationBody, FormatOptions):
                 "text_offset": offsets}
 
     def _source(self) -> dict[str, Any]:
+        if self.suffix is not None:
+            return {"infill": Infill(prefix=self.text, suffix=self.suffix)}
         return {"prompt": self.text}
 
     def _choice(self, index: int, result: GenerateResult) -> dict[str, Any]:

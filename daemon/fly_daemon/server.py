@@ -183,11 +183,11 @@ class Server:
                     except zmq.Again:
                         break
                     self._handle(router, frames)
-            if self.scheduler.engine is None:
+            if self.scheduler.model is None:
                 self.scheduler.expire_queued()
             if self._stop_requests > stops_seen:
                 stops_seen = self._stop_requests
-                if self.scheduler.engine is None:
+                if self.scheduler.model is None:
                     log.info("stop requested while loading: exiting")
                     self.scheduler.drain()
                     self.scheduler.abandon_queue(Cancelled("the daemon is stopping"))
@@ -284,24 +284,24 @@ class Server:
         return rid if isinstance(rid, str) and 0 < len(rid) <= 128 else UNKNOWN_ID
 
     def _info(self, rid: str) -> InfoReply:
-        engine = self.scheduler.engine
-        if engine is None:
+        model = self.scheduler.model
+        if model is None:
             raise NotReady(f"the daemon is {self.scheduler.state}")
         limits = self.scheduler.limits
         return InfoReply(
-            id=rid, version=fly_llm.__version__, target=engine.target_name, draft=engine.draft_name,
-            context_window=engine.context_window, max_tokens_limit=limits.max_tokens_limit,
-            max_prompt_tokens=limits.max_prompt_tokens or engine.context_window - 1,
-            device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
-            target_quantization=engine.target_quantization, draft_quantization=engine.draft_quantization,
-            fly_defaults=engine.config, sampling_defaults=SamplingParams(),
-            chat_template=bool(getattr(engine.tokenizer, "chat_template", None)))
+            id=rid, version=fly_llm.__version__, target=model.name, draft=model.draft,
+            context_window=model.context_window, max_tokens_limit=limits.max_tokens_limit,
+            max_prompt_tokens=limits.max_prompt_tokens or model.context_window - 1,
+            device=model.device, dtype=model.dtype,
+            target_quantization=model.quantization, draft_quantization=model.draft_quantization,
+            fly_defaults=model.fly_defaults, sampling_defaults=SamplingParams(),
+            chat_template=bool(model.chat_template))
 
     def _status(self, rid: str) -> StatusReply:
-        engine = self.scheduler.engine
+        model = self.scheduler.model
         return StatusReply(
             id=rid, state=self.scheduler.state, pid=os.getpid(), uptime_s=time.time() - self.started,
-            target=engine.target_name if engine else None, draft=engine.draft_name if engine else None,
+            target=model.name if model else None, draft=model.draft if model else None,
             **self.scheduler.snapshot())
 
 

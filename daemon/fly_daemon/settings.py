@@ -34,7 +34,7 @@ from fly_llm.common.protocol import MAX_FRAME_BYTES
 
 from fly_daemon.embeddings import EmbeddingSettings
 from fly_daemon.runtime import host_port
-from fly_daemon.scheduler import Limits
+from fly_daemon.limits import Limits
 
 M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "FLY_"
@@ -71,6 +71,13 @@ class DaemonSettings(Limits, HttpLimits, EmbeddingSettings):
     metrics_port: int | None = Field(None, ge=1, le=65535)
     prefix_cache_mb: int = Field(1024, ge=0, le=1 << 20, description="MiB of KV the prefix cache keeps of recent "
                                  "prompts and conversations (both models); 0 = off.")
+    grammar_cache_mb: int = Field(256, ge=1, le=1 << 20, description="MiB of compiled grammars (JSON schemas, "
+                                  "tools, regexes) kept for reuse, as measured where they compile; least recently "
+                                  "used dropped first.")
+    max_grammar_mb: int = Field(64, ge=1, le=1 << 20, description="MiB one grammar's compiled form may take; a "
+                                "bigger one is refused (BAD_REQUEST naming this cap).")
+    grammar_workers: int = Field(2, ge=1, le=64, description="Sandbox processes that judge new grammars at once "
+                                 "(each holds a tokenizer view); a slow grammar holds up only its own compile.")
     prefill_chunk: int = Field(128, ge=0, description="Prompt tokens prefilled per engine step, so running streams "
                                "keep going while a long prompt enters; 0 = a whole prompt at once.")
     curve_secret_key: Path | None = None

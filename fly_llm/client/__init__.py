@@ -10,6 +10,8 @@ Both speak the wire protocol of fly_llm.common.protocol over a ZeroMQ DEALER soc
 
 Modules: `core` (transport-free: requests, reply routing, retry decisions), `sockets` (ZeroMQ),
 `heartbeat`, `base` (what both clients share), `sync` (FLyClient), `aio` (AsyncFLyClient).
+Replies carry parsed tool calls (`GenerateResult.tool_calls`, and `invalid_tool_calls` for those that
+did not parse): the daemon reads the model's tool-call format, so no client knows its tags.
 This package is the client API: adapters import from here only.
 """
 
@@ -19,9 +21,8 @@ from fly_llm.client.sync import FLyClient
 from fly_llm.common.config import FLyOverrides, SamplingParams
 from fly_llm.common.endpoints import default_endpoint, runtime_dir
 from fly_llm.common.protocol import ChatMessage, GenerateResult, InfoReply, TokenChunk
-from fly_llm.common.tool_formats.hermes import split_tool_calls
-from fly_llm.common.tools import ResponseFormat, ToolCall, ToolChoice, ToolSpec
+from fly_llm.common.tools import ResponseFormat, ToolCall, ToolChoice, ToolSpec, UnparsedCall
 
 __all__ = ["AsyncFLyClient", "ChatMessage", "FLyClient", "FLyOverrides", "GenerateResult", "InfoReply", "Messages",
            "ResponseFormat", "SamplingParams", "TokenChunk", "ToolCall", "ToolChoice", "ToolSpec", "Tools",
-           "build_options", "call_options", "default_endpoint", "runtime_dir", "split_tool_calls"]
+           "UnparsedCall", "build_options", "call_options", "default_endpoint", "runtime_dir"]

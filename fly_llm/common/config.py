@@ -10,6 +10,11 @@ MAX_STOP_STRINGS = 16
 """Most stop strings one request may give (beyond: TOO_LONG)."""
 MAX_STOP_CHARS = 256
 """Longest stop string, in characters (beyond: TOO_LONG)."""
+MAX_TOP_K = 1_000_000
+"""Largest top_k a request may give (a top_k at or over the vocabulary keeps every token)."""
+MAX_REPETITION_PENALTY = 10.0
+"""Largest repetition_penalty a request may give (llama.cpp and Ollama take any positive value; past a few it
+only forbids repeats)."""
 DRAFT_STAGES: tuple[str, ...] = ("ngram", "draft_model")
 """The draft stages, in cascade order (upstream first); fly_llm.decoding.stages registers each."""
 
@@ -79,11 +84,29 @@ class FLyOverrides(_Settings):
 
 
 class SamplingParams(_Settings):
-    """How one request is decoded. temperature 0 is greedy."""
+    """How one request is decoded. temperature 0 is greedy.
+
+    The samplers, in the order they apply (docs/design.md §1.6): the penalties (repetition, presence,
+    frequency, over the last `repeat_last_n` context tokens) change the target's logits, greedy rows too;
+    then temperature, top_k, top_p and min_p shape the distribution a sampling row draws from (greedy:
+    the filters keep the argmax, so they change nothing)."""
 
     max_tokens: int = Field(256, ge=1, le=1_000_000)
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Sample among the k most likely tokens only; 0: off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "Drop tokens less likely than min_p times the most likely one (after temperature); 0: off."))
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description=(
+        "Divide a repeated token's positive logit by this, multiply a negative one (Ollama's repeat_penalty, "
+        "CTRL's rule); 1: off."))
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=(
+        "Subtract this from a repeated token's logit once (OpenAI's range); 0: off."))
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=(
+        "Subtract this times a token's repeat count from its logit (OpenAI's range); 0: off."))
+    repeat_last_n: int = Field(64, ge=-1, le=1_000_000, description=(
+        "The penalties count the last this many tokens of the context, prompt and output (Ollama's and "
+        "llama.cpp's window); -1: the whole context; 0: the penalties are off."))
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] = Field(default_factory=list,
                                                                          max_length=MAX_STOP_STRINGS)

@@ -31,6 +31,12 @@ class TooLong(BadRequest):
     code = "TOO_LONG"
 
 
+class FimUnsupported(BadRequest):
+    """The served model has no fill-in-the-middle tokens, so a suffix (or /infill) cannot be served."""
+
+    code = "FIM_UNSUPPORTED"
+
+
 class Busy(FLyError):
     """The daemon's admission queue is full; try again later."""
 
@@ -81,8 +87,8 @@ class ModelError(FLyError):
 
 _BY_CODE: dict[str, type[FLyError]] = {
     cls.code: cls
-    for cls in (BadRequest, TooLong, Busy, Timeout, Cancelled, NotReady, Unauthorized, Internal, FLyUnavailable,
-                ModelError)
+    for cls in (BadRequest, TooLong, FimUnsupported, Busy, Timeout, Cancelled, NotReady, Unauthorized, Internal,
+                FLyUnavailable, ModelError)
 }
 
 

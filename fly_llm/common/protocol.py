@@ -15,9 +15,12 @@ from pydantic_core import PydanticCustomError
 
 from fly_llm.common.config import FLyConfig, FLyOverrides, SamplingParams
 from fly_llm.common.errors import BadRequest, TooLong
+from fly_llm.common.fim import Infill
 from fly_llm.common.json_text import loads
-from fly_llm.common.stats import FinishReason, PromptStats, RequestStats
-from fly_llm.common.tools import MAX_TOOLS, Structure, StructureOptions, ToolCall, ToolSpec, structure_options
+from fly_llm.common.stats import FinishReason, GrammarCacheStats, PromptStats, RequestStats
+from fly_llm.common.tools import (
+    MAX_TOOLS, Structure, StructureOptions, ToolCall, ToolSpec, UnparsedCall, structure_options,
+)
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -28,6 +31,8 @@ MAX_MESSAGES = 1024
 """Most chat messages in one request (beyond: TOO_LONG)."""
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token a request may ask log-probabilities of (OpenAI's cap)."""
+MAX_CHOICES = 16
+"""Most choices (OpenAI's `n`) one API request may ask for."""
 
 RequestId = Annotated[str, Field(min_length=1, max_length=128)]
 UNKNOWN_ID = "-"
@@ -147,12 +152,15 @@ def _check_tool_results(messages: list[ChatMessage] | None) -> None:
 # ---- requests (client → daemon) ----
 
 class GenerateRequest(_Message, StructureOptions):
-    """Generate from a prompt string or from chat messages (exactly one of them), its output constrained by
-    the structure options (`fly_llm.common.tools.StructureOptions`: tools, tool_choice, response_format, ...)."""
+    """Generate from a prompt string, from chat messages or by filling in the middle (exactly one of them), its
+    output constrained by the structure options (`fly_llm.common.tools.StructureOptions`: tools, tool_choice,
+    response_format, ...)."""
 
     kind: Literal["generate"] = "generate"
     prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    infill: Infill | None = Field(None, description="Fill in the middle (fly_llm.common.fim): the target's FIM "
+                                  "tokens, no chat template; FIM_UNSUPPORTED for a target without them.")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     fly: FLyOverrides = Field(default_factory=FLyOverrides)
     stream: bool = False
@@ -160,20 +168,26 @@ class GenerateRequest(_Message, StructureOptions):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "Report the target's log-probability of each emitted token and of this many top alternatives."))
     prompt_logprobs: bool = Field(False, description="With logprobs: report those of the prompt's tokens too.")
+    choices: int = Field(1, ge=1, le=MAX_CHOICES, description=(
+        "How many choices of one API request (OpenAI's `n`) this is one of: the daemon bounds the reply size of "
+        "all of them together (`fly_daemon.request_weight`)."))
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":
         _check_tools(self.tools)
         if self.prompt_logprobs and self.logprobs is None:
             raise ValueError("prompt_logprobs needs logprobs (how many alternatives per token)")
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if sum(x is not None for x in (self.prompt, self.messages, self.infill)) != 1:
+            raise ValueError("give exactly one of 'prompt', 'messages' or 'infill'")
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt must not be empty")
         if self.tools and self.messages is None:
             raise ValueError("tools need chat messages (the chat template renders them)")
         _check_messages(self.messages)
         _check_tool_results(self.messages)
+        if self.infill is not None and self.infill.chars > MAX_PROMPT_CHARS:
+            raise PydanticCustomError("too_long", "infill holds {total} characters, over the limit of {limit}",
+                                      {"total": self.infill.chars, "limit": MAX_PROMPT_CHARS})
         self.structure  # noqa: B018 - validates the structure options together
         return self
 
@@ -290,6 +304,8 @@ class GenerateResult(_Message):
     token_ids: list[int]
     finish_reason: FinishReason
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    invalid_tool_calls: list[UnparsedCall] = Field(default_factory=list)
+    """Calls the model began that did not parse (their text stays in `text`), when the request offered tools."""
     usage: Usage
     stats: RequestStats = Field(default_factory=RequestStats)
     model: str = ""
@@ -356,6 +372,8 @@ class StatusReply(_Message):
     stats: RequestStats = Field(default_factory=RequestStats)
     prompt: PromptStats = Field(default_factory=PromptStats)
     """Prompt tokens so far, the prefix cache's hit rate and size."""
+    grammars: GrammarCacheStats = Field(default_factory=GrammarCacheStats)
+    """The grammar caches' bytes and budgets."""
 
 
 class TokenizeReply(_Message):

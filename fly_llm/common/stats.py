@@ -98,6 +98,25 @@ def _grow(counts: list[int], n: int) -> None:
         counts.extend([0] * (n - len(counts)))
 
 
+class GrammarCacheStats(BaseModel):
+    """The grammar caches' sizes and byte budgets (fly_llm.decoding.grammar): compiled grammars, constraints'
+    grammar texts, the sandbox's verdicts; and the per-grammar cap on a compiled form."""
+
+    compiled_bytes: int = 0
+    compiled_entries: int = 0
+    compiled_budget_bytes: int = 0
+    texts_bytes: int = 0
+    texts_budget_bytes: int = 0
+    verdict_bytes: int = 0
+    verdict_budget_bytes: int = 0
+    max_grammar_bytes: int = 0
+
+    def within_budgets(self) -> bool:
+        """Whether every cache holds no more than its budget."""
+        return (self.compiled_bytes <= self.compiled_budget_bytes and self.texts_bytes <= self.texts_budget_bytes
+                and self.verdict_bytes <= self.verdict_budget_bytes)
+
+
 class PromptStats(BaseModel):
     """Prompt work of an engine so far: prompt tokens admitted, how many the prefix cache served and
     how many were prefilled (target forwards), and the prefix cache's size (docs/design.md §3.5)."""

@@ -104,6 +104,15 @@ class ToolCall(_Strict):
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
+class UnparsedCall(_Strict):
+    """A call the model began that did not parse (its text stays in the answer): the name it seems to
+    give, if any, its text, and why it is not a call."""
+
+    name: str | None = None
+    arguments: str
+    error: str
+
+
 class FormatOptions(_Strict):
     """The structure options for a prompt or chat messages alike (see `StructureOptions`)."""
 

@@ -8,7 +8,8 @@ One `step()` is one round for every row of the batch:
 2. the policy picks each row's draft length and stages; the cascade drafts (a constrained row's
    draft starts with the tokens its grammar forces and stops before a token it forbids);
 3. ONE target forward scores [last token, drafts…] for all rows (ragged: right-padded); a
-   constrained row's logits are masked by its grammar at every position;
+   constrained row's logits are masked by its grammar at every position, a row with penalties has
+   them applied at every position over its context plus the drafts before it;
 4. `verify` applies the FLy rule (or exact / rejection sampling) per row;
 5. both KV caches are rolled back to each row's emitted length; emitted tokens are checked
    against EOS, max_tokens and stop strings; finished rows leave the batch.
@@ -31,8 +32,10 @@ import torch
 from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.common.constraints import Constraint
 from fly_llm.decoding.cache import BatchKV
-from fly_llm.decoding.grammar import GrammarCompiler, apply_masks
+from fly_llm.decoding.grammar import CACHE_BYTES, MAX_GRAMMAR_BYTES, GrammarCompiler, apply_masks
+from fly_llm.decoding.grammar_sandbox import WORKERS
 from fly_llm.decoding.logprobs import Logprob, token_logprobs
+from fly_llm.decoding.penalties import Penalty
 from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
 from fly_llm.decoding.prefill import PromptFill
 from fly_llm.decoding.prefix_cache import PrefixCache
@@ -40,7 +43,8 @@ from fly_llm.decoding.row_faults import RowFaults
 from fly_llm.decoding.stages import NgramStage, RowStart, build_cascade
 from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import PAD_TOKEN, RowRules, RowSampling, Verdict, verify
-from fly_llm.common.errors import BadRequest, FLyError, TooLong, contained, error_from_code
+from fly_llm.common.errors import BadRequest, FimUnsupported, FLyError, TooLong, contained, error_from_code
+from fly_llm.common.fim import Infill, fim_tokens, infill_ids
 from fly_llm.model.quantization import quantization_of
 from fly_llm.common.stats import FinishReason, PromptStats, RequestStats
 
@@ -107,12 +111,16 @@ class FLyEngine:
     `config` holds the defaults; each request may bring its own FLyConfig (k, window, θ, loose,
     stages) as long as the entropy measure is the engine's.
     `prefix_cache_bytes` bounds the prefix cache (0: off; blocks of `prefix_block` tokens, §3.5);
-    `prefill_chunk` bounds the prompt tokens prefilled per step (0: no bound, §3.6).
+    `prefill_chunk` bounds the prompt tokens prefilled per step (0: no bound, §3.6);
+    `grammar_cache_bytes` bounds the compiled grammars kept and `max_grammar_bytes` one grammar's
+    compiled form; `grammar_workers` sandbox processes judge new grammars at once (`GrammarCompiler`, §1.5).
     """
 
     def __init__(self, target, tokenizer, draft=None, config: FLyConfig | None = None, *,
                  context_window: int | None = None, policy: AdaptivePolicy | None = None,
-                 prefix_cache_bytes: int = 0, prefix_block: int = 16, prefill_chunk: int = 0) -> None:
+                 prefix_cache_bytes: int = 0, prefix_block: int = 16, prefill_chunk: int = 0,
+                 grammar_cache_bytes: int = CACHE_BYTES, max_grammar_bytes: int = MAX_GRAMMAR_BYTES,
+                 grammar_workers: int = WORKERS) -> None:
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None
         self.tokenizer = tokenizer
@@ -129,9 +137,11 @@ class FLyEngine:
         self.draft_quantization = quantization_of(draft) if draft is not None else "none"
         self.stats = RequestStats()
         self.policy = policy or AdaptivePolicy()
-        self._eos = _eos_ids(tokenizer, target)
+        self.fim = fim_tokens(tokenizer.get_vocab())  # None: the target cannot fill in the middle
+        self._eos = _eos_ids(tokenizer, target) | (self.fim.ends if self.fim else frozenset())
         self.vocab_size = int(head.out_features) if head is not None else len(tokenizer)
-        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, sorted(self._eos))
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, sorted(self._eos), cache_bytes=grammar_cache_bytes,
+                                        max_grammar_bytes=max_grammar_bytes, workers=grammar_workers)
         self._local_ids = 0
         self._rows: list[_Request] = []
         self._waiting: list[_Request] = []
@@ -144,13 +154,16 @@ class FLyEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
-               tools: list[dict] | None = None, add_special: bool = True) -> list[int]:
-        """Token ids of a prompt (with the tokenizer's special tokens unless not `add_special`), or of chat
-        messages (and the tools offered) through the chat template."""
-        if (prompt is None) == (messages is None):
-            raise BadRequest("give exactly one of prompt or messages")
+               tools: list[dict] | None = None, add_special: bool = True, infill: Infill | None = None) -> list[int]:
+        """Token ids of a prompt (with the tokenizer's special tokens unless not `add_special`), of chat
+        messages (and the tools offered) through the chat template, or of a fill-in-the-middle request
+        (`fly_llm.common.fim`; FimUnsupported when the target has no FIM tokens)."""
+        if sum(x is not None for x in (prompt, messages, infill)) != 1:
+            raise BadRequest("give exactly one of prompt, messages or infill")
         if tools and messages is None:
             raise BadRequest("tools need chat messages (the chat template renders them)")
+        if infill is not None:
+            return self._encode_infill(infill)
         if messages is not None:
             try:
                 ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
@@ -159,6 +172,18 @@ class FLyEngine:
                 raise BadRequest(f"cannot apply the chat template: {exc}") from exc
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+
+    def _encode_infill(self, infill: Infill) -> list[int]:
+        """The FIM prompt: the target's FIM tokens as single ids, the request's text as plain text (a special
+        token's name in it is text, never the token), after the tokenizer's leading special tokens (BOS)."""
+        if self.fim is None:
+            raise FimUnsupported(f"the model {self.target_name!r} has no fill-in-the-middle tokens "
+                                 "(e.g. <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>)")
+
+        def plain(text: str) -> list[int]:
+            return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)) if text else []
+
+        return infill_ids(infill, self.fim, plain, lead=list(self.tokenizer.encode("", add_special_tokens=True)))
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of token ids, special tokens included; BadRequest for an id outside the vocabulary."""
@@ -233,7 +258,7 @@ class FLyEngine:
         self._kv = BatchKV(self.device)
         self._cascade.reset()
         self._rows, self._waiting = [], []
-        self._row_settings: tuple[RowRules, RowSampling | None] | None = None
+        self._row_settings: tuple[RowRules, RowSampling | None, list[Penalty | None]] | None = None
         return dropped
 
     def check(self) -> None:
@@ -244,17 +269,20 @@ class FLyEngine:
         (`Stage.check`: each grammar matcher at its row's context, the draft cache a prefix of the
         context plus drafts); the cached per-row settings (if any) have one
         row per running request; a waiting request's prompt caches hold no more than its prompt minus
-        the last token; the prefix cache keeps its budget and index (`PrefixStore.check`).
+        the last token; the prefix cache keeps its budget and index (`PrefixStore.check`), the grammar
+        caches theirs (`GrammarCompiler.check`).
         """
         rows = len(self._rows)
         self._kv.check()
         assert self._kv.lengths == [len(r.tokens) - 1 for r in self._rows], "target cache ≠ contexts minus last token"
         self._cascade.check([r.tokens for r in self._rows])
-        assert self._row_settings is None or len(self._row_settings[0].loose) == rows, "stale per-row settings"
+        assert self._row_settings is None or (len(self._row_settings[0].loose) == len(self._row_settings[2])
+                                              == rows), "stale per-row settings"
         for req in self._waiting:
             if req.fill is not None:
                 req.fill.check()
         self._prefix.check()
+        self.grammars.check()
 
     @property
     def prompt_stats(self) -> PromptStats:
@@ -363,8 +391,10 @@ class FLyEngine:
         asking = {b: r.logprobs for b, r in enumerate(self._rows) if r.logprobs is not None}
         raw = {b: logits[b].clone() for b in asking}  # before the grammar masks: no cost for rows that do not ask
         apply_masks(logits, self._cascade.masks(drafts, k + 1))
+        rules, sampling, penalties = self._settings_of_rows(logits.device)
+        if any(p is not None for p in penalties):
+            logits = self._penalized(logits, contexts, drafts, penalties, faults)
         lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
-        rules, sampling = self._settings_of_rows(logits.device)
         rules = replace(rules, loose=rules.loose & torch.tensor(may_loosen, device=logits.device))
         verdict = self._verdict(input_ids[:, 1:], logits, lengths, rules, sampling, faults)
         host = torch.cat([verdict.accepted[:, None], verdict.tokens, verdict.native.long(), verdict.loose.long()],
@@ -378,6 +408,19 @@ class FLyEngine:
             with faults.guard(b, "log-probabilities"):
                 logprobs[b] = token_logprobs(raw[b], tokens[b], asking[b])
         return accepted, tokens, native, loose, logprobs
+
+    @staticmethod
+    def _penalized(logits: torch.Tensor, contexts: list[list[int]], drafts: list[list[int]],
+                   penalties: list[Penalty | None], faults: RowFaults) -> torch.Tensor:
+        """The logits with each row's penalties applied at every position, over its context and the drafts
+        before it (`fly_llm.decoding.penalties`), in float32 at least (half-precision steps would swallow a
+        small penalty); a row whose penalty raises is recorded in `faults`."""
+        logits = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        for b, penalty in enumerate(penalties):
+            if penalty is not None:
+                with faults.guard(b, "sampling"):
+                    penalty.apply_(logits[b], contexts[b], drafts[b])
+        return logits
 
     @staticmethod
     def _verdict(drafts: torch.Tensor, logits: torch.Tensor, lengths: torch.Tensor, rules: RowRules,
@@ -398,9 +441,11 @@ class FLyEngine:
         for b in range(len(drafts)):
             one = slice(b, b + 1)
             with faults.guard(b, "sampling"):
-                verdicts.append(verify(drafts[one], logits[one], lengths[one], rules.rows(one),
-                                       sampling.rows(one) if sampling is not None else None))
-            if b in faults:
+                verdict = verify(drafts[one], logits[one], lengths[one], rules.rows(one),
+                                 sampling.rows(one) if sampling is not None else None)
+            if b not in faults:  # a row that faulted earlier in the round (its penalties) ends too
+                verdicts.append(verdict)
+            else:
                 nothing = torch.zeros(1, k, dtype=torch.bool, device=logits.device)
                 verdicts.append(Verdict(accepted=torch.zeros(1, dtype=torch.long, device=logits.device),
                                         tokens=torch.tensor([[0] + [PAD_TOKEN] * k], device=logits.device),
@@ -452,14 +497,16 @@ class FLyEngine:
         req.fill = None
         self._row_settings = None
 
-    def _settings_of_rows(self, device: torch.device) -> tuple[RowRules, RowSampling | None]:
-        """The rows' FLy rules and sampling as tensors, built once per batch composition."""
+    def _settings_of_rows(self, device: torch.device) -> tuple[RowRules, RowSampling | None, list[Penalty | None]]:
+        """The rows' FLy rules, sampling and penalties, built once per batch composition."""
         if self._row_settings is None:
             rows = self._rows
             sampling = None if all(r.generator is None for r in rows) else RowSampling(
                 temperature=torch.tensor([r.sampling.temperature for r in rows]),
-                top_p=torch.tensor([r.sampling.top_p for r in rows]), generators=[r.generator for r in rows])
-            self._row_settings = RowRules.from_configs([r.fly for r in rows], device), sampling
+                top_p=torch.tensor([r.sampling.top_p for r in rows]), generators=[r.generator for r in rows],
+                top_k=[r.sampling.top_k for r in rows], min_p=[r.sampling.min_p for r in rows])
+            penalties = [Penalty.of(r.sampling) for r in rows]
+            self._row_settings = RowRules.from_configs([r.fly for r in rows], device), sampling, penalties
         return self._row_settings
 
     def _emit(self, req: _Request, tokens: list[int], logprobs: list[Logprob] | None = None) -> RequestOutput:

@@ -4,7 +4,8 @@
   `fly_llm.common.constraints.Constraint` (a grammar, a regex or a JSON Schema). The engine knows no tools:
   the serving edge (fly_llm.common.tool_formats) turns a request's structure options into the constraint.
 - `GrammarCompiler`: builds llguidance's view of the tokenizer once, compiles grammars into
-  matchers (a bounded cache of compiled prototypes, copied per request) and reports bad ones as
+  matchers (a cache of compiled prototypes bounded in bytes, copied per request; a grammar whose compiled
+  form is bigger than a per-grammar cap is refused) and reports bad ones as
   BadRequest naming the problem (and the constraint's part, e.g. a tool's parameters, when one is the cause). Every
   grammar is untrusted: schemas are walked against caps first (`schema_limits`), a grammar not
   seen before compiles first in a sacrificial worker process (`grammar_sandbox`), then here on a
@@ -20,20 +21,38 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import llguidance
 import torch
 
-from fly_llm.decoding.grammar_sandbox import (MEMORY_BYTES, TIMEOUT_S, GrammarSandbox, big_stack_call,
+from fly_llm.decoding.grammar_sandbox import (MEMORY_BYTES, TIMEOUT_S, WORKERS, GrammarSandbox, big_stack_call,
                                               build_tokenizer, compile_grammar, shared_sandbox, tokenizer_setup)
+from fly_llm.decoding.heap_bytes import kept_bytes
 from fly_llm.decoding.stages import GrammarStage, RowStart
 from fly_llm.common.constraints import Constraint, json_lexeme
 from fly_llm.common.errors import BadRequest
-from fly_llm.common.lru import LruCache
+from fly_llm.common.lru import ENTRY_BYTES, LruCache, text_bytes
 from fly_llm.common.schema_limits import SchemaCaps, check_schema
+from fly_llm.common.stats import GrammarCacheStats
 
-COMPILED_CACHE_SIZE = 64
-"""Compiled grammars kept for reuse (LRU), and as many constraints' grammar texts."""
+CACHE_BYTES = 256 << 20
+"""Bytes of compiled grammars kept for reuse (LRU): their compiled forms as measured, and their texts."""
+MAX_GRAMMAR_BYTES = 64 << 20
+"""The most one grammar's compiled form may take; a bigger one is refused (BadRequest naming the cap)."""
+TEXTS_SHARE = 8
+"""The constraints' grammar texts kept for reuse (LRU) take at most 1/TEXTS_SHARE of the compiled grammars'
+budget (as do the serving edge's structures' constraints, `fly_llm.common.tool_formats.Constraints`)."""
+
+T = TypeVar("T")
+
+
+class Compiled(NamedTuple):
+    """A compiled grammar (a matcher at its start, copied per request) and the bytes it keeps."""
+
+    prototype: llguidance.LLMatcher
+    nbytes: int
 
 
 def grammar_of(constraint: Constraint, caps: SchemaCaps = SchemaCaps()) -> str:
@@ -51,23 +70,30 @@ class GrammarCompiler:
     """Compiles grammars into llguidance matchers over one tokenizer (built on first use: ~2 s for Qwen).
 
     Thread-safe. `sandbox` (on by default) compiles each grammar not seen before in a worker process
-    first, within `timeout_s` and `memory_bytes` (docs/design.md §1.5); `caps` bound the schemas.
+    first (one of `workers` processes), within `timeout_s` and `memory_bytes` (docs/design.md §1.5), and
+    measures its compiled form
+    there (without the sandbox it is measured here); `caps` bound the schemas. Compiled grammars are kept
+    within `cache_bytes`; one whose compiled form takes more than `max_grammar_bytes` is refused.
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], *, sandbox: bool = True,
                  timeout_s: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES,
-                 caps: SchemaCaps = SchemaCaps()) -> None:
+                 caps: SchemaCaps = SchemaCaps(), cache_bytes: int = CACHE_BYTES,
+                 max_grammar_bytes: int = MAX_GRAMMAR_BYTES, workers: int = WORKERS) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
         self.caps = caps
-        self._sandbox_limits = (timeout_s, memory_bytes) if sandbox else None
+        self.max_grammar_bytes = max_grammar_bytes
+        self._sandbox_limits = (timeout_s, memory_bytes, workers) if sandbox else None
         self._special: dict[tuple[str, ...], frozenset[str]] = {}
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._sandbox: GrammarSandbox | None = None
         self._setup: dict | None = None
-        self._compiled: LruCache[tuple[str, str], llguidance.LLMatcher] = LruCache(COMPILED_CACHE_SIZE)  # by scope
-        self._grammars: LruCache[tuple[str, Constraint], str] = LruCache(COMPILED_CACHE_SIZE)  # -> its grammar
+        self._compiled: LruCache[tuple[str, str], Compiled] = LruCache(cache_bytes, _compiled_bytes)  # by scope
+        self.texts_budget = cache_bytes // TEXTS_SHARE
+        """Bytes of text a cache of grammars' or constraints' texts may keep."""
+        self._grammars: LruCache[tuple[str, Constraint], str] = LruCache(self.texts_budget, _text_bytes)  # -> grammar
         self._lock = threading.RLock()  # the caches and the tokenizer view
         self.compile_s = 0.0
         """Seconds spent building the tokenizer view and compiling grammars so far."""
@@ -133,23 +159,62 @@ class GrammarCompiler:
 
     def matcher(self, grammar: str, scope: str = "") -> llguidance.LLMatcher:
         """A fresh matcher at the start of `grammar`; BadRequest if it does not compile, its language is
-        empty, or (in the sandbox) it crashes the compiler, takes too long or too much memory."""
+        empty, its compiled form is over the per-grammar cap, or (in the sandbox) it crashes the compiler,
+        takes too long or too much memory."""
         return self._prototype(grammar, scope).deep_copy()
+
+    def stats(self) -> GrammarCacheStats:
+        """The caches' sizes and budgets now."""
+        verdicts = self.sandbox.verdict_bytes() if self._sandbox_limits is not None else (0, 0)
+        return GrammarCacheStats(compiled_bytes=self._compiled.bytes, compiled_entries=len(self._compiled),
+                                 compiled_budget_bytes=self._compiled.budget, texts_bytes=self._grammars.bytes,
+                                 texts_budget_bytes=self._grammars.budget, verdict_bytes=verdicts[0],
+                                 verdict_budget_bytes=verdicts[1], max_grammar_bytes=self.max_grammar_bytes)
+
+    def check(self) -> None:
+        """Assert every cache's invariant: its byte count is its entries' and within its budget."""
+        self._compiled.check()
+        self._grammars.check()
+        if self._sandbox_limits is not None:
+            self.sandbox.check_invariants()
 
     def _prototype(self, grammar: str, scope: str) -> llguidance.LLMatcher:
         """The compiled grammar from `scope`'s cache, or compiled now (sandbox first) and cached there."""
-        return self._compiled.get_or_make((scope, grammar), lambda: self._compile(grammar, scope))
+        return self._compiled.get_or_make((scope, grammar), lambda: self._compile(grammar, scope)).prototype
 
-    def _compile(self, grammar: str, scope: str) -> llguidance.LLMatcher:
-        """`grammar` compiled in the sandbox first (when on), then here."""
-        if self._sandbox_limits is not None:
-            self.sandbox.check(grammar, scope)
+    def _compile(self, grammar: str, scope: str) -> Compiled:
+        """`grammar` compiled in the sandbox first (when on: its size is measured there), then here (measured
+        here without the sandbox); BadRequest if its compiled form is over the per-grammar cap."""
         tokenizer = self.tokenizer
+        if self._sandbox_limits is not None:
+            nbytes = self._within_cap(self.sandbox.check(grammar, scope))
+            return Compiled(self._timed(lambda: compile_grammar(tokenizer, grammar)), nbytes)
+        prototype, nbytes = self._timed(lambda: kept_bytes(lambda: compile_grammar(tokenizer, grammar), grammar))
+        return Compiled(prototype, self._within_cap(nbytes))
+
+    def _timed(self, compile_: Callable[[], T]) -> T:
+        """`compile_()` on a big-stack thread, its time added to `compile_s`."""
         start = time.perf_counter()
-        prototype = big_stack_call(lambda: compile_grammar(tokenizer, grammar))
+        result = big_stack_call(compile_)
         with self._lock:
             self.compile_s += time.perf_counter() - start
-        return prototype
+        return result
+
+    def _within_cap(self, nbytes: int) -> int:
+        """`nbytes`, if a grammar's compiled form of that size is within the per-grammar cap; else BadRequest."""
+        if nbytes > self.max_grammar_bytes:
+            raise BadRequest(f"the grammar compiles to {nbytes / 2**20:.1f} MiB, more than the per-grammar cap "
+                             f"of {self.max_grammar_bytes / 2**20:g} MiB (the daemon's max_grammar_mb)")
+        return nbytes
+
+
+def _compiled_bytes(key: tuple[str, str], compiled: Compiled) -> int:
+    return ENTRY_BYTES + text_bytes(*key) + compiled.nbytes
+
+
+def _text_bytes(key: tuple[str, Constraint], grammar: str) -> int:
+    scope, constraint = key
+    return ENTRY_BYTES + text_bytes(scope, constraint.text, grammar, *(t for part in constraint.parts for t in part))
 
 
 def apply_masks(logits: torch.Tensor, masks: tuple[list[int], torch.Tensor] | None) -> None:

@@ -7,13 +7,16 @@ stack, and raises BadRequest naming what happened: a compile error, an empty lan
 timeout, the memory limit. Only grammars that survived there are compiled in the daemon, on a
 thread with a stack many times larger (`compile_grammar`, `big_stack_call`).
 
-The worker is `python -m fly_llm.decoding.grammar_sandbox`, started on first use (never forked
+A worker is `python -m fly_llm.decoding.grammar_sandbox`, started on first use (never forked
 from the daemon, which has threads, torch and ZeroMQ); it builds llguidance's view of the
-tokenizer once, from the tokenizer's JSON, and is restarted after a crash or a timeout. A worker that
+tokenizer once, from the tokenizer's JSON, and is restarted after a crash or a timeout. A sandbox has
+`WORKERS` of them (a setting), so one slow grammar holds up only its own compile. A worker that
 died by a signal or timed out may have been killed or stopped from outside (an OOM killer, a SIGSTOP),
-so the grammar is tried once more in a fresh worker, and that outcome is the verdict. Verdicts are
-cached by the grammar's hash (bounded), so a grammar is judged once; a failure that a fresh worker
-did not repeat is never kept. Messages are JSON frames
+so the grammar is tried once more in a fresh worker, and that outcome is the verdict. A grammar that
+compiles is measured there: the bytes its compiled form keeps (`heap_bytes.kept_bytes`, exact in the
+worker), which the daemon's compiled-grammar cache counts and its per-grammar cap judges. Verdicts are
+cached by the grammar's hash (within `VERDICT_BYTES`), so a grammar is judged once; a failure that a
+fresh worker did not repeat is never kept. Messages are JSON frames
 (4-byte length, then UTF-8) on the worker's stdin and stdout; it imports llguidance and nothing else.
 """
 
@@ -24,6 +27,7 @@ import copy
 import hashlib
 import json
 import os
+import queue
 import re
 import resource
 import select
@@ -40,7 +44,8 @@ from typing import Any, TypeVar
 import llguidance
 
 from fly_llm.common.errors import BadRequest, Internal
-from fly_llm.common.lru import LruCache
+from fly_llm.common.lru import ENTRY_BYTES, LruCache, text_bytes
+from fly_llm.decoding.heap_bytes import kept_bytes
 
 PARSER_LIMITS = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                      step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
@@ -56,12 +61,16 @@ SANDBOX_STACK_BYTES = 4 << 20
 """The worker compiles on a thread with this stack; the daemon compiles with `BIG_STACK_BYTES`,
 so a grammar whose compile recursion fits the worker fits the daemon many times over."""
 BIG_STACK_BYTES = 64 << 20
-VERDICTS = 4096
-"""Verdicts (grammar hash -> problem or none) kept, LRU."""
+VERDICT_BYTES = 4 << 20
+"""Bytes of verdicts (grammar hash -> problem or compiled size) kept, LRU: ~10,000 of them."""
+WORKERS = 2
+"""Worker processes judging grammars at once (each holds a tokenizer view): one slow grammar holds one."""
 START_TIMEOUT_S = 120.0
 """How long the worker may take to start (building the tokenizer view of a large vocabulary)."""
 
 T = TypeVar("T")
+Verdict = tuple[str | None, int]
+"""A grammar's problem (None: it compiles), and the bytes its compiled form keeps (0 with a problem)."""
 
 
 def parser_limits() -> llguidance.LLParserLimits:
@@ -131,113 +140,150 @@ def build_tokenizer(setup: dict) -> llguidance.LLTokenizer:
 
 
 class GrammarSandbox:
-    """A worker process that compiles grammars first, under a time and a memory limit.
+    """Worker processes that compile grammars first, under a time and a memory limit.
 
-    Thread-safe: one grammar at a time goes to the worker; cached verdicts answer at once.
+    Thread-safe: each of `workers` processes judges one grammar at a time, so a slow grammar holds one
+    worker while the others judge the rest (started when first needed); cached verdicts answer at once.
     """
 
-    def __init__(self, setup: dict, timeout_s: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES) -> None:
+    def __init__(self, setup: dict, timeout_s: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES,
+                 workers: int = WORKERS) -> None:
         self._setup = {**setup, "memory_bytes": memory_bytes}
         self.timeout_s = timeout_s
         self.memory_bytes = memory_bytes
-        self._process: subprocess.Popen | None = None
-        self._lock = threading.Lock()
-        self._verdicts: LruCache[bytes, str | None] = LruCache(VERDICTS)  # sha256 of scope and grammar
+        self._workers = [_Worker(self) for _ in range(workers)]
+        self._idle: queue.LifoQueue[_Worker] = queue.LifoQueue()  # the last used first: the others start late
+        for worker in reversed(self._workers):
+            self._idle.put(worker)
+        self._counts = threading.Lock()
+        self._verdicts: LruCache[bytes, Verdict] = LruCache(VERDICT_BYTES, _verdict_bytes)  # sha256 of scope, grammar
         self.starts = 0
         """Worker processes started so far (one more after each crash or timeout)."""
         self.retries = 0
         """Grammars tried a second time, in a fresh worker, after a death by a signal or a timeout."""
 
-    def check(self, grammar: str, scope: str = "") -> None:
-        """Return if `grammar` compiles in the worker to a non-empty language; else BadRequest naming
-        the problem (its compile error, an empty language, a crash, a timeout, the memory limit).
-        Verdicts are kept per `scope` (a tenant): one tenant's never answers another's at once."""
+    def check(self, grammar: str, scope: str = "") -> int:
+        """The bytes `grammar`'s compiled form keeps, if it compiles in a worker to a non-empty language;
+        else BadRequest naming the problem (its compile error, an empty language, a crash, a timeout, the
+        memory limit). Verdicts are kept per `scope` (a tenant): one tenant's never answers another's at once."""
         key = hashlib.sha256(scope.encode() + b"\0" + grammar.encode()).digest()
-        with self._lock:  # one worker: grammars are judged one at a time
-            problem = self._verdicts.get_or_make(key, lambda: self._verdict(grammar))
+        problem, nbytes = self._verdicts.get_or_make(key, lambda: self._verdict(grammar))
         if problem is not None:
             raise BadRequest(problem)
+        return nbytes
+
+    def verdict_bytes(self) -> tuple[int, int]:
+        """(bytes of the verdicts kept, their budget)."""
+        return self._verdicts.bytes, self._verdicts.budget
+
+    def check_invariants(self) -> None:
+        """Assert the verdict cache's byte count and budget (`LruCache.check`)."""
+        self._verdicts.check()
 
     def close(self) -> None:
-        """Stop the worker (a later check starts a new one)."""
-        with self._lock:
-            self._stop()
+        """Stop the workers, once each is done with its grammar (a later check starts new ones)."""
+        workers = [self._idle.get() for _ in self._workers]
+        try:
+            for worker in workers:
+                worker.stop()
+        finally:
+            for worker in reversed(workers):
+                self._idle.put(worker)
 
-    def _verdict(self, grammar: str) -> str | None:
-        """The verdict on a grammar not seen before: its problem, or None. A worker that died by a signal
+    def _verdict(self, grammar: str) -> Verdict:
+        """The verdict on a grammar not seen before, from the next idle worker. A worker that died by a signal
         or timed out is replaced and the grammar tried once more; the fresh worker's outcome is the verdict."""
-        problem, transient = self._judge(grammar)
-        if transient:
-            self.retries += 1
-            problem, _ = self._judge(grammar)
-        return problem
+        worker = self._idle.get()
+        try:
+            verdict, transient = worker.judge(grammar)
+            if transient:
+                self._count(retries=1)
+                verdict, _ = worker.judge(grammar)
+            return verdict
+        finally:
+            self._idle.put(worker)
 
-    def _judge(self, grammar: str) -> tuple[str | None, bool]:
-        """One worker's outcome on a grammar: its problem (or None), and whether the failure may be the
-        worker's own (it died by a signal, or did not answer in time) rather than the grammar's."""
+    def _count(self, starts: int = 0, retries: int = 0) -> None:
+        with self._counts:
+            self.starts += starts
+            self.retries += retries
+
+
+class _Worker:
+    """One worker process of a sandbox (started on first use, restarted after a crash or a timeout); used by one
+    thread at a time (the sandbox hands it out)."""
+
+    def __init__(self, sandbox: GrammarSandbox) -> None:
+        self.sandbox = sandbox
+        self._process: subprocess.Popen | None = None
+
+    def judge(self, grammar: str) -> tuple[Verdict, bool]:
+        """This worker's verdict on a grammar, and whether a failure may be the worker's own (it died by a
+        signal, or did not answer in time) rather than the grammar's."""
+        timeout_s = self.sandbox.timeout_s
         process = self._process if self._process is not None and self._process.poll() is None else self._start()
         _send(process, {"grammar": grammar})
         try:
-            reply = _receive(process, time.monotonic() + self.timeout_s)
+            reply = _receive(process, time.monotonic() + timeout_s)
         except TimeoutError:
-            self._stop()
-            return f"the grammar compiler took longer than {self.timeout_s:g} s on this grammar", True
+            self.stop()
+            return (f"the grammar compiler took longer than {timeout_s:g} s on this grammar", 0), True
         except EOFError:
-            return self._crashed()
-        return reply.get("problem"), False
+            problem, transient = self._crashed()
+            return (problem, 0), transient
+        return (reply.get("problem"), int(reply.get("bytes", 0))), False
+
+    def stop(self) -> None:
+        """Kill the process, if any (the next grammar starts a new one)."""
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+            process.wait()
+            _close_pipes(process)
 
     def _crashed(self) -> tuple[str, bool]:
         """The outcome of a grammar the worker died compiling, and whether it died by a signal (the worker
-        is reaped; the next check restarts it). Running out of its memory limit is the grammar's."""
+        is reaped; the next grammar restarts it). Running out of its memory limit is the grammar's."""
         process, self._process = self._process, None
         code = process.wait()
         stderr = _drain(process.stderr)
-        process.stderr.close()
-        process.stdin.close()
-        process.stdout.close()
+        _close_pipes(process)
         if b"memory allocation" in stderr or b"MemoryError" in stderr:
-            return (f"the grammar compiler ran out of its memory limit ({self.memory_bytes >> 20} MiB) on this "
-                    f"grammar"), False
+            return (f"the grammar compiler ran out of its memory limit ({self.sandbox.memory_bytes >> 20} MiB) on "
+                    f"this grammar"), False
         return f"the grammar compiler crashed on this grammar ({_exit_name(code)})", code < 0
 
     def _start(self) -> subprocess.Popen:
-        """A new worker, its tokenizer view built (Internal if it cannot start)."""
-        self._stop()
+        """A new process, its tokenizer view built (Internal if it cannot start)."""
+        self.stop()
         root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
                "MALLOC_ARENA_MAX": "1"}  # one heap: RLIMIT_AS then counts what the compile allocates
         process = subprocess.Popen([sys.executable, "-m", "fly_llm.decoding.grammar_sandbox"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, close_fds=True)
         self._process = process
-        self.starts += 1
-        _send(process, self._setup)
+        self.sandbox._count(starts=1)
+        _send(process, self.sandbox._setup)
         try:
             _receive(process, time.monotonic() + START_TIMEOUT_S)
         except (TimeoutError, EOFError) as exc:
-            self._stop()
+            self.stop()
             raise Internal(f"the grammar sandbox did not start ({type(exc).__name__})") from None
         return process
-
-    def _stop(self) -> None:
-        process, self._process = self._process, None
-        if process is not None:
-            process.kill()
-            process.wait()
-            for pipe in (process.stdin, process.stdout, process.stderr):
-                pipe.close()
 
 
 _SHARED: dict[tuple, GrammarSandbox] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_sandbox(setup: dict, timeout_s: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES) -> GrammarSandbox:
+def shared_sandbox(setup: dict, timeout_s: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES,
+                   workers: int = WORKERS) -> GrammarSandbox:
     """The process-wide sandbox for this tokenizer and these limits (engines over one tokenizer share
-    a worker and its verdicts); workers stop when the process exits."""
-    key = (hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest(), timeout_s, memory_bytes)
+    its workers and its verdicts); workers stop when the process exits."""
+    key = (hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest(), timeout_s, memory_bytes, workers)
     with _SHARED_LOCK:
         if key not in _SHARED:
-            _SHARED[key] = GrammarSandbox(setup, timeout_s, memory_bytes)
+            _SHARED[key] = GrammarSandbox(setup, timeout_s, memory_bytes, workers)
         return _SHARED[key]
 
 
@@ -280,6 +326,19 @@ def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
     return data
 
 
+def _close_pipes(process: subprocess.Popen) -> None:
+    """Close a dead worker's pipes (what was left unsent to it is dropped: closing never raises BrokenPipeError)."""
+    for pipe in (process.stdin, process.stdout, process.stderr):
+        try:
+            pipe.close()
+        except BrokenPipeError:  # stdin's buffer held a frame the worker died before reading
+            pipe.close()
+
+
+def _verdict_bytes(key: bytes, verdict: Verdict) -> int:
+    return ENTRY_BYTES + text_bytes(key, verdict[0] or "")
+
+
 def _exit_name(code: int) -> str:
     """'SIGSEGV' for a process killed by signal 11, 'exit 3' for one that exited with status 3."""
     try:
@@ -320,8 +379,10 @@ def _worker() -> None:
     write({"ready": True})
     while (message := read()) is not None:
         try:
-            compile_grammar(tokenizer, message["grammar"])
-            write({"problem": None})
+            grammar = message["grammar"]
+            matcher, nbytes = kept_bytes(lambda: compile_grammar(tokenizer, grammar), grammar)
+            del matcher
+            write({"problem": None, "bytes": nbytes})
         except BadRequest as exc:
             write({"problem": exc.message})
 

@@ -8,13 +8,15 @@ own generator only, so a seeded request gives the same output whatever it is bat
 
 Per row b with draft length K_b (positions >= K_b are never accepted):
 
-- native[i]: the target agrees with d[i] (greedy: argmax z[i] == d[i]; sampling: u_i < p_i(d_i)).
+- native[i]: the target agrees with d[i] (greedy: argmax z[i] == d[i]; sampling: u_i < p_i(d_i), p_i the
+  row's distribution after temperature, top-k, top-p and min-p: fly_llm.decoding.distributions). The logits
+  come in with the request's penalties already applied per position (fly_llm.decoding.penalties).
 - window W: a mismatch at i is eligible when native[i+1..i+W-1] are all True and
   i < K_b - W (the last W positions are strict). W=1 needs no following matches, so
   every mismatch but the last position's is eligible; W=0 makes every mismatch eligible.
 - entropy gate θ: an eligible mismatch is still rejected when the target's entropy there
-  is below θ (θ <= 0.01 turns the gate off). The entropy is that of the target's raw
-  logits (before temperature / top-p), as in the authors' code.
+  is below θ (θ <= 0.01 turns the gate off). The entropy is that of the logits verify
+  gets (before temperature and the filters, as in the authors' code; after penalties and grammar masks).
 - accept = native | (loose & eligible & not low-entropy); the row keeps d[0..r-1] with r
   the first position not accepted, then emits the target's token at r (greedy: argmax z[r];
   sampling: a sample of p_r with d_r removed, or of p_{K_b} when r == K_b).
@@ -29,6 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from fly_llm.common.config import FLyConfig
+from fly_llm.decoding.distributions import distributions
 
 PAD_TOKEN = -1
 """Fills `Verdict.tokens` past each row's emitted tokens."""
@@ -76,15 +79,19 @@ class RowRules:
 
 @dataclass
 class RowSampling:
-    """How each row samples. Rows with temperature 0 are verified greedily."""
+    """How each row samples (`fly_llm.decoding.distributions`). Rows with temperature 0 are verified greedily."""
 
     temperature: torch.Tensor  # [B] float (any device; read on the host once)
     top_p: torch.Tensor  # [B] float in (0, 1]
     generators: list[torch.Generator | None]  # per row, on the logits' device; None = torch's default
+    top_k: list[int] | None = None  # per row, 0 = off; None: off in every row
+    min_p: list[float] | None = None  # per row in [0, 1], 0 = off; None: off in every row
 
     def rows(self, rows: slice) -> RowSampling:
         """These rows' sampling."""
-        return RowSampling(self.temperature[rows], self.top_p[rows], self.generators[rows])
+        return RowSampling(self.temperature[rows], self.top_p[rows], self.generators[rows],
+                           None if self.top_k is None else self.top_k[rows],
+                           None if self.min_p is None else self.min_p[rows])
 
 
 @dataclass
@@ -192,7 +199,7 @@ class _SampledRows:
     """The sampling rows of a batch: their distributions, rejection tests and random draws."""
 
     rows: torch.Tensor  # [S] long: their indices in the batch
-    probs: torch.Tensor  # [S, K+1, V] temperature / top-p distributions
+    probs: torch.Tensor  # [S, K+1, V] the distributions they draw from (temperature, top-k, top-p, min-p)
     native: torch.Tensor  # [S, K] bool: accepted by the rejection test
     noise: torch.Tensor  # [S, V] Exp(1) draws for the emitted token
 
@@ -210,8 +217,10 @@ class _SampledRows:
         device, (_, k) = logits.device, drafts.shape
         rows = torch.tensor(picked, device=device)
         top_ps = sampling.top_p.tolist()
-        probs = _distributions(_upcast(logits.index_select(0, rows)), [temperatures[b] for b in picked],
-                               [top_ps[b] for b in picked])
+        probs = distributions(_upcast(logits.index_select(0, rows)), [temperatures[b] for b in picked],
+                              [top_ps[b] for b in picked],
+                              None if sampling.top_k is None else [sampling.top_k[b] for b in picked],
+                              None if sampling.min_p is None else [sampling.min_p[b] for b in picked])
         uniforms, noise = [], []
         for b in picked:  # each row's stream: its uniforms, then its noise
             generator = sampling.generators[b]
@@ -232,39 +241,3 @@ class _SampledRows:
             probs = torch.where(keep, residual, probs)
         scores = torch.where(probs > 0, probs / self.noise, -1.0)  # exponential race: argmax ~ probs
         return scores.argmax(-1)
-
-
-def _distributions(logits: torch.Tensor, temperatures: list[float], top_ps: list[float]) -> torch.Tensor:
-    """softmax(logits / T) per row, restricted to the top-p nucleus for rows with top_p < 1.
-
-    `logits` [S, K+1, V] must be a copy owned by the caller: it is scaled in place. Safe for any T > 0:
-    the row's maximum is subtracted first (so nothing overflows: a T near 0 leaves the maximum at 0
-    and the rest at -inf, the greedy limit) and T is at least the dtype's smallest normal number.
-    """
-    scale = torch.tensor(temperatures, device=logits.device, dtype=logits.dtype)
-    scale.clamp_(min=torch.finfo(logits.dtype).tiny)
-    logits.sub_(logits.amax(-1, keepdim=True)).div_(scale[:, None, None])
-    probs = torch.softmax(logits, -1)
-    if min(top_ps) < 1.0:
-        _keep_nucleus_(probs, torch.tensor(top_ps, device=logits.device, dtype=probs.dtype)[:, None, None])
-    return probs
-
-
-def _keep_nucleus_(probs: torch.Tensor, top_p: torch.Tensor) -> None:
-    """In place: keep the smallest set of most likely tokens whose mass reaches top_p, renormalised.
-
-    Tokens tied with the least likely kept one all stay. The nucleus is found with topk over
-    a prefix of the sorted vocabulary that grows until it covers top_p, not a full sort
-    (one small host read per growth step).
-    """
-    vocab = probs.shape[-1]
-    width = min(vocab, 64)
-    while True:
-        top = probs.topk(width, -1).values
-        if width == vocab or bool(((top.sum(-1, keepdim=True) >= top_p) | (top_p >= 1.0)).all()):
-            break
-        width = min(vocab, width * 8)
-    kept = ((top.cumsum(-1) - top) < top_p).sum(-1, keepdim=True).clamp(min=1)  # a top_p that underflowed to 0: 1
-    edge = torch.where(top_p >= 1.0, 0.0, top.gather(-1, kept - 1))
-    probs.masked_fill_(probs < edge, 0.0)
-    probs.div_(probs.sum(-1, keepdim=True))

@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import platformdirs
 import torch
 from filelock import FileLock
 from tqdm.auto import tqdm
@@ -42,12 +41,6 @@ MANIFEST_FORMAT = 1
 CACHE_DTYPE = torch.bfloat16  # the Qwen checkpoints' own dtype; far finer than the Q4_K_M quantisation
 _FULL_HASH_BELOW = 64 << 20
 _EDGE = 1 << 20
-
-
-def cache_root(cache_dir: Path | str | None = None) -> Path:
-    """`cache_dir`, else `$FLY_CACHE_DIR`, else the user cache dir (`$XDG_CACHE_HOME/fly-llm`)."""
-    root = cache_dir or os.environ.get("FLY_CACHE_DIR") or platformdirs.user_cache_dir("fly-llm")
-    return Path(root).expanduser()
 
 
 def _file_digest(path: Path, size: int) -> str:

@@ -17,7 +17,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from fly_llm.common.errors import ModelError
-from fly_llm.model.cache import cache_root, cached_conversion
+from fly_llm.model.cache import cached_conversion
+from fly_llm.model.cache_paths import cache_root
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from fly_llm.common.config import ModelSpec
 from fly_llm.model.embedded import DRAFT, TARGET, ensure_default_pair
 from fly_llm.common.errors import ModelError
 from fly_llm.model.kernels.cpu import cpu_flags
-from fly_llm.model.cache import cache_root, cached_conversion, hf_progress, published_weights
+from fly_llm.model.cache import cached_conversion, hf_progress, published_weights
+from fly_llm.model.cache_paths import cache_root
 from fly_llm.model.quantization import quantize
 
 log = logging.getLogger(__name__)

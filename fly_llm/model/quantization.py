@@ -3,7 +3,7 @@
 Three layers replace `torch.nn.Linear`: one on this project's own kernel, two on kernels that
 torch itself ships:
 
-- `W4A8Linear`: 4-bit weights in blocks of 32 (a scale and a minimum each, as GGUF's Q4_K
+- `W4A8Linear` (fly_llm.model.w4a8_layers): 4-bit weights in blocks of 32 (a scale and a minimum each, as GGUF's Q4_K
   sub-blocks) and int8 activations per row and block, on integer dot products
   (fly_llm.model.kernels.w4a8: AVX-512 VNNI, else AVX2; compiled on first use). A row's result is the
   same bit for bit whatever else is in the batch, on either path and any thread count. 'auto'
@@ -37,13 +37,13 @@ from transformers import PreTrainedModel
 
 from fly_llm.common.config import QUANTIZATIONS
 from fly_llm.common.errors import ModelError
-from fly_llm.model.fused_layers import PackedW4A8, fuse
+from fly_llm.model.fused_layers import fuse
 from fly_llm.model.huge_pages import in_huge_pages
 from fly_llm.model.attention import use_row_attention
 from fly_llm.model.kernels import row_attention as native_attention
 from fly_llm.model.kernels import w4a8
+from fly_llm.model.w4a8_layers import PackedW4A8, W4A8Linear, WeightLevels
 
-WeightLevels = w4a8.QuantizedWeight | w4a8.SuperBlockWeight | w4a8.SymmetricWeight  # what W4A8Linear packs as it is
 
 log = logging.getLogger(__name__)
 
@@ -124,27 +124,6 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {INT4_GROUP}"
-
-
-class W4A8Linear(PackedW4A8):
-    """A Linear with 4-bit weights (blocks of 32 inputs, scale and minimum each) and int8 activations."""
-
-    def __init__(self, linear: nn.Linear, weight: WeightLevels | None = None) -> None:
-        """`weight`: the linear's weight already in levels (a GGUF's published blocks: Q4_K, or Q6_K, Q8_0,
-        Q5_0, Q4_0 as symmetric blocks); None rounds `linear.weight` to 4 bits (`w4a8.quantize_weight`)."""
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        if weight is not None and tuple(weight.q.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"a published weight of shape {tuple(weight.q.shape)} for a "
-                             f"{self.out_features}x{self.in_features} Linear")
-        if isinstance(weight, w4a8.SymmetricWeight):
-            self.packed = w4a8.pack_symmetric(weight)
-        else:
-            self.packed = w4a8.pack(weight if weight is not None else w4a8.quantize_weight(linear.weight))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, w4a8 block {w4a8.BLOCK}"
 
 
 _LAYERS: dict[str, type[nn.Module]] = {"w4a8": W4A8Linear, "int8": Int8Linear, "int4": Int4Linear}

@@ -31,6 +31,18 @@ class FLyBase(BaseModel):
     """Sampling temperature; 0 is greedy."""
     top_p: float | None = None
     """Nucleus sampling mass."""
+    top_k: int | None = None
+    """Sample among the k most likely tokens only (0: off)."""
+    min_p: float | None = None
+    """Drop tokens less likely than min_p times the most likely one (0: off)."""
+    repetition_penalty: float | None = None
+    """Divide a repeated token's positive logit by this, multiply a negative one (1: off)."""
+    presence_penalty: float | None = None
+    """-2..2: subtracted once from the logit of a token in the window (0: off)."""
+    frequency_penalty: float | None = None
+    """-2..2: times a token's count in the window, subtracted from its logit (0: off)."""
+    repeat_last_n: int | None = None
+    """The context tokens the penalties count (default 64; -1: all of them)."""
     max_tokens: int | None = None
     """Most tokens to generate per request."""
     stop: list[str] | None = None

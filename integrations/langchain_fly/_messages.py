@@ -1,15 +1,14 @@
 """LangChain messages to the daemon's chat turns, and the daemon's answers to LangChain messages.
 
 Tool calls travel both ways: an `AIMessage`'s `tool_calls` and a `ToolMessage`'s result go to the
-daemon in OpenAI's shape; a result's parsed calls come back as `tool_calls`, and a call the daemon
-could not parse (its `<tool_call>` block stays in the text, e.g. cut off by `max_tokens`) as
-`invalid_tool_calls`.
+daemon in OpenAI's shape; a result's parsed calls come back as `tool_calls`, and the calls the daemon
+could not parse (their text stays in the answer, e.g. cut off by `max_tokens`; the daemon lists them
+as the result's `invalid_tool_calls`) as `invalid_tool_calls`. No tool-call format is known here.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,10 +21,9 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
-from langchain_core.messages.tool import InvalidToolCall, invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 
 from fly_llm.common.protocol import ChatMessage, GenerateResult, TokenChunk
-from fly_llm.common.tool_formats.hermes import TOOL_CLOSE, TOOL_OPEN
 
 _ROLES: dict[type[BaseMessage], str] = {
     SystemMessage: "system", HumanMessage: "user", AIMessage: "assistant", ToolMessage: "tool",
@@ -33,8 +31,6 @@ _ROLES: dict[type[BaseMessage], str] = {
 _SKIPPED_BLOCKS = frozenset({"tool_use", "tool_call", "tool_call_chunk", "invalid_tool_call", "thinking", "reasoning"})
 """Content blocks of an answer that are not sent back: its tool calls (Anthropic's `tool_use`, LangChain
 v1 blocks; the calls travel as `tool_calls`) and its reasoning (chat templates drop earlier turns' reasoning)."""
-_UNPARSED = re.compile(f"{re.escape(TOOL_OPEN)}(.*?)({re.escape(TOOL_CLOSE)}|$)", re.DOTALL)
-_NAME = re.compile(r'"name"\s*:\s*"([^"]*)"')
 
 
 def to_wire(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
@@ -76,25 +72,14 @@ def _text(message: BaseMessage) -> str:
     return "".join(parts)
 
 
-def ai_message(result: GenerateResult, offered_tools: bool, **fields: Any) -> AIMessage:
-    """The AIMessage for a finished request: its text, parsed calls, and unparsed calls when tools were offered."""
+def ai_message(result: GenerateResult, **fields: Any) -> AIMessage:
+    """The AIMessage for a finished request: its text, its calls, and the calls that did not parse."""
     return AIMessage(
         content=result.text,
         tool_calls=[tool_call(name=c.name, args=c.arguments, id=c.id) for c in result.tool_calls],
-        invalid_tool_calls=unparsed_calls(result.text) if offered_tools else [],
+        invalid_tool_calls=[invalid_tool_call(name=c.name, args=c.arguments, id=None, error=c.error)
+                            for c in result.invalid_tool_calls],
         **fields)
-
-
-def unparsed_calls(text: str) -> list[InvalidToolCall]:
-    """The `<tool_call>` blocks left in generated text: each one did not parse as a call."""
-    calls = []
-    for match in _UNPARSED.finditer(text):
-        body, closed = match.group(1).strip(), bool(match.group(2))
-        name = _NAME.search(body)
-        calls.append(invalid_tool_call(
-            name=name.group(1) if name else None, args=body, id=None,
-            error="not a JSON object with a name and arguments" if closed else "the call was cut off before its end"))
-    return calls
 
 
 def message_chunk(item: TokenChunk, first_index: int) -> AIMessageChunk | None:

@@ -90,12 +90,12 @@ class ChatFLy(FLyBase, BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         options = self._request_options(stop, kwargs)
-        return self._chat_result(self._client.chat(to_wire(messages), **options), options)
+        return self._chat_result(self._client.chat(to_wire(messages), **options))
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         options = self._request_options(stop, kwargs)
-        return self._chat_result(await self._async_client.chat(to_wire(messages), **options), options)
+        return self._chat_result(await self._async_client.chat(to_wire(messages), **options))
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
@@ -132,8 +132,8 @@ class ChatFLy(FLyBase, BaseChatModel):
             content="", usage_metadata=usage_metadata(item), response_metadata=self._response_metadata(item),
             chunk_position="last"))
 
-    def _chat_result(self, result: GenerateResult, options: dict[str, Any]) -> ChatResult:
-        message = ai_message(result, "tools" in options, usage_metadata=usage_metadata(result),
+    def _chat_result(self, result: GenerateResult) -> ChatResult:
+        message = ai_message(result, usage_metadata=usage_metadata(result),
                              response_metadata=self._response_metadata(result))
         return ChatResult(generations=[ChatGeneration(message=message)])
 

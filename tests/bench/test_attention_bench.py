@@ -1,4 +1,4 @@
-"""benchmarks.attention_bench times the row attention op beside a baseline source and stops if they differ."""
+"""benchmarks.forward.attention_bench times the row attention op beside a baseline source and stops if they differ."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import attention_bench
+from benchmarks.forward import attention_bench
 from fly_llm.model.kernels import row_attention
 
 pytestmark = pytest.mark.skipif(not row_attention.available(), reason="the row attention op cannot run here")

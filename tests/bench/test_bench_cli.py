@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from benchmarks import cli
-from benchmarks.methods import MAIN_METHODS, TARGET_FLOAT, all_methods
+from benchmarks.harness import cli
+from benchmarks.harness.methods import MAIN_METHODS, TARGET_FLOAT, all_methods
 
 SUMMARY_FIELDS = {
     "dataset", "method", "items", "tokens", "seconds", "tokens_per_s", "speedup", "ttft_s", "target_forwards",

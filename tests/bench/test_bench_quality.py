@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from benchmarks import cli
-from benchmarks.confidence import flips, mcnemar_p, retention_interval, wilson_interval
-from benchmarks.quality_run import QUALITY_METHODS, SingleStreamPolicy, part_path, read_records, read_sittings
+from benchmarks.harness import cli
+from benchmarks.harness.confidence import flips, mcnemar_p, retention_interval, wilson_interval
+from benchmarks.harness.quality_run import QUALITY_METHODS, SingleStreamPolicy, part_path, read_records, read_sittings
 
 RUN = ["--dataset", "humaneval", "gsm8k", "--limit", "2", "--max-tokens", "12"]
 TIMING_FIELDS = {"throughput_tokens_per_s", "sittings", "batch"}
@@ -177,8 +177,8 @@ def test_the_target_part_runs_after_the_other_methods(monkeypatch, tmp_path):
     directory do not both decode the target-only part first."""
     from types import SimpleNamespace
 
-    from benchmarks import quality_run
-    from benchmarks.methods import all_methods
+    from benchmarks.harness import quality_run
+    from benchmarks.harness.methods import all_methods
 
     order = []
     monkeypatch.setattr(quality_run, "run_part", lambda runner, method, *rest: order.append(method.name))
@@ -222,7 +222,7 @@ def test_the_machine_kind_names_the_thread_count_that_changes_int8_numerics():
     import torch
     from torch import nn
 
-    from benchmarks.quality_run import machine_kind
+    from benchmarks.harness.quality_run import machine_kind
 
     model = nn.Linear(2, 2)
     model.device, model.dtype = torch.device("cpu"), torch.float32
@@ -260,7 +260,7 @@ def test_llamacpp_is_a_quality_method_decoding_one_item_at_a_time(tiny_pair_dirs
     same float32 target), scored and reported beside the target: equal tokens when the decoders agree."""
     from contextlib import contextmanager
 
-    from benchmarks import methods
+    from benchmarks.harness import methods
 
     monkeypatch.setattr(methods, "llamacpp_installed", lambda: True)
     monkeypatch.setattr(cli, "llamacpp_installed", lambda: False)  # no llama_cpp module to ask for its build

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import cli, datasets, quality
-from benchmarks.report import ItemResult, decode_tokens_per_s, markdown, summarize
+from benchmarks.harness import cli, datasets, quality
+from benchmarks.harness.report import ItemResult, decode_tokens_per_s, markdown, summarize
 
 
 def test_the_prompt_is_what_a_llama_index_query_engine_sends_a_chat_model():

@@ -8,7 +8,7 @@ from importlib import resources
 
 import pytest
 
-from benchmarks import datasets, quality
+from benchmarks.harness import datasets, quality
 
 
 def _canonical() -> dict[str, str]:
@@ -89,7 +89,7 @@ def test_prose_set_is_mt_bench_without_code_or_math():
 
 
 def test_unscored_items_report_speed_and_agreement_but_no_metric():
-    from benchmarks.report import ItemResult, markdown, summarize
+    from benchmarks.harness.report import ItemResult, markdown, summarize
 
     ref = [ItemResult("p1", 10, 2.0, 0.1, 10, None, [1, 2, 3], "abc")]
     fast = [ItemResult("p1", 10, 1.0, 0.1, 4, None, [1, 2, 3], "abc")]

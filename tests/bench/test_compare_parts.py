@@ -1,4 +1,4 @@
-"""benchmarks.compare_parts: paired scores, flips and identical answers of parts from different runs."""
+"""benchmarks.harness.compare_parts: paired scores, flips and identical answers of parts from different runs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import compare_parts
+from benchmarks.harness import compare_parts
 
 
 def _part(path, passed: dict[str, bool], tokens: dict[str, list[int]]):

@@ -1,4 +1,4 @@
-"""benchmarks.policy_trace records every engine round of a FLy request with its plan and outcome, and
+"""benchmarks.engine.policy_trace records every engine round of a FLy request with its plan and outcome, and
 leaves the engine as it found it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from support.tiny_models import make_pair
 
-from benchmarks.methods import Runner, all_methods
-from benchmarks.policy_trace import PLAIN_ENGINE, summary, trace
+from benchmarks.harness.methods import Runner, all_methods
+from benchmarks.engine.policy_trace import PLAIN_ENGINE, summary, trace
 
 
 def test_every_round_is_traced_and_the_engine_is_restored():

@@ -1,11 +1,11 @@
-"""benchmarks/prefix_bench.py runs end to end on the tiny pair: same answers with and without the cache,
+"""benchmarks/serving/prefix_bench.py runs end to end on the tiny pair: same answers with and without the cache,
 hits from turn 2 on, and an ITL row per prefill setting."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks.prefix_bench import main
+from benchmarks.serving.prefix_bench import main
 
 
 def test_prefix_bench_on_the_tiny_pair(tmp_path, capsys):

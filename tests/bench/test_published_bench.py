@@ -1,5 +1,5 @@
-"""benchmarks.published_bench: the Q4_K-only reading keeps exactly the published Q4_K weights, and two
-models' forwards are timed side by side (also what benchmarks.activation_bench runs)."""
+"""benchmarks.forward.published_bench: the Q4_K-only reading keeps exactly the published Q4_K weights, and two
+models' forwards are timed side by side (also what benchmarks.forward.activation_bench runs)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from support.tiny_models import make_pair
 
-from benchmarks.published_bench import Q4KOnly, compare, streamed_bytes
+from benchmarks.forward.published_bench import Q4KOnly, compare, streamed_bytes
 from fly_llm.model.kernels import w4a8
 from fly_llm.model.kernels.gguf_blocks import PublishedWeights, save_published
 from fly_llm.model.quantization import quantize

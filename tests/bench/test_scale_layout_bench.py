@@ -1,4 +1,4 @@
-"""benchmarks.scale_layout_bench times a model's published weights with their two-level scales and
+"""benchmarks.forward.scale_layout_bench times a model's published weights with their two-level scales and
 without, and would stop if the two layouts ever gave different logits."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from support.tiny_models import make_pair
 
-from benchmarks.scale_layout_bench import compare, layouts, streamed_bytes
+from benchmarks.forward.scale_layout_bench import compare, layouts, streamed_bytes
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.model.kernels import w4a8
 from fly_llm.model.quantization import quantize

@@ -1,10 +1,10 @@
-"""benchmarks/server_side_by_side.py's pure parts: the decode rate, resuming parts, medians and ratios."""
+"""benchmarks/serving/server_side_by_side.py's pure parts: the decode rate, resuming parts, medians and ratios."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks.server_side_by_side import Prompt, decode_rate, markdown, pending, read_rows, summarize
+from benchmarks.serving.server_side_by_side import Prompt, decode_rate, markdown, pending, read_rows, summarize
 
 
 def row(server: str, prompt_id: str, kind: str, ttft: float, e2e: float, tokens: int = 31, text: str = "a",

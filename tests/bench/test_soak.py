@@ -1,10 +1,10 @@
-"""benchmarks/soak.py runs end to end on the tiny pair (a few seconds of traffic) and reports no errors."""
+"""benchmarks/serving/soak.py runs end to end on the tiny pair (a few seconds of traffic) and reports no errors."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks.soak import main
+from benchmarks.serving.soak import main
 
 
 def test_a_short_soak_on_the_tiny_pair(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""benchmarks.step_profile labels every matmul of a fused w4a8 model, including those fused layers
+"""benchmarks.forward.step_profile labels every matmul of a fused w4a8 model, including those fused layers
 call through `project` instead of the module call."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from support.tiny_models import make_pair
 
-from benchmarks.step_profile import label_linears, profile_table
+from benchmarks.forward.step_profile import label_linears, profile_table
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.model.kernels import w4a8
 from fly_llm.model.quantization import quantize

@@ -1,4 +1,4 @@
-"""benchmarks/structured_bench.py on the tiny pair: every output valid, exact SPD equal to target under the grammar, resumable."""
+"""benchmarks/engine/structured_bench.py on the tiny pair: every output valid, exact SPD equal to target under the grammar, resumable."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import structured_bench
+from benchmarks.engine import structured_bench
 
 
 @pytest.fixture(scope="module")

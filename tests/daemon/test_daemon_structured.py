@@ -159,21 +159,24 @@ def _sandbox_workers(daemon_pid: int) -> list[int]:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the sandbox worker in /proc")
 def test_a_stopped_sandbox_worker_is_replaced_and_the_schema_accepted(tiny_daemon, client):
     """Issue 45 finding 5: a SIGSTOPped worker made a valid schema's timeout its cached verdict, refused for
-    every tenant from then on. Now the worker is replaced and the schema tried again: served, then and later."""
+    every tenant from then on. Now the worker is replaced and the schema tried again: served, then and later.
+    Every worker of the sandbox's pool (`grammar_workers`) is stopped, so the one the schema goes to is."""
     client.generate("x", SamplingParams(max_tokens=4), response_format={"type": "json_schema", "schema": ANSWER})
     daemon_pid = int(Path(tiny_daemon.removeprefix("ipc://") + ".pid").read_text().split()[0])
     workers = _sandbox_workers(daemon_pid)
-    assert len(workers) == 1, workers
+    assert 1 <= len(workers) <= 2, workers
     schema = {"type": "object", "properties": {"stopped_worker": {"type": "boolean"}}, "required": ["stopped_worker"],
               "additionalProperties": False}  # a schema no other test sends: its verdict is not cached yet
-    os.kill(workers[0], signal.SIGSTOP)
+    for worker in workers:
+        os.kill(worker, signal.SIGSTOP)
     try:
         for _ in range(2):
             result = client.generate("x", SamplingParams(max_tokens=40),
                                      response_format={"type": "json_schema", "schema": schema})
             if result.finish_reason == "stop":
                 jsonschema.validate(json.loads(result.text), schema)
-        assert workers[0] not in _sandbox_workers(daemon_pid)  # the stopped one was killed and replaced
+        assert set(workers) - set(_sandbox_workers(daemon_pid))  # the stopped one it went to was killed, replaced
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(workers[0], signal.SIGCONT)
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)

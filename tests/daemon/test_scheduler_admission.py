@@ -45,7 +45,7 @@ class Recording(CountingEngine):
         self.encoded: list[str] = []
         self.adds_between_steps = [0]
 
-    def encode(self, prompt=None, messages=None, tools=None, add_special=True) -> list[int]:
+    def encode(self, prompt=None, messages=None, tools=None, add_special=True, infill=None) -> list[int]:
         self.threads.append(("encode", threading.current_thread().name))
         text = prompt if prompt is not None else " ".join(m["content"] for m in messages)
         self.encoded.append(text)

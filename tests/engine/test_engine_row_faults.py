@@ -1,7 +1,7 @@
 """A row's fault is the row's (issue 45): a per-row stage that raises ends that request alone.
 
 A batch of mixed rows (greedy, seeded sampling, log-probabilities, a JSON Schema) plus one *victim* row
-whose stage is made to raise — sampling, the grammar matcher (as a Rust panic: a BaseException), the
+whose stage is made to raise — sampling, its penalties, the grammar matcher (as a Rust panic: a BaseException), the
 log-probabilities, the detokenizer. The victim ends with the stage's stable code and a message of ours;
 every other row's tokens equal its solo run (exact mode, float32) and the engine's invariants hold
 after every step. Then the same requests run again, unfaulted, to the same tokens.
@@ -20,6 +20,7 @@ from fly_llm.common.errors import Internal
 from fly_llm.decoding import engine as engine_module
 from fly_llm.decoding import verify as verify_module
 from fly_llm.decoding.engine import FLyEngine
+from fly_llm.decoding.penalties import Penalty
 from fly_llm.decoding.stages.grammar import GrammarStage
 from fly_llm.decoding.text import Detokenizer
 from support.structures import constraint_of, schema_structure
@@ -41,6 +42,8 @@ ROWS = {  # request id: (prompt, sampling, logprobs, constrained)
 }
 VICTIM_TEMPERATURE = 0.77
 """The victim's temperature: the injected sampling fault fires for the rows that have it."""
+VICTIM_PENALTY = 1.77
+"""The victim's repetition_penalty: the injected penalty fault fires for the rows that have it."""
 VICTIM_LOGPROBS = 3
 """The victim asks for this many alternatives: the injected log-probability fault fires for it only."""
 
@@ -89,15 +92,27 @@ def solo(pair) -> dict[str, list[int]]:
 
 
 def _fault_sampling(monkeypatch, eng):
-    real = verify_module._distributions
+    real = verify_module.distributions
 
-    def distributions(logits, temperatures, top_ps):
+    def distributions(logits, temperatures, top_ps, *filters):
         if any(abs(t - VICTIM_TEMPERATURE) < 1e-6 for t in temperatures):
             raise FloatingPointError("injected sampling fault")
-        return real(logits, temperatures, top_ps)
+        return real(logits, temperatures, top_ps, *filters)
 
-    monkeypatch.setattr(verify_module, "_distributions", distributions)
+    monkeypatch.setattr(verify_module, "distributions", distributions)
     return SamplingParams(max_tokens=16, temperature=VICTIM_TEMPERATURE, seed=1), None, False
+
+
+def _fault_penalties(monkeypatch, eng):
+    real = Penalty.apply_
+
+    def apply_(penalty, logits, context, drafts):
+        if penalty.repetition == VICTIM_PENALTY:
+            raise FloatingPointError("injected penalty fault")
+        return real(penalty, logits, context, drafts)
+
+    monkeypatch.setattr(Penalty, "apply_", apply_)
+    return SamplingParams(max_tokens=16, repetition_penalty=VICTIM_PENALTY), None, False
 
 
 def _fault_logprobs(monkeypatch, eng):
@@ -156,6 +171,7 @@ def _recording(add_request, record):
 
 FAULTS = {
     "sampling": (_fault_sampling, "INTERNAL"),
+    "penalties": (_fault_penalties, "INTERNAL"),
     "log-probabilities": (_fault_logprobs, "INTERNAL"),
     "detokenizing": (_fault_detokenizing, "INTERNAL"),
     "grammar-forced-tokens": (_grammar_fault("_forced"), "BAD_REQUEST"),

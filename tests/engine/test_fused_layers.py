@@ -9,7 +9,6 @@ forward's logits bit for bit, in a ragged batch with holes too."""
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from support.tiny_models import exact_mode_matches_greedy, make_pair
 from fly_llm.common.config import ModelSpec
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.model import fused_layers, quantization
-from fly_llm.model.fused_layers import FusedW4A8
+from fly_llm.model.w4a8_layers import FusedW4A8
 from fly_llm.model.kernels import layer_ops, w4a8
 from fly_llm.model.pair import load_models
 from fly_llm.model.quantization import quantize
@@ -35,7 +34,7 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def _lean_layers(model: torch.nn.Module) -> int:
     """How many decoder layers of `model` run the fused layer forward."""
-    return sum(getattr(m.forward, "__func__", None) is fused_layers._layer_forward for m in model.modules())
+    return sum(isinstance(m, fused_layers.FusedDecoderLayer) for m in model.modules())
 
 
 @pytest.mark.parametrize("ops", ["native", "torch"])
@@ -52,6 +51,10 @@ def test_a_fused_model_gives_the_unfused_models_logits(arch, dtype, ops, monkeyp
     assert len(fused) == 2 * target.config.num_hidden_layers  # q/k/v and gate/up of every layer
     assert _lean_layers(target) == target.config.num_hidden_layers and _lean_layers(unfused) == 0
     assert not any(isinstance(m, FusedW4A8) for m in unfused.modules())
+    patched = [m for m in target.modules() if "forward" in vars(m)]
+    assert patched == [target.model]  # layers converted; only the model's lean forward is the instance's
+    kinds = {type(m).__name__ for m in target.modules()}
+    assert {"FusedAttention", "FusedMLP", f"Fused{arch.capitalize()}DecoderLayer"} <= kinds
     if ops == "torch":
         monkeypatch.setattr(layer_ops, "native", lambda *tensors: False)
     else:
@@ -152,5 +155,5 @@ def test_other_calls_and_partly_fused_models_take_transformers_forward():
         out = target(input_ids=ids[None], output_hidden_states=True)  # no cache, hidden states asked for
     assert len(out.hidden_states) == target.config.num_hidden_layers + 1
     layer = target.model.layers[1]
-    layer.forward = types.MethodType(type(layer).forward, layer)  # a layer the lean forward cannot run
+    layer.__class__ = type(layer).__bases__[1]  # transformers' layer (over fused modules): not a lean model
     assert not fused_layers._lean_model(target.model)

@@ -22,7 +22,7 @@ from fly_llm.model.kernels import w4a8
 from fly_llm.model.kernels.gguf_blocks import DECODERS, PublishedWeights, decode, decode_q4_k, save_published
 from fly_llm.model.cache import MANIFEST, PUBLISHED, cache_problem, cached_conversion, published_weights, write_manifest
 from fly_llm.model.pair import load_models
-from fly_llm.model.quantization import W4A8Linear
+from fly_llm.model.w4a8_layers import W4A8Linear
 from support.tiny_models import make_pair, write_tiny_gguf
 
 needs_w4a8 = pytest.mark.skipif(not w4a8.available(), reason="the w4a8 kernel cannot be built or run here")

@@ -23,7 +23,7 @@ import openai
 import pytest
 import torch
 
-from benchmarks.grammar_compile_bench import agent_tools
+from benchmarks.engine.grammar_compile_bench import agent_tools
 
 import fly_llm
 from fly_llm.common.config import FLyConfig, SamplingParams
@@ -156,6 +156,39 @@ def test_a_worker_stopped_or_killed_mid_request_is_no_verdict(setup, monkeypatch
         assert stopped and (sandbox.starts, sandbox.retries) == (2, 1)
         sandbox.check(valid)  # remembered as good: no worker asked
         assert (sandbox.starts, sandbox.retries) == (2, 1)
+    finally:
+        sandbox.close()
+
+
+def test_a_slow_grammar_holds_one_worker_not_the_others(setup, monkeypatch):
+    """Issue 45 finding 4: one worker behind a lock made every compile wait for the slowest. With two, a
+    grammar whose worker hangs (SIGSTOP: it answers only at the timeout) holds that worker alone: another
+    client's grammar is judged meanwhile, long before the stalled one's timeout."""
+    sandbox = GrammarSandbox(setup, timeout_s=8.0, workers=2)
+    stalled = threading.Event()
+
+    def send(process, message):
+        if message.get("grammar", "").startswith("start: %json {\"title\": \"slow\"") and not stalled.is_set():
+            os.kill(process.pid, signal.SIGSTOP)
+            stalled.set()
+        real_send(process, message)
+
+    real_send = grammar_sandbox._send
+    monkeypatch.setattr(grammar_sandbox, "_send", send)
+    slow = json_grammar({"title": "slow", "type": "object", "properties": {"a": {"type": "string"}}})
+    quick = json_grammar({"type": "object", "properties": {"b": {"type": "integer"}}})
+    try:
+        sandbox.check(json_grammar({"type": "string"}))  # the first worker is up; the second starts on demand
+        done: list[float] = []
+        started = time.perf_counter()
+        holder = threading.Thread(target=lambda: (sandbox.check(slow), done.append(time.perf_counter() - started)))
+        holder.start()
+        assert stalled.wait(30)
+        sandbox.check(quick)
+        quick_s = time.perf_counter() - started
+        holder.join(60)
+        assert quick_s < 8.0 and done and done[0] >= 8.0, (quick_s, done)  # the slow one: timeout, then retried
+        assert sandbox.retries == 1
     finally:
         sandbox.close()
 

@@ -8,7 +8,8 @@ import torch
 from fly_llm.model import huge_pages
 from fly_llm.model.huge_pages import HUGE_PAGE, in_huge_pages
 from fly_llm.model.kernels import w4a8
-from fly_llm.model.quantization import W4A8Linear, quantize
+from fly_llm.model.quantization import quantize
+from fly_llm.model.w4a8_layers import W4A8Linear
 
 can_ask = pytest.mark.skipif(huge_pages._madvise() is None, reason="transparent huge pages cannot be asked for here")
 

@@ -10,9 +10,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fly_llm.common.config import FLyConfig
-from fly_llm.decoding.verify import (
-    PAD_TOKEN, RowRules, RowSampling, Verdict, _distributions, target_entropy, verify,
-)
+from fly_llm.decoding.distributions import distributions
+from fly_llm.decoding.verify import PAD_TOKEN, RowRules, RowSampling, Verdict, target_entropy, verify
 
 VOCAB = 8
 
@@ -350,7 +349,7 @@ def test_exact_sampling_preserves_the_target_distribution(temperature, top_p):
 def test_top_p_nucleus_matches_a_sorted_cumulative_sum(scale):
     torch.manual_seed(5)
     logits = torch.randn(2, 3, 1000, dtype=torch.float64) * scale
-    probs = _distributions(logits.clone(), [0.7, 1.3], [0.9, 0.5])
+    probs = distributions(logits.clone(), [0.7, 1.3], [0.9, 0.5])
     for row, (temperature, top_p) in enumerate([(0.7, 0.9), (1.3, 0.5)]):
         for position in range(3):
             expected = target_distribution(logits[row, position], temperature, top_p)

@@ -20,7 +20,8 @@ from fly_llm.model import quantization
 from fly_llm.common.config import ModelSpec
 from fly_llm.model.kernels import w4a8
 from fly_llm.model.pair import load_models
-from fly_llm.model.quantization import W4A8Linear, quantize, resolve_quantization
+from fly_llm.model.quantization import quantize, resolve_quantization
+from fly_llm.model.w4a8_layers import W4A8Linear
 
 CPU = torch.device("cpu")
 CAN_BUILD = platform.machine().lower() in {"x86_64", "amd64"} and bool(shutil.which("c++") or shutil.which("g++"))

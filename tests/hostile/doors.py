@@ -231,7 +231,7 @@ class ZmqDoor:
 
 class HttpDoor:
     """Cases as POSTs to /v1/chat/completions (messages) or /v1/completions (a prompt), raw frames as bodies,
-    a case with a route of its own (/tokenize, /detokenize, the embedding routes) there as it is."""
+    a case with a route of its own (/tokenize, /detokenize, /infill, the embedding routes) there as it is."""
 
     name = "http"
 
@@ -305,8 +305,9 @@ def plain_outcome(response: httpx.Response, error_code: Callable[[Any], str | No
     return Outcome("refused", code)
 
 
-ROUTE_ANSWERS = {"/tokenize": ("tokens", list), "/detokenize": ("content", str), "/v1/embeddings": ("data", list),
-                 "/api/embed": ("embeddings", list), "/api/embeddings": ("embedding", list)}
+ROUTE_ANSWERS = {"/tokenize": ("tokens", list), "/detokenize": ("content", str), "/infill": ("content", str),
+                 "/v1/embeddings": ("data", list), "/api/embed": ("embeddings", list),
+                 "/api/embeddings": ("embedding", list)}
 """What a served answer of a route of its own holds: (field, type)."""
 
 

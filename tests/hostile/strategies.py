@@ -43,7 +43,7 @@ FORMATS = ["date-time", "date", "time", "email", "uri", "uuid", "ipv4", "ipv6", 
            "x-unknown", "", "\x00", "%s%n", "json-pointer", "idn-email"]
 TOOL_NAMES = ["get_weather", "search", "a", "x" * 64, "x" * 65, "", "bad name", "naïve", "a/b", "-", ".", "ok.v2",
               "<tool_call>", "\ud800", "__proto__", "1" * 10]
-STOP_CODES = ("BAD_REQUEST", "TOO_LONG", "BUSY", "TIMEOUT")
+STOP_CODES = ("BAD_REQUEST", "TOO_LONG", "FIM_UNSUPPORTED", "BUSY", "TIMEOUT")
 """The codes a hostile request may be refused with; anything else (INTERNAL, a death, a hang) is a finding."""
 
 
@@ -250,6 +250,12 @@ def sampling() -> st.SearchStrategy[dict[str, Any]]:
         "temperature": st.sampled_from([0.0, 1e-30, 0.7, 10.0, 10.0001, -0.0, -1.0, 1e308,  # float32's edges (issue 45):
                                         5e-324, 1e-40, 1.2e-38, "nan", "inf", "-inf", "1e-45"]),
         "top_p": st.sampled_from([0.0, 1e-300, 0.5, 1.0, 1.0000001, 5e-324, 1e-46, "nan", "1e-45"]),
+        "top_k": st.sampled_from([0, 1, 3, 10**6, 10**6 + 1, -1, 2**63, 2.5, "nan"]),  # the samplers of issue 47
+        "min_p": st.sampled_from([0.0, 1e-45, 0.5, 1.0, 1.0000001, -1e-300, "nan"]),
+        "repetition_penalty": st.sampled_from([1e-300, 0.5, 1.0, 10.0, 10.01, 0.0, "inf"]),
+        "presence_penalty": st.sampled_from([-2.0, 2.0, 2.0001, 5e-324, "nan"]),
+        "frequency_penalty": st.sampled_from([-2.0, -2.0001, 1e-40, 2.0, "-inf"]),
+        "repeat_last_n": st.sampled_from([-1, -2, 0, 1, 10**6, 10**6 + 1]),
         "seed": st.sampled_from([0, 2**63 - 1, 2**63, -1, 10**40]),
         "stop": st.one_of(st.lists(text(), max_size=4), st.lists(st.just("a"), min_size=50, max_size=60),
                           st.just(["x" * 5000])),
@@ -407,6 +413,24 @@ def _detokenize_case() -> st.SearchStrategy[Case]:
     return st.one_of(known, ids, huge, bad).map(lambda body: Case("detokenize", body, route="/detokenize"))
 
 
+def _infill_case() -> st.SearchStrategy[Case]:
+    """Fill-in-the-middle: POST /infill bodies (odd text, other files, n_predict at its edges, samplers on and
+    off, mistyped and unknown fields; whole answers) and `suffix` on /v1/completions. The fuzzed daemon's
+    tiny pair has no FIM tokens, so a valid one is refused FIM_UNSUPPORTED; everything else before that."""
+    files = st.lists(st.fixed_dictionaries({"filename": text(), "text": text()}), max_size=3)
+    infill = st.builds(lambda prefix, suffix, extra, n, top_k: _request(input_prefix=prefix, input_suffix=suffix,
+                                                                        input_extra=extra, n_predict=n, top_k=top_k),
+                       text(), text(), st.one_of(files, st.sampled_from([[{"filename": "f"}], [{"text": 1}], "x"])),
+                       st.sampled_from([None, -1, 0, 1, 8, -2, 10**9, *MISTYPED]), st.sampled_from([None, 0, 40]))
+    bad = st.sampled_from([{}, {"input_prefix": None}, {"input_prefix": 7}, {"input_sufix": "x"},
+                           {"input_extra": [{"text": "t"}] * 65}, {"input_prefix": "ab " * 400_000}])
+    completions = st.builds(lambda prompt, suffix: {"prompt": prompt, "suffix": suffix, "sampling": {"max_tokens": 4}},
+                            st.sampled_from(PROMPTS), st.one_of(text(), st.sampled_from([None, 7, ["x"]])))
+    return st.one_of(infill.map(lambda body: Case("infill", body, route="/infill")),
+                     bad.map(lambda body: Case("infill", body, route="/infill")),
+                     completions.map(lambda body: Case("infill", body)))
+
+
 EMBEDDING_MODEL = "tiny_embedder"
 """The embedding model the fuzzed daemon serves (doors.py starts it with --embedding-model .../tiny_embedder)."""
 EMBEDDING_ROUTES = ("/v1/embeddings", "/api/embed", "/api/embeddings")
@@ -487,7 +511,7 @@ def _outside(value: Any, low: int, high: int) -> bool:
 
 OPENAI_FAMILIES: dict[str, st.SearchStrategy[Case]] = {
     "tokenize": _tokenize_case(), "detokenize": _detokenize_case(), "choices": _choices_case(),
-    "logprobs": _logprobs_case(), "embeddings": _embedding_case(),
+    "logprobs": _logprobs_case(), "infill": _infill_case(), "embeddings": _embedding_case(),
 }
 """The OpenAI door's own families (its routes and fields the other doors do not have)."""
 
@@ -504,6 +528,6 @@ FAMILIES: dict[str, st.SearchStrategy[Case]] = {
 
 CI_EXAMPLES = {"schema": 50, "tools": 40, "messages": 35, "params": 25, "frame": 25, "ref_chain": 4,
                "deep_arguments": 4, "forced_deep": 3, "empty_language": 7,
-               "tokenize": 25, "detokenize": 25, "choices": 30, "logprobs": 35, "embeddings": 40}
-"""Cases per family and door in CI (193 of `FAMILIES` per door, 155 of `OPENAI_FAMILIES`): the random
+               "tokenize": 25, "detokenize": 25, "choices": 30, "logprobs": 35, "infill": 25, "embeddings": 40}
+"""Cases per family and door in CI (193 of `FAMILIES` per door, 180 of `OPENAI_FAMILIES`): the random
 families get most, each known killer a few."""

@@ -1,6 +1,6 @@
 """lm-evaluation-harness's `local-completions` (a log-likelihood and a generate-until task) and
 `local-chat-completions` (generate-until) against the HTTP front on the tiny pair, in exact mode, unquantized
-(benchmarks/lm_eval_check.py). The log-likelihoods lm-eval reads from `echo` + `logprobs` are the tiny
+(benchmarks/serving/lm_eval_check.py). The log-likelihoods lm-eval reads from `echo` + `logprobs` are the tiny
 target's own, computed here in-process."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.lm_eval_check import GENERATE_TASK, ITEMS, LOGLIKELIHOOD_TASK, parse_args, run_check
+from benchmarks.serving.lm_eval_check import GENERATE_TASK, ITEMS, LOGLIKELIHOOD_TASK, parse_args, run_check
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                                 reason="needs lm-evaluation-harness (pip install lm-eval; not a fly-llm extra)")

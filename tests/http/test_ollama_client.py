@@ -169,7 +169,7 @@ def test_load_request_answers_at_once(client, model):
 @pytest.mark.parametrize("call, status, says", [
     (lambda c, m: c.chat(model="llama3.2", messages=MESSAGES), 404, "not found"),
     (lambda c, m: c.chat(model=m, messages=MESSAGES, options={"num_ctx": 4096}), 400, "context window of 512"),
-    (lambda c, m: c.chat(model=m, messages=MESSAGES, options={"top_k": 40}), 400, "top_k"),
+    (lambda c, m: c.chat(model=m, messages=MESSAGES, options={"mirostat": 2}), 400, "mirostat"),
     (lambda c, m: c.chat(model=m, messages=MESSAGES, options={"lose": False}), 400, "unknown option 'lose'"),
     (lambda c, m: c.chat(model=m, messages=MESSAGES, options={"num_predict": 10**7}), 400, "max_tokens"),
     (lambda c, m: c.chat(model=m, messages=MESSAGES, think=True), 400, "does not think"),
@@ -189,8 +189,8 @@ def test_bad_requests_get_ollamas_error_shape(client, model, call, status, says)
 def test_options_kept_and_ignored(client, model):
     """Load-time options and samplers set to off are accepted; keep_alive too."""
     answer = client.chat(model=model, messages=MESSAGES, keep_alive=0, stream=False, options={
-        "num_predict": 4, "num_ctx": 512, "num_gpu": 1, "num_thread": 2, "top_k": 0, "repeat_penalty": 1.0,
-        "repeat_last_n": 64, **EXACT})
+        "num_predict": 4, "num_ctx": 512, "num_gpu": 1, "num_thread": 2, "typical_p": 1.0, "mirostat": 0,
+        "mirostat_tau": 5.0, **EXACT})
     assert answer.eval_count == 4
 
 

@@ -1,5 +1,5 @@
 """A real web UI in a real browser: Open WebUI, driven by headless Chromium, chats with fly-daemon on the
-embedded pair over its OpenAI and its Ollama connection (benchmarks/webui_check.py; docs/webui.md)."""
+embedded pair over its OpenAI and its Ollama connection (benchmarks/serving/webui_check.py; docs/webui.md)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from benchmarks.webui_check import installed_programs, parse_args, run_check
+from benchmarks.serving.webui_check import installed_programs, parse_args, run_check
 
 OPEN_WEBUI, CHROMIUM = installed_programs()
 MISSING = [what for what, found in (

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from fly_llm.common.config import FLyConfig
-from fly_llm.common.errors import TooLong
+from fly_llm.common.errors import FimUnsupported, TooLong
 from fly_llm.common.protocol import ErrorReply, GenerateResult, TokenizeReply
 from fly_llm.common.schema_limits import SchemaCaps
-from fly_llm.common.stats import PromptStats, RequestStats
+from fly_llm.common.stats import GrammarCacheStats, PromptStats, RequestStats
 
 from fly_daemon.core import ServingCore
 from fly_daemon.metrics import Metrics
@@ -44,13 +44,18 @@ class _Output:
 
 
 class _NoGrammars:
-    """The double's grammar compiler: the schema caps, and no special tokens (no tokenizer)."""
+    """The double's grammar compiler: the schema caps, and no special tokens (no tokenizer), no caches."""
 
     caps = SchemaCaps()
+    texts_budget = 1 << 20
 
     @staticmethod
     def special_tokens(texts: tuple[str, ...]) -> frozenset[str]:
         return frozenset()
+
+    @staticmethod
+    def stats() -> GrammarCacheStats:
+        return GrammarCacheStats()
 
 
 class CountingEngine:
@@ -64,6 +69,7 @@ class CountingEngine:
     target_name, draft_name, device, dtype = "counting", None, "cpu", "float32"
     target_quantization = draft_quantization = "none"
     tokenizer = None  # no chat template
+    fim = None  # no fill-in-the-middle tokens
     prompt_stats = PromptStats()  # no prefix cache
     grammars = _NoGrammars()
 
@@ -77,7 +83,9 @@ class CountingEngine:
         self.rows: dict[str, list[int]] = {}
         self.scopes: dict[str, str] = {}  # request id -> the cache_scope it was added with
 
-    def encode(self, prompt=None, messages=None, tools=None, add_special=True) -> list[int]:
+    def encode(self, prompt=None, messages=None, tools=None, add_special=True, infill=None) -> list[int]:
+        if infill is not None:
+            raise FimUnsupported(f"the model {self.target_name!r} has no fill-in-the-middle tokens")
         text = prompt if prompt is not None else " ".join(m["content"] for m in messages)
         return [1] * len(text.split())
 

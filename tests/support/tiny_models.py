@@ -41,10 +41,13 @@ CHAT_TEMPLATE = (  # ChatML; tool names (short: the tiny models' context is 512)
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+FIM_SPECIAL = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>"]
+"""Qwen2.5-Coder's fill-in-the-middle and repository tokens, added by `make_tokenizer(fim=True)`."""
 
 
-def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on CORPUS, with EOS and a ChatML template."""
+def make_tokenizer(vocab_size: int = 320, fim: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on CORPUS, with EOS and a ChatML template; with `fim`, also
+    FIM_SPECIAL as special tokens (ids after the trained vocabulary)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -54,6 +57,8 @@ def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None)
     fast.chat_template = CHAT_TEMPLATE
+    if fim:
+        fast.add_special_tokens({"additional_special_tokens": FIM_SPECIAL})
     return fast
 
 
@@ -69,9 +74,10 @@ def make_config(arch: str, vocab_size: int, dtype: torch.dtype = torch.float32, 
 
 
 def make_pair(arch: str = "llama", seed: int = 0, noise: float = 0.1, dtype: torch.dtype = torch.float32,
-              device: str = TEST_DEVICE, **size: int):
-    """Return (target, draft, tokenizer) on `device`: random target, draft = target with multiplicative noise."""
-    tokenizer = make_tokenizer()
+              device: str = TEST_DEVICE, fim: bool = False, **size: int):
+    """Return (target, draft, tokenizer) on `device`: random target, draft = target with multiplicative noise;
+    with `fim`, the tokenizer has FIM tokens (FIM_SPECIAL)."""
+    tokenizer = make_tokenizer(fim=fim)
     config = make_config(arch, len(tokenizer), dtype, **size)
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id

@@ -3,7 +3,9 @@ the response_format mapping, and a cache of both.
 
 A tool-call format (`ToolFormat`) owns its tags, the grammar that constrains its calls and the
 parser that reads them back (`hermes.py`: Qwen's / Hermes'). A second format is one new module
-plus a line in `FORMATS`; `format_for` picks one per model.
+plus a line in `FORMATS`; `format_for` picks one by the model's chat template. Only these modules
+know a format's tags: the daemon's delivery (fly_daemon.delivery) parses calls, and clients and
+adapters see parsed calls (`ToolCall`, `UnparsedCall`).
 """
 
 from __future__ import annotations
@@ -15,17 +17,20 @@ from typing import Any, Protocol
 
 from fly_llm.common.constraints import Constraint
 from fly_llm.common.errors import BadRequest
-from fly_llm.common.lru import LruCache
+from fly_llm.common.lru import ENTRY_BYTES, LruCache, text_bytes
 from fly_llm.common.schema_limits import SchemaCaps
 from fly_llm.common.tool_formats.hermes import HERMES
-from fly_llm.common.tools import Structure, ToolCall
+from fly_llm.common.tools import Structure, ToolCall, UnparsedCall
 
-CACHE_SIZE = 64
-"""Structures' constraints kept for reuse (LRU)."""
+CACHE_BYTES = 32 << 20
+"""Bytes of structures' constraints kept for reuse (LRU), unless the engine says otherwise."""
 
 
 class CallParser(Protocol):
     """Reads a model's tool calls out of its streamed text (`hermes.ToolCallStream`)."""
+
+    unparsed: list[UnparsedCall]
+    """The call blocks that stayed text so far (they did not parse, or were cut off)."""
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Add a text delta; return (text to show now, calls completed by it)."""
@@ -44,6 +49,9 @@ class ToolFormat(Protocol):
     def constraint(self, structure: Structure, special_tags: frozenset[str], caps: SchemaCaps) -> Constraint:
         """The constraint of a request that offers tools; BadRequest for a schema over `caps`."""
 
+    def written_by(self, chat_template: str) -> bool:
+        """Whether a chat template asks the model for calls in this format."""
+
     def parser(self, structure: Structure) -> CallParser:
         """The streaming call parser of a request that may call tools."""
 
@@ -52,9 +60,10 @@ FORMATS: dict[str, ToolFormat] = {HERMES.name: HERMES}
 """The tool-call formats by name."""
 
 
-def format_for(model: str | None = None) -> ToolFormat:
-    """The tool-call format of a model (by its name or path): Hermes for every model served today."""
-    return FORMATS["hermes"]
+def format_for(chat_template: str | None) -> ToolFormat:
+    """The tool-call format a model's chat template asks for: the first of `FORMATS` it is written in,
+    else Hermes (also for a model without a template)."""
+    return next((f for f in FORMATS.values() if chat_template and f.written_by(chat_template)), HERMES)
 
 
 def constraint_for(structure: Structure | None, tool_format: ToolFormat = HERMES,
@@ -76,19 +85,24 @@ class Constraints:
 
     `special_tokens(texts)`: which of `texts` are one special token each of the model's tokenizer
     (the engine's `GrammarCompiler.special_tokens`; asked once, when a structure first needs it).
+    The constraints kept take at most `cache_bytes`.
     """
 
     def __init__(self, tool_format: ToolFormat, special_tokens: Callable[[tuple[str, ...]], frozenset[str]],
-                 caps: SchemaCaps = SchemaCaps()) -> None:
+                 caps: SchemaCaps = SchemaCaps(), cache_bytes: int = CACHE_BYTES) -> None:
         self.tool_format = tool_format
         self.caps = caps
         self._special_tokens = special_tokens
-        self._cache: LruCache[bytes, Constraint | None] = LruCache(CACHE_SIZE)
+        self._cache: LruCache[bytes, Constraint | None] = LruCache(cache_bytes, _constraint_bytes)
 
     @classmethod
     def of(cls, engine: Any) -> "Constraints":
-        """The constraints for a loaded engine's model (a FLyEngine, not imported here: no torch)."""
-        return cls(format_for(engine.target_name), engine.grammars.special_tokens, engine.grammars.caps)
+        """The constraints for a loaded engine's model (a FLyEngine, not imported here: no torch), in the
+        tool format its chat template asks for."""
+        template = getattr(engine.tokenizer, "chat_template", None)  # text, named texts (a dict) or None
+        tool_format = format_for(str(template) if template else None)
+        grammars = engine.grammars
+        return cls(tool_format, grammars.special_tokens, grammars.caps, grammars.texts_budget)
 
     def constraint(self, structure: Structure | None) -> Constraint | None:
         """The constraint of a request's structure (None: free output); BadRequest for a bad one."""
@@ -104,6 +118,11 @@ class Constraints:
         special = self._special_tokens(self.tool_format.tags) if structure.tools else frozenset()
         return constraint_for(structure, self.tool_format, special, self.caps)
 
-    def parser(self, structure: Structure | None) -> CallParser | None:
-        """The call parser of a request that may call tools; None for the others."""
-        return self.tool_format.parser(structure) if structure is not None and structure.calls_tools else None
+    def check(self) -> None:
+        """Assert the cache's byte count and budget (`LruCache.check`)."""
+        self._cache.check()
+
+
+def _constraint_bytes(key: bytes, constraint: Constraint | None) -> int:
+    texts = () if constraint is None else (constraint.text, *(t for part in constraint.parts for t in part))
+    return ENTRY_BYTES + text_bytes(key, *texts)

@@ -6,8 +6,9 @@
 
 - `HERMES.constraint(structure, special_tags, caps)`: the grammar for a request's tools and
   tool_choice: forced calls ('required', a name), optional calls ('auto') or none.
-- `HERMES.parser(structure)`: a `ToolCallStream` that reads the calls back out of streamed text;
-  `split_tool_calls` does the same for a whole text.
+- `HERMES.parser(structure)`: a `ToolCallStream` that reads the calls back out of streamed text (and
+  keeps the blocks that did not parse as `UnparsedCall`s); `split_tool_calls` does the same for a whole text.
+- `HERMES.written_by(template)`: whether a chat template asks for this format (`format_for` picks by it).
 
 Under 'auto', small models (Qwen2.5-Coder among them) often answer a tool request with a bare call
 object instead of the tags; both the grammar and the parser allow it (`bare_calls_allowed`).
@@ -23,7 +24,7 @@ from typing import Any
 from fly_llm.common.constraints import Constraint, json_lexeme
 from fly_llm.common.json_text import loads, loads_objects
 from fly_llm.common.schema_limits import SchemaCaps, check_schema, hoist_defs
-from fly_llm.common.tools import NamedToolChoice, Structure, ToolCall
+from fly_llm.common.tools import NamedToolChoice, Structure, ToolCall, UnparsedCall
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
@@ -51,6 +52,10 @@ class HermesFormat:
             tools = [f for f in offered if f.name == structure.tool_choice.function.name]
         parts = tuple((f"tool {f.name!r}: its parameters schema", json.dumps(f.parameters)) for f in offered)
         return Constraint("grammar", _tools_grammar(structure, tools, special_tags, caps), parts)
+
+    def written_by(self, chat_template: str) -> bool:
+        """Whether a chat template asks the model for Hermes-tagged calls (it names the opening tag)."""
+        return TOOL_OPEN in chat_template
 
     def parser(self, structure: Structure) -> "ToolCallStream":
         """The streaming call parser for a request that may call tools."""
@@ -140,7 +145,8 @@ class ToolCallStream:
     """Splits streamed text into text deltas and whole tool calls (one delta per call, when it closes).
 
     Text that might be the start of TOOL_OPEN is held back until it is clear. A call still open
-    when the stream ends is returned as text by `finish` (it never parsed).
+    when the stream ends is returned as text by `finish` (it never parsed). Each block that stays text
+    (it does not parse, or was cut off) is also listed in `unparsed`.
 
     With `names` (the offered tools), an answer that is one bare or ```json-fenced call object
     of an offered tool also counts as a call: small models (Qwen2.5-Coder among them) often answer
@@ -153,6 +159,7 @@ class ToolCallStream:
         self._pending = ""
         self._in_call = False
         self._bare: bool | None = None if names else False  # None: too early to tell
+        self.unparsed: list[UnparsedCall] = []
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Add a text delta; return (text to show now, calls completed by it)."""
@@ -176,6 +183,7 @@ class ToolCallStream:
                     calls.append(parse_call(body))
                 except ValueError:
                     shown.append(TOOL_OPEN + body + TOOL_CLOSE)
+                    self.unparsed.append(_unparsed(body, "not a JSON object with a name and arguments"))
                 continue
             start = self._pending.find(TOOL_OPEN)
             if start >= 0:
@@ -191,6 +199,8 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """When the stream ends: the text still held back, and a bare call if the answer was one."""
+        if self._in_call:
+            self.unparsed.append(_unparsed(self._pending, "the call was cut off before its end"))
         rest = (TOOL_OPEN if self._in_call else "") + self._pending
         self._pending, self._in_call = "", False
         if self._bare is not False:
@@ -201,6 +211,13 @@ class ToolCallStream:
 
 
 _BARE_STARTS = ("{", "```json")
+_NAME = re.compile(r'"name"\s*:\s*"([^"]*)"')
+
+
+def _unparsed(body: str, error: str) -> UnparsedCall:
+    """A block between the tags that is not a call: the name it seems to give, its text, and why."""
+    name = _NAME.search(body)
+    return UnparsedCall(name=name.group(1) if name else None, arguments=body.strip(), error=error)
 
 
 def _bare_calls(text: str) -> list[ToolCall]:

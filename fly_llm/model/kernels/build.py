@@ -1,6 +1,6 @@
 """Compile a C++ source of this package as a torch extension once, and load it.
 
-The build goes to `<model cache>/kernels/<name>-<key>` (fly_llm.model.cache.cache_root), keyed by
+The build goes to `<model cache>/kernels/<name>-<key>` (fly_llm.model.cache_paths), keyed by
 the source, torch and Python versions, so a change to any of them builds anew and an unchanged one
 loads in a fraction of a second. It needs a C++ compiler (g++) and ninja; without them, or if the
 build fails, `load_extension` logs one line and returns None, and the caller uses its fallback.
@@ -17,6 +17,8 @@ from types import ModuleType
 
 import torch
 
+from fly_llm.model.cache_paths import cache_root
+
 log = logging.getLogger(__name__)
 
 _FLAGS = ["-O3", "-std=c++17", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own thread pool
@@ -24,8 +26,6 @@ _FLAGS = ["-O3", "-std=c++17", "-fopenmp"]  # OpenMP: at::parallel_for runs on t
 
 def build_directory(name: str, source: Path) -> Path:
     """Where `name` built from `source` lives: keyed by the source, torch and Python."""
-    from fly_llm.model.cache import cache_root  # here, not above: model_cache imports this package's modules
-
     key = hashlib.sha256(source.read_bytes() + f"{torch.__version__}|{sys.version}|{_FLAGS}".encode())
     return cache_root() / "kernels" / f"{name}-{key.hexdigest()[:12]}"
 

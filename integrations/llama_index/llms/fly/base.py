@@ -68,6 +68,17 @@ class FLyLLM(FunctionCallingLLM):
     )
     temperature: float | None = Field(default=None, ge=0.0, description="Sampling temperature; 0 is greedy.")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int | None = Field(default=None, ge=0, description="Sample among the k most likely tokens (0: off).")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0,
+                                description="Drop tokens less likely than min_p × the most likely one (0: off).")
+    repetition_penalty: float | None = Field(default=None, gt=0.0,
+                                             description="CTRL's ratio for tokens in the window (1: off).")
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0,
+                                           description="Subtracted once from a repeated token's logit (0: off).")
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0,
+                                            description="Times a token's count, subtracted from its logit (0: off).")
+    repeat_last_n: int | None = Field(default=None, ge=-1,
+                                      description="The context tokens the penalties count (64; -1: all).")
     max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate per call.")
     stop: list[str] | None = Field(default=None, description="Stop strings (not included in the output).")
     seed: int | None = Field(default=None, ge=0, description="Seed for reproducible sampling.")

@@ -1,0 +1,114 @@
+"""llama.cpp server's POST /infill on the HTTP front (fly_daemon.http): its body, translated into one
+`fly_llm.common.protocol.GenerateRequest` that fills in the middle (fly_llm.common.fim), and its answers
+in the shape of llama.cpp's /completion (`content`, `stop`, `tokens_predicted`, `timings`, ...).
+
+Fields as llama.cpp names them: `input_prefix`, `input_suffix`, `input_extra` (other files, `[{filename,
+text}]`), `prompt` (text after the prefix), `n_predict` (-1: no limit), `stream`, `temperature`, `top_p`,
+`seed`, `stop`, the samplers (`top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`, `presence_penalty`,
+`frequency_penalty`: docs/daemon.md, "Samplers") and FLy's options (`k`, `window`, `entropy_threshold`,
+`loose`). A sampler FLy does not have
+is accepted only at the value that turns it off (fly_daemon.ollama_api.SAMPLERS_OFF: llama.cpp's names are
+Ollama's); llama.cpp's slot and cache settings are accepted and ignored (the prefix cache is always on);
+any other field is refused (400), so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fly_llm.client.core import build_options, checked
+from fly_llm.common.fim import Infill
+from fly_llm.common.protocol import GenerateRequest, GenerateResult
+
+from fly_daemon.ollama_api import SAMPLER_SETTINGS, SAMPLERS_OFF
+
+IGNORED = frozenset({"cache_prompt", "id_slot", "n_keep", "n_indent", "min_keep", "penalize_nl", "t_max_predict_ms",
+                     "t_max_prompt_ms", *SAMPLER_SETTINGS})
+"""llama.cpp fields accepted and ignored: slots and caching (ours is automatic), time caps, sampler settings
+that do nothing while their sampler is off."""
+
+
+class ExtraFile(BaseModel):
+    """One `input_extra` entry: a file's name and text (their size caps are the wire's, TOO_LONG)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    filename: str = ""
+    text: str
+
+
+class InfillBody(BaseModel):
+    """POST /infill: fill in between `input_prefix` (+ `prompt`) and `input_suffix`, `input_extra` as context."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraFile] = Field(default_factory=list, description="Other files of the repository.")
+    prompt: str = Field("", description="Text after the prefix (llama.cpp's).")
+    model: str | None = Field(None, description="Accepted and not checked (llama.cpp serves one model).")
+    n_predict: int | None = Field(None, ge=-1, description="Most tokens to generate; -1 or none: no limit.")
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = Field(None, description="FLy's repetition_penalty.")
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = Field(None, ge=-1, description="-1: a random seed (llama.cpp's).")
+    stop: list[str] | None = None
+    k: int | None = None
+    window: int | None = None
+    entropy_threshold: float | None = None
+    loose: bool | None = None
+
+    @model_validator(mode="after")
+    def _known(self) -> "InfillBody":
+        for name, value in (self.model_extra or {}).items():
+            if name in SAMPLERS_OFF:
+                if value is not None and value != SAMPLERS_OFF[name]:
+                    raise ValueError(f"{name} {value!r}: FLy has no such sampler (leave it out, or set it to "
+                                     f"{SAMPLERS_OFF[name]!r}: off)")
+            elif name not in IGNORED:
+                raise ValueError(f"{name}: not a field /infill serves")
+        return self
+
+    def to_generate(self, request_id: str, no_limit_tokens: int) -> GenerateRequest:
+        """The wire request (n_predict -1 or none asks for `no_limit_tokens`); BadRequest / TooLong naming the field."""
+        limit = no_limit_tokens if self.n_predict in (None, -1) else self.n_predict
+        sampling, fly = build_options(max_tokens=limit, temperature=self.temperature, top_p=self.top_p,
+                                      top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repeat_penalty,
+                                      repeat_last_n=self.repeat_last_n, presence_penalty=self.presence_penalty,
+                                      frequency_penalty=self.frequency_penalty,
+                                      seed=None if self.seed == -1 else self.seed, stop=self.stop, k=self.k,
+                                      window=self.window, entropy_threshold=self.entropy_threshold, loose=self.loose)
+        with checked():
+            infill = Infill(prefix=self.input_prefix, suffix=self.input_suffix, prompt=self.prompt,
+                            files=[f.model_dump() for f in self.input_extra])
+            return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream, infill=infill)
+
+
+def infill_chunk(text: str) -> dict[str, Any]:
+    """One event of a stream: new text, not the last."""
+    return {"content": text, "stop": False}
+
+
+def infill_answer(result: GenerateResult, model: str, text: str = "") -> dict[str, Any]:
+    """The whole answer (`text`: all of it), or the last event of a stream (no text), as llama.cpp's /completion:
+    `stop_type` 'limit' at n_predict, else 'eos' (an EOS token or a stop string: the result does not tell which)."""
+    first = result.time_to_first_token_s or 0.0
+    prompt_n = result.usage.prompt_tokens - result.usage.cached_tokens
+    predicted_n = result.usage.completion_tokens
+    prompt_ms, predicted_ms = first * 1e3, max(result.elapsed_s - first, 0.0) * 1e3
+    return {"content": text, "stop": True, "model": model, "tokens_predicted": predicted_n,
+            "tokens_evaluated": result.usage.prompt_tokens, "tokens_cached": result.usage.cached_tokens,
+            "truncated": False, "stop_type": "limit" if result.finish_reason == "length" else "eos",
+            "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                        "prompt_per_second": prompt_n / (prompt_ms / 1e3) if prompt_ms else 0.0,
+                        "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+                        "predicted_per_second": predicted_n / (predicted_ms / 1e3) if predicted_ms else 0.0},
+            "fly_stats": result.stats.model_dump()}

@@ -1,0 +1,213 @@
+"""Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens) as one chat request: the bodies we
+serve, their translation into a `fly_llm.common.protocol.GenerateRequest` (so the chat route's grammar, tools,
+size caps and error codes apply). The answer, its stream's events and Anthropic's error shape:
+fly_daemon.messages_stream.
+
+`system` (a string or text blocks) is a system turn; `messages` alternate user and assistant turns whose
+content is a string or blocks: `text`, `tool_use` (an assistant's calls) and `tool_result` (a user turn's
+results, each a tool turn). `tools` (Anthropic's custom tools: `input_schema`) and `tool_choice` (auto, any,
+tool, none; `disable_parallel_tool_use`) and `output_config.format` (a JSON schema) are the chat route's
+structure options, decoded under the grammar; `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`
+and FLy's options (extra body fields) its sampling options. `top_k` is the sampler's top-k (a bad value is a 400
+naming it). Refused (400): images, documents, thinking, server tools, and a last assistant turn
+(prefill: the chat template closes every turn). `cache_control` is accepted (the prefix cache is automatic).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fly_llm.client.core import build_options, checked
+from fly_llm.common.protocol import GenerateRequest
+
+from fly_daemon.messages_stream import MessageShaper
+from fly_daemon.openai_api import FLyFields
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None
+    citations: list[Any] | None = Field(None, description="Accepted, not used.")
+
+
+class ToolUseBlock(_Strict):
+    """A call an assistant turn made."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(_Strict):
+    """The result of the call `tool_use_id`, in a user turn (`is_error` is accepted; the text says it)."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+
+
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+
+
+class AnthropicMessage(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    def turns(self) -> list[dict[str, Any]]:
+        """The message as fly_llm.common.protocol.ChatMessage fields: an assistant turn with its calls, or a user
+        turn's tool results (tool turns) and text (user turns), in their order."""
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        misplaced, name = (ToolResultBlock, "tool_result") if self.role == "assistant" else (ToolUseBlock, "tool_use")
+        if any(isinstance(b, misplaced) for b in self.content):
+            raise ValueError(f"a {self.role} turn cannot carry {name} blocks")
+        if self.role == "assistant":
+            turn: dict[str, Any] = {"role": "assistant",
+                                    "content": "".join(b.text for b in self.content if isinstance(b, TextBlock))}
+            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                     for b in self.content if isinstance(b, ToolUseBlock)]
+            return [{**turn, "tool_calls": calls}] if calls else [turn]
+        turns: list[dict[str, Any]] = []
+        for block in self.content:
+            if isinstance(block, ToolResultBlock):
+                turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text})
+            elif turns and turns[-1]["role"] == "user":
+                turns[-1]["content"] += block.text
+            else:
+                turns.append({"role": "user", "content": block.text})
+        return turns
+
+
+class AnthropicTool(_Strict):
+    """A custom tool: its name, what it does and a JSON Schema of its input."""
+
+    type: Literal["custom"] | None = None
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def spec(self) -> dict[str, Any]:
+        """The tool as fly_llm.common.tools.ToolSpec fields."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description or "",
+                                                 "parameters": self.input_schema, "strict": self.strict}}
+
+
+class AnthropicToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _name_with_tool(self) -> "AnthropicToolChoice":
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("tool_choice: a 'name' goes with type 'tool' (and only with it)")
+        return self
+
+    def wire(self) -> str | dict[str, Any]:
+        """The choice as fly_llm.common.tools.ToolChoice."""
+        if self.type == "tool":
+            return {"type": "function", "function": {"name": self.name}}
+        return {"any": "required"}.get(self.type, self.type)
+
+
+class Thinking(_Strict):
+    """Only {"type": "disabled"}: the served models do not think."""
+
+    type: Literal["disabled"]
+
+
+class JsonOutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    """`output_config`: the answer as JSON valid under `format.schema` (`effort` is refused: nothing reasons)."""
+
+    format: JsonOutputFormat | None = None
+    effort: None = None
+
+
+class Conversation(_Strict):
+    """What a Messages request and a count_tokens request share: the model, the turns and the tools."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    cache_control: dict[str, Any] | None = Field(None, description="Accepted: the prefix cache is automatic.")
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """`system` and the messages as chat turns (a list of text blocks joined)."""
+        system = self.system if isinstance(self.system, str) or self.system is None else \
+            "".join(b.text for b in self.system)
+        turns = [] if system is None else [{"role": "system", "content": system}]
+        return turns + [turn for message in self.messages for turn in message.turns()]
+
+    def tool_specs(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else [t.spec() for t in self.tools]
+
+
+class CountTokensRequest(Conversation):
+    """POST /v1/messages/count_tokens: the prompt's tokens, with the tools offered, as a request would have them."""
+
+
+class MessagesRequest(Conversation, FLyFields):
+    """POST /v1/messages, served as one chat request."""
+
+    max_tokens: int = Field(ge=1, description="Required, as Anthropic requires it.")
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="The sampler's top-k; validated where the sampling options are built.")
+    metadata: dict[str, Any] | None = Field(None, description="Accepted, not used.")
+    service_tier: Literal["auto", "standard_only"] | None = None
+
+    @model_validator(mode="after")
+    def _no_prefill(self) -> "MessagesRequest":
+        if self.messages[-1].role == "assistant":
+            raise ValueError("messages: the last turn is the assistant's (a prefill), which is not supported: "
+                             "end with a user turn")
+        return self
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        """The wire request this body asks for; BadRequest / TooLong (naming the field) if it is not valid."""
+        top_k = {} if self.top_k is None else {"top_k": self.top_k}
+        sampling, fly = build_options(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                      stop=self.stop_sequences, **top_k, **self.fly_options())
+        choice = self.tool_choice
+        output = self.output_config.format if self.output_config is not None else None
+        with checked():
+            return GenerateRequest(
+                id=request_id, sampling=sampling, fly=fly, stream=self.stream, messages=self.chat_messages(),
+                tools=self.tool_specs(), tool_choice=None if choice is None else choice.wire(),
+                parallel_tool_calls=False if choice is not None and choice.disable_parallel_tool_use else None,
+                response_format=None if output is None else {"type": "json_schema", "schema": output.schema_})
+
+    def shaper(self, model: str) -> MessageShaper:
+        """A new answer of `model` to this request."""
+        return MessageShaper(model)
+

@@ -1,0 +1,218 @@
+"""The scheduler's books: where each generate request is (queued, preparing, prepared, in the engine),
+what each client holds, and the tokenize requests waiting — the first room's data, its invariants in `check()`.
+
+Not thread-safe on its own: the scheduler (fly_daemon.scheduler) holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel
+
+from fly_llm.common.errors import BadRequest, Busy, Cancelled, FLyError, Timeout
+from fly_llm.common.protocol import GenerateRequest, TokenizeRequest
+
+from fly_daemon.limits import Limits
+from fly_daemon.preparation import PreparedInput
+from fly_daemon.request_weight import check_admission, weight
+
+if TYPE_CHECKING:
+    from fly_daemon.delivery import OutputState
+
+Envelope = tuple[bytes, ...]
+"""The ROUTER routing frames of one client socket."""
+LOCAL: Envelope = ()
+"""The envelope of requests submitted from inside the process (fly_daemon.inproc): no routing frames, so it
+is never a socket's, and no heartbeats (their owner cancels them when it stops waiting)."""
+Emit = Callable[[Envelope, BaseModel], None]
+"""Sends a reply to the client behind an envelope (thread-safe)."""
+Place = Literal["queued", "preparing", "prepared", "engine", "ended"]
+
+
+@dataclass(eq=False)
+class Entry:
+    """One generate request's place in the scheduler, from submission to its final reply."""
+
+    envelope: Envelope
+    request: GenerateRequest
+    seq: int  # submission order
+    tenant: str  # whose prefix cache it may use (a credential: "local", "curve:KEY", "http-key:HASH")
+    client: str  # what the per-client cap counts (one socket, one HTTP connection)
+    submitted: float
+    last_seen: float
+    place: Place = "queued"
+    kill: FLyError | None = None  # why it must end, once something decided it must
+    prepared: PreparedInput | None = None  # from preparation until it joins the engine
+    prompt_tokens: int = 0  # once prepared
+    output: OutputState | None = None  # once it is in the engine
+
+    @property
+    def key(self) -> tuple[Envelope, str]:
+        return self.envelope, self.request.id
+
+    @property
+    def engine_id(self) -> str:
+        return f"r{self.seq}"
+
+    @property
+    def budget(self) -> int:
+        """Tokens this request may occupy in the batch (prompt + max new tokens)."""
+        return self.prompt_tokens + self.request.sampling.max_tokens
+
+    def cache_scope(self, shared: bool) -> str:
+        """Whose caches (prefixes, compiled grammars) it reads and fills: its tenant's, unless `shared`."""
+        return "" if shared else self.tenant
+
+    def verdict(self, now: float, heartbeat_timeout: float) -> FLyError | None:
+        """Why it must end now (its deadline passed, or its client stopped heartbeating), else None."""
+        timeout = self.request.timeout_s
+        if timeout is not None and now - self.submitted > timeout:
+            return Timeout(f"request {self.request.id} passed its deadline of {timeout} s")
+        if self.envelope != LOCAL and heartbeat_timeout and now - self.last_seen > heartbeat_timeout:
+            return Cancelled(f"no heartbeat from the client for {heartbeat_timeout} s")
+        return None
+
+
+class RequestQueue:
+    """Every request the scheduler holds, each in exactly one place, within `limits`' caps."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.entries: dict[tuple[Envelope, str], Entry] = {}
+        self._queued: deque[Entry] = deque()
+        self._preparing: set[Entry] = set()
+        self._prepared: list[Entry] = []  # in submission order
+        self._per_client: dict[str, int] = {}
+        self.tokenize_waiting: deque[tuple[Envelope, TokenizeRequest]] = deque()  # for the models to load
+        self.tokenize_pending = 0  # waiting for the models or the pool
+
+    # ---- generate requests ----
+
+    def add(self, entry: Entry) -> None:
+        """Queue `entry`; BadRequest for an id its envelope has in flight, Busy over a cap."""
+        if entry.key in self.entries:
+            raise BadRequest(f"request id {entry.request.id!r} is already in flight")
+        if self._per_client.get(entry.client, 0) >= self.limits.max_requests_per_client:
+            raise Busy(f"this client already has {self.limits.max_requests_per_client} requests queued or "
+                       f"running (the daemon's max_requests_per_client)")
+        check_admission(entry.request, sum(weight(e.request, e.prompt_tokens) for e in self.entries.values()
+                                           if e.client == entry.client), self.limits.max_tokens_per_client)
+        if self.outside_engine() >= self.limits.queue_size:
+            raise Busy(f"admission queue full ({self.limits.queue_size} waiting)")
+        self.entries[entry.key] = entry
+        self._queued.append(entry)
+        self._per_client[entry.client] = self._per_client.get(entry.client, 0) + 1
+
+    def queued(self) -> int:
+        return len(self._queued)
+
+    def outside_engine(self) -> int:
+        """Requests queued, preparing or prepared."""
+        return len(self._queued) + len(self._preparing) + len(self._prepared)
+
+    def in_engine(self) -> list[Entry]:
+        return [e for e in self.entries.values() if e.place == "engine"]
+
+    def take_to_prepare(self) -> Entry | None:
+        """Move the next queued entry to preparing: the oldest of a client with nothing being prepared,
+        else the oldest; None if none is queued."""
+        busy = {e.client for e in self._preparing}
+        entry = next((e for e in self._queued if e.client not in busy), self._queued[0] if self._queued else None)
+        if entry is not None:
+            self._queued.remove(entry)
+            self._preparing.add(entry)
+            entry.place = "preparing"
+        return entry
+
+    def mark_prepared(self, entry: Entry) -> bool:
+        """Move a preparing entry to the prepared (in submission order); False if it ended meanwhile."""
+        if entry.place != "preparing":
+            return False
+        self._preparing.remove(entry)
+        entry.place = "prepared"
+        insort(self._prepared, entry, key=lambda e: e.seq)
+        return True
+
+    def take_joinable(self) -> Entry | None:
+        """Move the first prepared entry into the engine if the batch has room for it (always for one)."""
+        if not self._prepared:
+            return None
+        active = self.in_engine()
+        if len(active) >= self.limits.max_batch_size:
+            return None
+        entry = self._prepared[0]
+        if active and sum(e.budget for e in active) + entry.budget > self.limits.max_batch_tokens:
+            return None
+        self._prepared.pop(0)
+        entry.place = "engine"
+        return entry
+
+    def sweep(self, reason: Callable[[Entry], FLyError | None], queued_only: bool = False) -> list[tuple[Entry, bool]]:
+        """Detach every entry (every queued one with `queued_only`) that was cancelled or that `reason`
+        gives an error for (set as its `kill`); each with whether it was in the engine."""
+        ended = []
+        for entry in list(self._queued) if queued_only else self.entries.values():
+            if entry.kill is None:
+                entry.kill = reason(entry)
+            if entry.kill is not None:
+                ended.append((entry, entry.place == "engine"))
+        for entry, _ in ended:
+            self.detach(entry)
+        return ended
+
+    def detach(self, entry: Entry) -> None:
+        """Take an entry out of the table, its place and its client's count."""
+        del self.entries[entry.key]
+        if entry.place == "queued":
+            self._queued.remove(entry)
+        elif entry.place == "preparing":
+            self._preparing.discard(entry)
+        elif entry.place == "prepared":
+            self._prepared.remove(entry)
+        left = self._per_client[entry.client] - 1
+        if left:
+            self._per_client[entry.client] = left
+        else:
+            del self._per_client[entry.client]
+        entry.place = "ended"
+
+    # ---- tokenize requests ----
+
+    def add_tokenize(self, envelope: Envelope, request: TokenizeRequest, waits: bool) -> None:
+        """Count a tokenize request (keep it while the models load if it `waits`); Busy over the cap."""
+        if self.tokenize_pending >= self.limits.queue_size:
+            raise Busy("too many tokenize requests waiting")
+        self.tokenize_pending += 1
+        if waits:
+            self.tokenize_waiting.append((envelope, request))
+
+    def take_tokenize_waiting(self) -> list[tuple[Envelope, TokenizeRequest]]:
+        """The tokenize requests that waited for the models (still counted as pending)."""
+        waiting = list(self.tokenize_waiting)
+        self.tokenize_waiting.clear()
+        return waiting
+
+    def check(self) -> None:
+        """Assert the books: every entry is in exactly one place (queued, preparing, prepared, engine)
+        and that place says so; the prepared are in submission order; the per-client counts match the
+        entries and stay within the cap; the queue and the batch within their bounds."""
+        places: dict[Place, list[Entry]] = {"queued": list(self._queued), "preparing": list(self._preparing),
+                                            "prepared": list(self._prepared), "engine": self.in_engine()}
+        held = [entry for entries in places.values() for entry in entries]
+        assert len({id(e) for e in held}) == len(held) == len(self.entries), "an entry is in two places or none"
+        for place, entries in places.items():
+            assert all(e.place == place and self.entries.get(e.key) is e for e in entries), f"stale {place} entry"
+        assert [e.seq for e in self._prepared] == sorted(e.seq for e in self._prepared), "prepared out of order"
+        clients: dict[str, int] = {}
+        for entry in self.entries.values():
+            clients[entry.client] = clients.get(entry.client, 0) + 1
+        assert clients == self._per_client, (clients, self._per_client)
+        assert max(clients.values(), default=0) <= self.limits.max_requests_per_client
+        assert len(held) - len(places["engine"]) <= self.limits.queue_size
+        assert len(places["engine"]) <= self.limits.max_batch_size
+        assert len(self.tokenize_waiting) <= self.tokenize_pending <= self.limits.queue_size

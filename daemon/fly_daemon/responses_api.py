@@ -1,0 +1,267 @@
+"""OpenAI's Responses API (POST /v1/responses) as one chat request: the body we serve and its translation into a
+`fly_llm.common.protocol.GenerateRequest`, so the chat route's grammar, tools, size caps and error codes apply.
+The answer's shape and its stream's events: fly_daemon.responses_stream.
+
+Stateless: nothing is stored, so `store: true`, `previous_response_id`, `conversation`, `prompt` and
+`background: true` are refused (400 BAD_REQUEST saying so); the client sends the whole conversation as `input`.
+`input` is a string (one user turn) or input items: messages (roles user/system/developer/assistant; content a
+string or `input_text` / `output_text` / `refusal` parts), `function_call` items (the calls an earlier answer
+made) and `function_call_output` items (their results). `instructions` is a system turn before them; function
+`tools`, `tool_choice`, `parallel_tool_calls` and `text.format` (text, json_object, json_schema: decoded under
+the grammar) are the chat route's structure options; `max_output_tokens`, `temperature`, `top_p` and FLy's
+options (extra body fields) are its sampling options. Any other field is a 400 naming it, as on the chat route.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+
+from fly_llm.client.core import build_options, checked
+from fly_llm.common.protocol import GenerateRequest
+
+from fly_daemon.openai_api import FLyFields
+from fly_daemon.responses_stream import ResponseShaper
+
+STATELESS = ("previous_response_id", "conversation", "prompt", "background")
+"""Fields that need a stored response, conversation or prompt (or a stored run): refused unless empty."""
+UNSERVED = {"reasoning": "the served models do not reason", "top_logprobs": "log-probabilities are not served here "
+            "(POST /v1/chat/completions has them)", "max_tool_calls": "calls are not capped (use tool_choice)"}
+"""Other fields refused unless empty, with why."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    """A text part of a message: `input_text`, or `output_text` of an earlier answer sent back (its
+    annotations and log-probabilities are accepted and not used)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class RefusalPart(_Strict):
+    """A refusal an earlier answer made, sent back: its text is the turn's text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+Part = Annotated[Union[TextPart, RefusalPart], Field(discriminator="type")]
+
+
+class MessageItem(_Strict):
+    """A message input item (`type` may be left out); an earlier answer's message item is accepted as it came."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[Part]
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None
+
+    def turn(self) -> dict[str, Any]:
+        """The item as fly_llm.common.protocol.ChatMessage fields (parts joined; 'developer' is 'system')."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class FunctionCallItem(_Strict):
+    """A call an earlier answer made: `call_id` is what its result names; `arguments` JSON text."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+    def call(self) -> dict[str, Any]:
+        """The call as fly_llm.common.protocol.MessageToolCall fields."""
+        return {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class FunctionCallOutputItem(_Strict):
+    """The result of the call `call_id`: text, or text parts."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+    def turn(self) -> dict[str, Any]:
+        text = self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return {"role": "tool", "tool_call_id": self.call_id, "content": text}
+
+
+def _item_type(item: Any) -> Any:
+    """An input item's `type`; a message may leave it out."""
+    if isinstance(item, dict):
+        return item.get("type", "message")
+    return getattr(item, "type", None)
+
+
+InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+                      Discriminator(_item_type)]
+
+
+class FunctionTool(_Strict):
+    """A function tool, in the Responses API's flat shape."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def spec(self) -> dict[str, Any]:
+        """The tool as fly_llm.common.tools.ToolSpec fields."""
+        function: dict[str, Any] = {"name": self.name, "description": self.description or "", "strict": self.strict}
+        if self.parameters is not None:
+            function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+class NamedFunction(_Strict):
+    """tool_choice naming one function: {"type": "function", "name": ...}."""
+
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    """`text.format`: free text, any JSON object, or JSON valid under `schema` (`strict` and `description`
+    are accepted: the grammar holds the output to the schema either way)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> "TextFormat":
+        if (self.type == "json_schema") != (self.schema_ is not None):
+            raise ValueError("text.format: a 'schema' goes with type 'json_schema' (and only with it)")
+        return self
+
+    def response_format(self) -> dict[str, Any]:
+        """The format as a fly_llm.common.tools.ResponseFormat."""
+        if self.type == "json_schema":
+            return {"type": "json_schema", "schema": self.schema_, "name": self.name}
+        return {"type": self.type}
+
+
+class TextConfig(_Strict):
+    """`text`: its format (`verbosity` only at OpenAI's default, 'medium': the served models have no such knob)."""
+
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None
+
+
+class StreamOptions(_Strict):
+    """Accepted and not used: deltas are sent without obfuscation padding."""
+
+    include_obfuscation: bool | None = None
+
+
+class ResponsesRequest(FLyFields):
+    """POST /v1/responses (stateless), served as one chat request."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    model: str
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    store: bool | None = Field(None, description="false (or left out): nothing is stored; true is refused.")
+    include: list[Literal["reasoning.encrypted_content"]] | None = Field(
+        None, description="Accepted: there is no reasoning to include.")
+    truncation: Literal["disabled"] | None = None
+    metadata: dict[str, str] | None = Field(None, description="Echoed in the answer, not used.")
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = Field(None, description="Accepted: the prefix cache needs no key.")
+    service_tier: Literal["auto", "default"] | None = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    background: Any = None
+    reasoning: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, store: bool | None) -> bool | None:
+        if store:
+            raise ValueError("store: true is not supported: this server stores no responses (send store: false, or "
+                             "leave it out, and the whole conversation as input)")
+        return store
+
+    @field_validator(*STATELESS)
+    @classmethod
+    def _stateless(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, False, "", {}, []):
+            raise ValueError(f"{info.field_name} is not supported: this server stores no responses, conversations or "
+                             "prompts, and runs none in the background (send the whole conversation as input)")
+        return value
+
+    @field_validator(*UNSERVED)
+    @classmethod
+    def _unserved(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, {}, []):
+            raise ValueError(f"{info.field_name} is not supported: {UNSERVED[info.field_name]}")
+        return value
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """`instructions` and `input` as chat turns; a call item joins the assistant turn just before it."""
+        turns: list[dict[str, Any]] = [] if self.instructions is None else [
+            {"role": "system", "content": self.instructions}]
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, FunctionCallItem):
+                if not turns or turns[-1]["role"] != "assistant":
+                    turns.append({"role": "assistant", "content": ""})
+                turns[-1].setdefault("tool_calls", []).append(item.call())
+            else:
+                turns.append(item.turn())
+        return turns
+
+    def to_generate(self, request_id: str) -> GenerateRequest:
+        """The wire request this body asks for; BadRequest / TooLong (naming the field) if it is not valid."""
+        sampling, fly = build_options(max_tokens=self.max_output_tokens, temperature=self.temperature,
+                                      top_p=self.top_p, **self.fly_options())
+        choice = self.tool_choice
+        if isinstance(choice, NamedFunction):
+            choice = {"type": "function", "function": {"name": choice.name}}
+        text_format = self.text.format if self.text is not None else None
+        with checked():
+            return GenerateRequest(
+                id=request_id, sampling=sampling, fly=fly, stream=self.stream, messages=self.chat_messages(),
+                tools=None if self.tools is None else [t.spec() for t in self.tools], tool_choice=choice,
+                parallel_tool_calls=self.parallel_tool_calls,
+                response_format=None if text_format is None else text_format.response_format())
+
+    def shaper(self, model: str) -> ResponseShaper:
+        """A new answer of `model` to this request."""
+        return ResponseShaper(self, model)

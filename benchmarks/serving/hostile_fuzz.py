@@ -31,14 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from hostile.api_doors import MessagesDoor, ResponsesDoor  # noqa: E402
 from hostile.api_strategies import API_CI_EXAMPLES, API_FAMILIES  # noqa: E402
 from hostile.doors import Finding, FuzzTarget, HttpDoor, ZmqDoor, greedy_reference, run_case  # noqa: E402
-from hostile.strategies import CI_EXAMPLES, FAMILIES, Case  # noqa: E402
+from hostile.strategies import CI_EXAMPLES, FAMILIES, OPENAI_FAMILIES, Case  # noqa: E402
 from support.tiny_models import save_tiny_pair  # noqa: E402
 
 KINDS = ("crash", "hang", "bad_answer", "exact")
 DOORS = {"zmq": ZmqDoor, "http": HttpDoor, "responses": ResponsesDoor, "messages": MessagesDoor}
 """Each door by name: the socket, the OpenAI routes, /v1/responses, /v1/messages."""
-OWN_FAMILIES = {"responses": ["responses_body"], "messages": ["messages_body"]}
-"""The families a door runs beside the door-neutral ones."""
+OWN_FAMILIES = {"http": list(OPENAI_FAMILIES), "responses": ["responses_body"], "messages": ["messages_body"]}
+"""The families a door runs beside the door-neutral ones (the OpenAI door's: its routes, the embedding routes
+among them)."""
 
 
 class Tally:
@@ -71,7 +72,8 @@ class Tally:
 def split(examples: int, door: str) -> dict[str, int]:
     """`examples` cases over `door`'s families (the door-neutral ones and its own) in the CI run's proportions
     (at least one each)."""
-    counts = {f: CI_EXAMPLES[f] for f in FAMILIES} | {f: API_CI_EXAMPLES[f] for f in OWN_FAMILIES.get(door, ())}
+    every = CI_EXAMPLES | API_CI_EXAMPLES
+    counts = {f: every[f] for f in FAMILIES} | {f: every[f] for f in OWN_FAMILIES.get(door, ())}
     total = sum(counts.values())
     return {family: max(1, round(examples * n / total)) for family, n in counts.items()}
 
@@ -83,7 +85,7 @@ def run_family(target: FuzzTarget, door: ZmqDoor | HttpDoor | ResponsesDoor | Me
     @seed(seed_value)
     @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(case=(FAMILIES | API_FAMILIES)[family])
+    @given(case=(FAMILIES | OPENAI_FAMILIES | API_FAMILIES)[family])
     def one(case: Case) -> None:
         tally.requests += 1
         try:

@@ -96,6 +96,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-max-connections", type=int, help="open HTTP connections in all; more get 503 BUSY")
     serve.add_argument("--http-max-connections-per-client", type=int,
                        help="open HTTP connections from one client address; more get 503 BUSY")
+    embed = start.add_argument_group("embeddings (/v1/embeddings, /api/embed; the model loads on first use)")
+    embed.add_argument("--embedding-model", metavar="PATH_OR_ID",
+                       help="local directory or Hugging Face id (in the local cache) of a sentence-transformers "
+                            "or BERT-like model (default: the embedded all-MiniLM-L6-v2)")
+    embed.add_argument("--no-embeddings", dest="embeddings", action="store_const", const=False,
+                       help="refuse the embedding routes")
+    embed.add_argument("--embedding-batch-size", type=int, help="sequences per encoder forward")
+    embed.add_argument("--embedding-queue-size", type=int, help="inputs waiting to be embedded; more get BUSY")
+    embed.add_argument("--embedding-threads", type=int,
+                       help="torch threads of the embedding worker (default 1: generation keeps the other cores)")
+    embed.add_argument("--embedding-nice", type=int,
+                       help="niceness of the embedding worker thread, 0-19 (default 10: generation comes first)")
     start.add_argument("--foreground", action="store_true", help="stay attached; log to the terminal")
     start.add_argument("--wait", type=float, default=900.0, help="detached: seconds to wait for 'ready'")
     start.add_argument("-v", "--verbose", action="store_true")

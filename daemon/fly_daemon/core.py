@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from fly_llm.common.config import FLyConfig, ModelSpec
 
+from fly_daemon.embeddings import Embedder, EmbeddingService, EmbeddingSettings
 from fly_daemon.http import HttpFront, create_app, require_key_off_loopback, trusted_hosts
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.metrics import Metrics
@@ -33,13 +34,16 @@ log = logging.getLogger("fly_daemon")
 
 
 class ServingCore:
-    """A Scheduler on `load_engine`, the model thread that runs it, and the in-process client of it."""
+    """A Scheduler on `load_engine`, the model thread that runs it, the in-process client of it, and the
+    embedding worker beside it (none unless given)."""
 
     def __init__(self, load_engine: Callable[[], "FLyEngine"], limits: Limits = Limits(), *,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, embeddings: EmbeddingService | None = None) -> None:
         self.scheduler = Scheduler(load_engine, self.emit, limits, metrics)
         self.inproc = InProcessClient(self.scheduler)
         """Submits to the scheduler from inside this process (the HTTP front uses it)."""
+        self.embeddings = embeddings or EmbeddingService()
+        """Embeds for the HTTP front in a thread of its own (fly_daemon.embeddings), outside the model thread."""
         self.remote: Callable[[Envelope, BaseModel], None] | None = None
         """Sends replies to clients outside this process (the socket loop serving this core sets it)."""
         self._model_thread: threading.Thread | None = None
@@ -72,7 +76,7 @@ class ServingCore:
         """The OpenAI-compatible routes over this core, answering the Host names `host` trusts (None: any)."""
         hosts = trusted_hosts(host, settings.allowed_hosts) if host else None
         return create_app(self.inproc, api_key=settings.api_key_value(), max_body_bytes=settings.max_frame_bytes,
-                          allowed_hosts=hosts)
+                          allowed_hosts=hosts, embeddings=self.embeddings)
 
     def http_front(self, settings: DaemonSettings) -> HttpFront | None:
         """The HTTP front on `settings.http` (bound, not yet serving), or None; ValueError for a
@@ -86,8 +90,10 @@ class ServingCore:
 
 
 def build_core(spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings) -> ServingCore:
-    """The core the settings describe: `spec`'s models with `fly`'s defaults, under the daemon's limits."""
-    return ServingCore(_engine_loader(spec, fly, settings), settings)
+    """The core the settings describe: `spec`'s models with `fly`'s defaults, under the daemon's limits, and
+    the embedding model (loaded on the first embeddings request)."""
+    return ServingCore(_engine_loader(spec, fly, settings), settings,
+                       embeddings=EmbeddingService(_embedding_loader(settings), settings))
 
 
 def _engine_loader(spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings) -> Callable[[], "FLyEngine"]:
@@ -103,3 +109,18 @@ def _engine_loader(spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings) ->
                            grammar_workers=settings.grammar_workers)
 
     return load_engine
+
+
+def _embedding_loader(settings: EmbeddingSettings) -> Callable[[], Embedder]:
+    """What the embedding worker thread calls to load its model, with its own torch thread count."""
+
+    def load_embedder() -> Embedder:
+        import torch
+
+        from fly_llm.model.embedding import SentenceEmbedder
+
+        torch.set_num_threads(settings.embedding_threads)  # this thread's only: the model thread keeps its own
+        log.info("loading the embedding model: %s", settings.embedding_model or "embedded default")
+        return SentenceEmbedder.load(settings.embedding_model)
+
+    return load_embedder

@@ -3,7 +3,8 @@
 Requests go to the scheduler of a serving core (fly_daemon.core, which builds this front from the
 settings) through its `InProcessClient` (the engine knows nothing of HTTP). Routes: POST
 /v1/chat/completions, POST /v1/completions (server-sent events with `"stream": true`), GET
-/v1/models, GET /health; POST /infill, /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
+/v1/models, GET /health; POST /v1/embeddings (the core's embedding worker, fly_daemon.embeddings_http);
+POST /infill, /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
 (Prometheus); POST /v1/responses (OpenAI's Responses API, stateless: fly_daemon.responses_api) and POST
 /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API: fly_daemon.messages_api), each served as
 one chat request; Ollama's API is mounted at /api (fly_daemon.ollama_http; what they all share, shape aside,
@@ -46,6 +47,8 @@ import fly_llm
 from fly_llm.common.errors import BadRequest, FLyError, Unauthorized
 from fly_llm.common.protocol import MAX_FRAME_BYTES, GenerateRequest, GenerateResult, TokenChunk
 
+from fly_daemon.embeddings import EmbeddingService
+from fly_daemon.embeddings_http import openai_embeddings
 from fly_daemon.http_connections import HttpLimits, guarded_protocol
 from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Event, EventShaper, Replies, Translated, UnknownModel,
                                     error_headers, http_status, internal, refusal, unless_disconnected)
@@ -74,8 +77,9 @@ _HOST = re.compile(r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+|[0-9a-f:]+
 
 
 def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_bytes: int = MAX_FRAME_BYTES,
-               allowed_hosts: Collection[str] | None = None) -> FastAPI:
-    """The FastAPI app serving `client`'s scheduler.
+               allowed_hosts: Collection[str] | None = None,
+               embeddings: EmbeddingService = EmbeddingService()) -> FastAPI:
+    """The FastAPI app serving `client`'s scheduler, and `embeddings` (default: none) on the embedding routes.
 
     With `api_key`, every route but /health needs `Authorization: Bearer <api_key>` or `x-api-key: <api_key>`
     (/docs and /redoc are off). With `allowed_hosts` (see `trusted_hosts`), a request whose Host header names
@@ -148,8 +152,9 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
         async def openapi() -> dict[str, Any]:
             return app.openapi()
 
+    v1.include_router(openai_embeddings(embeddings))
     app.include_router(v1)
-    app.mount(OLLAMA_PREFIX, ollama_app(client, guard, tenant))  # Ollama's API (docs/daemon.md, "Ollama API")
+    app.mount(OLLAMA_PREFIX, ollama_app(client, guard, tenant, embeddings))  # docs/daemon.md, "Ollama API"
     _add_error_handlers(app)
     return app
 

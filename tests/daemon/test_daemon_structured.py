@@ -156,15 +156,38 @@ def _sandbox_workers(daemon_pid: int) -> list[int]:
     return workers
 
 
+POOL = 2
+"""The daemon's sandbox processes (`grammar_workers`' default)."""
+
+
+def _started_pool(endpoint: str, daemon_pid: int) -> list[int]:
+    """The pool's worker pids once all POOL have started: workers start on demand, so two clients send new
+    schemas at once until every worker has judged one (which ones ran before depends on the tests before)."""
+    for attempt in range(20):
+        workers = _sandbox_workers(daemon_pid)
+        if len(workers) == POOL:
+            return workers
+        schemas = [{"type": "object", "properties": {f"warm_{attempt}_{i}": {"type": "integer"}}} for i in range(POOL)]
+
+        def send(schema: dict) -> None:
+            with FLyClient(endpoint) as own:
+                own.generate("x", SamplingParams(max_tokens=2), response_format={"type": "json_schema", "schema": schema})
+
+        threads = [threading.Thread(target=send, args=(schema,)) for schema in schemas]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    raise AssertionError(f"the sandbox pool never had {POOL} workers: {_sandbox_workers(daemon_pid)}")
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the sandbox worker in /proc")
 def test_a_stopped_sandbox_worker_is_replaced_and_the_schema_accepted(tiny_daemon, client):
     """Issue 45 finding 5: a SIGSTOPped worker made a valid schema's timeout its cached verdict, refused for
     every tenant from then on. Now the worker is replaced and the schema tried again: served, then and later.
     Every worker of the sandbox's pool (`grammar_workers`) is stopped, so the one the schema goes to is."""
-    client.generate("x", SamplingParams(max_tokens=4), response_format={"type": "json_schema", "schema": ANSWER})
     daemon_pid = int(Path(tiny_daemon.removeprefix("ipc://") + ".pid").read_text().split()[0])
-    workers = _sandbox_workers(daemon_pid)
-    assert 1 <= len(workers) <= 2, workers
+    workers = _started_pool(tiny_daemon, daemon_pid)
     schema = {"type": "object", "properties": {"stopped_worker": {"type": "boolean"}}, "required": ["stopped_worker"],
               "additionalProperties": False}  # a schema no other test sends: its verdict is not cached yet
     for worker in workers:

@@ -5,8 +5,9 @@ case killed it, and checks after a batch that exact mode still equals the target
 output. `ZmqDoor` sends raw frames on a fresh DEALER socket (the client library would refuse much
 of this before it left), `HttpDoor` posts OpenAI-shaped bodies (to /tokenize and /detokenize too).
 Each `send` returns an `Outcome` ("served" or "refused" with its code) or raises `Finding`: a death, a
-hang, a code outside `STOP_CODES` (INTERNAL included), an HTTP 5xx or a body not in OpenAI's error
-shape, a served answer without all its choices, or an empty language that was served.
+hang, a code outside `STOP_CODES` (INTERNAL included), an HTTP 5xx or a body not in the route's API's error
+shape (Ollama's under /api), a served answer without all its choices (or its vectors), or an empty language
+that was served. The daemon also serves a tiny embedding model (tests/support/tiny_embedder.py).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fly_llm.client import FLyClient, build_options
 from fly_llm.common.errors import FLyError
-from hostile.strategies import STOP_CODES, Case
+from hostile.strategies import EMBEDDING_MODEL, STOP_CODES, Case
 from support.daemon_process import DaemonProcess, free_port, start_daemon
+from support.tiny_embedder import save_tiny_embedder
 from support.tiny_models import greedy_tokens
 
 REQUEST_TIMEOUT_S = 30.0
@@ -90,8 +92,11 @@ class FuzzTarget:
             self.daemon.kill()
         port = free_port()
         self.starts += 1
+        encoder = self.workdir / EMBEDDING_MODEL
+        if not encoder.exists():
+            save_tiny_embedder(encoder)
         self.daemon = start_daemon(*self.dirs, self.workdir / f"run{self.starts}", "h", "--http",
-                                   f"127.0.0.1:{port}", "--heartbeat-timeout", "0")
+                                   f"127.0.0.1:{port}", "--heartbeat-timeout", "0", "--embedding-model", str(encoder))
         self.http_url = f"http://127.0.0.1:{port}"
         self.model = httpx.get(f"{self.http_url}/v1/models", timeout=10).json()["data"][0]["id"]
 
@@ -226,7 +231,7 @@ class ZmqDoor:
 
 class HttpDoor:
     """Cases as POSTs to /v1/chat/completions (messages) or /v1/completions (a prompt), raw frames as bodies,
-    a case with a route of its own (/tokenize, /detokenize, /infill) there as it is."""
+    a case with a route of its own (/tokenize, /detokenize, /infill, the embedding routes) there as it is."""
 
     name = "http"
 
@@ -272,6 +277,13 @@ def _error_code(body: Any) -> str | None:
     return None
 
 
+def ollama_error_code(body: Any) -> str | None:
+    """The `code` of our Ollama error shape {"error": str, "code": str}, else None."""
+    if isinstance(body, dict) and isinstance(body.get("error"), str) and isinstance(body.get("code"), str):
+        return body["code"]
+    return None
+
+
 def plain_outcome(response: httpx.Response, error_code: Callable[[Any], str | None], served: Callable[[Any], bool],
                   missing: str, shape: str) -> Outcome:
     """A whole (unstreamed) HTTP answer judged: served when `served(body)`, refused when `error_code(body)`
@@ -293,7 +305,9 @@ def plain_outcome(response: httpx.Response, error_code: Callable[[Any], str | No
     return Outcome("refused", code)
 
 
-ROUTE_ANSWERS = {"/tokenize": ("tokens", list), "/detokenize": ("content", str), "/infill": ("content", str)}
+ROUTE_ANSWERS = {"/tokenize": ("tokens", list), "/detokenize": ("content", str), "/infill": ("content", str),
+                 "/v1/embeddings": ("data", list), "/api/embed": ("embeddings", list),
+                 "/api/embeddings": ("embedding", list)}
 """What a served answer of a route of its own holds: (field, type)."""
 
 
@@ -306,8 +320,10 @@ def _asked_choices(case: Case) -> int | None:
 def _plain_outcome(response: httpx.Response, case: Case) -> Outcome:
     if case.route is not None:
         key, kind = ROUTE_ANSWERS[case.route]
-        return plain_outcome(response, _error_code, lambda body: isinstance(body, dict) and
-                             isinstance(body.get(key), kind), key, "OpenAI")
+        ollama = case.route.startswith("/api/")
+        return plain_outcome(response, ollama_error_code if ollama else _error_code,
+                             lambda body: isinstance(body, dict) and isinstance(body.get(key), kind), key,
+                             "Ollama" if ollama else "OpenAI")
     return plain_outcome(response, _error_code, lambda body: _all_choices(body, _asked_choices(case)),
                          "its choices indexed 0..n-1", "OpenAI")
 

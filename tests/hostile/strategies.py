@@ -7,8 +7,9 @@ patterns), regexes, tool lists, message lists (odd unicode, lone surrogates, too
 deep JSON text, tool results for unknown calls), options at their edges, and malformed frames.
 `CI_EXAMPLES` says how many of each a CI run tries. `OPENAI_FAMILIES` are the OpenAI door's alone (issue
 36's routes and fields): /tokenize and /detokenize bodies (odd text, bad, huge and mistyped ids), `n`
-(0, 17, huge, mistyped, streamed) and `logprobs` / `top_logprobs` (out of range, mistyped, with `echo` on
-/v1/completions).
+(0, 17, huge, mistyped, streamed), `logprobs` / `top_logprobs` (out of range, mistyped, with `echo` on
+/v1/completions), and the embedding routes' bodies (/v1/embeddings, /api/embed, /api/embeddings: texts
+over the model's length, ids out of the vocabulary, too many inputs, odd formats, dimensions, models).
 
 Shapes known to have killed the daemon are families of their own, drawn often enough to be found
 within a CI run: a `$defs` chain of ~1,000+ `$ref`s (llguidance segfaults compiling it), tool-call
@@ -430,6 +431,44 @@ def _infill_case() -> st.SearchStrategy[Case]:
                      completions.map(lambda body: Case("infill", body)))
 
 
+EMBEDDING_MODEL = "tiny_embedder"
+"""The embedding model the fuzzed daemon serves (doors.py starts it with --embedding-model .../tiny_embedder)."""
+EMBEDDING_ROUTES = ("/v1/embeddings", "/api/embed", "/api/embeddings")
+
+
+@st.composite
+def _embedding_case(draw: st.DrawFn) -> Case:
+    """Bodies of the embedding routes, valid but for at most one field (so the others' checks are passed):
+    odd and over-long texts, token ids in and far out of the vocabulary, empty and over-full lists,
+    mistyped inputs; encoding formats, dimensions and truncate of any kind, the wrong model, unknown fields."""
+    route = draw(st.sampled_from(EMBEDDING_ROUTES))
+    texts = st.one_of(text(), st.sampled_from(PROMPTS), st.integers(10, 40_000).map(lambda n: "the fox " * n))
+    token = st.one_of(st.integers(0, 120), st.integers(0, 120), st.sampled_from([-1, 2**31, 2**63, 10**40]))
+    if route == "/api/embeddings":
+        body = {"model": EMBEDDING_MODEL, "prompt": draw(texts)}
+    else:
+        lists = st.lists(texts, max_size=6)
+        if route == "/v1/embeddings":
+            lists = st.one_of(lists, st.lists(token, max_size=40), st.lists(st.lists(token, max_size=30), max_size=4))
+        body = {"model": EMBEDDING_MODEL, "input": draw(st.one_of(texts, lists))}
+    odd: dict[str, st.SearchStrategy[Json]] = {
+        "model": st.sampled_from([EMBEDDING_MODEL.upper() + ":latest", "text-embedding-3-small", "", None, 3]),
+        "input" if route != "/api/embeddings" else "prompt": st.one_of(
+            st.integers(2_040, 2_060).map(lambda n: ["fox"] * n),
+            st.sampled_from([[], None, 7, [None], [1.5], ["x", 1], {"a": 1}, [[]], [["x"]], True])),
+        "bogus": st.just(1)}
+    if route != "/api/embeddings":
+        odd["dimensions"] = st.sampled_from([32, 0, 8, -1, 2**63, "32", None])
+    if route == "/v1/embeddings":
+        odd |= {"encoding_format": st.sampled_from(["float", "base64", "hex", 1, None]), "user": st.just(5)}
+    if route == "/api/embed":
+        odd |= {"truncate": st.sampled_from([True, False, "no", 0]), "options": st.sampled_from([{}, {"n": 8}, "x"])}
+    if draw(st.booleans()):
+        name = draw(st.sampled_from(sorted(odd)))
+        body = _request(**(body | {name: draw(odd[name])}))
+    return Case("embeddings", body, route=route)
+
+
 def _generation(draw: st.DrawFn) -> dict[str, Any]:
     """A prompt (/v1/completions) or a plain chat (/v1/chat/completions), and sampling options, mostly valid
     (so that the fields under test are reached), some at their edges."""
@@ -472,7 +511,7 @@ def _outside(value: Any, low: int, high: int) -> bool:
 
 OPENAI_FAMILIES: dict[str, st.SearchStrategy[Case]] = {
     "tokenize": _tokenize_case(), "detokenize": _detokenize_case(), "choices": _choices_case(),
-    "logprobs": _logprobs_case(), "infill": _infill_case(),
+    "logprobs": _logprobs_case(), "infill": _infill_case(), "embeddings": _embedding_case(),
 }
 """The OpenAI door's own families (its routes and fields the other doors do not have)."""
 
@@ -489,6 +528,6 @@ FAMILIES: dict[str, st.SearchStrategy[Case]] = {
 
 CI_EXAMPLES = {"schema": 50, "tools": 40, "messages": 35, "params": 25, "frame": 25, "ref_chain": 4,
                "deep_arguments": 4, "forced_deep": 3, "empty_language": 7,
-               "tokenize": 25, "detokenize": 25, "choices": 30, "logprobs": 35, "infill": 25}
-"""Cases per family and door in CI (193 of `FAMILIES` per door, 140 of `OPENAI_FAMILIES`): the random
+               "tokenize": 25, "detokenize": 25, "choices": 30, "logprobs": 35, "infill": 25, "embeddings": 40}
+"""Cases per family and door in CI (193 of `FAMILIES` per door, 180 of `OPENAI_FAMILIES`): the random
 families get most, each known killer a few."""

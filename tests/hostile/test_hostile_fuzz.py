@@ -12,7 +12,8 @@ force output deep enough to reach the parser's old RecursionError (finding 3 nee
 Known killers on 5f419fe: `ref_chain` (a segfault), `deep_arguments` (the socket loop dies; HTTP
 500 with the exception text), `empty_language` (served as an empty `stop`). The OpenAI door also gets
 families of its own (issue 36): /tokenize and /detokenize bodies, `n`, `logprobs` / `top_logprobs` /
-`echo`; a served answer must hold all its choices (indexed 0..n-1), a stream must finish each.
+`echo`, and the embedding routes (issue 47: /v1/embeddings, and /api/embed and /api/embeddings judged in
+Ollama's error shape); a served answer must hold all its choices (indexed 0..n-1), a stream must finish each.
 """
 
 from __future__ import annotations

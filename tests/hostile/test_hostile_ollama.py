@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from fly_llm.client import FLyClient, build_options
 from hostile.doors import (EXACT_PROMPT, EXACT_TOKENS, HTTP_FLY_KEYS, REQUEST_TIMEOUT_S, Finding, FuzzTarget,
-                           Outcome, judge, plain_outcome, run_case)
+                           Outcome, judge, ollama_error_code, plain_outcome, run_case)
 from hostile.strategies import CI_EXAMPLES, FAMILIES, Case
 
 OPTION_NAMES = {"max_tokens": "num_predict"}
@@ -77,16 +77,9 @@ def _ollama_message(message: Any) -> Any:
     return message
 
 
-def _error_code(body: Any) -> str | None:
-    """The `code` of our Ollama error shape {"error": str, "code": str}, else None."""
-    if isinstance(body, dict) and isinstance(body.get("error"), str) and isinstance(body.get("code"), str):
-        return body["code"]
-    return None
-
-
 def _plain_outcome(response: httpx.Response) -> Outcome:
-    return plain_outcome(response, _error_code, lambda body: isinstance(body, dict) and body.get("done") is True,
-                         "done", "Ollama")
+    return plain_outcome(response, ollama_error_code,
+                         lambda body: isinstance(body, dict) and body.get("done") is True, "done", "Ollama")
 
 
 def _stream_outcome(response: httpx.Response) -> Outcome:
@@ -95,7 +88,7 @@ def _stream_outcome(response: httpx.Response) -> Outcome:
         if not line.strip():
             continue
         last = json.loads(line)
-        code = _error_code(last)
+        code = ollama_error_code(last)
         if code is not None:
             return Outcome("refused", code)
         if last.get("done") is True:

@@ -1,0 +1,233 @@
+"""The daemon's embedding worker: sentence vectors computed beside generation, never inside its step loop.
+
+One `EmbeddingService` per serving core. Nothing happens until the first embeddings request: then a
+worker thread of its own (`fly-embed`) loads the embedding model (fly_llm.model.embedding, through the
+loader the core hands in) and serves a bounded FIFO of requests. Inputs are tokenized off the event
+loop, then queued (at most `embedding_queue_size` inputs wait, all requests together; more get BUSY);
+the worker runs the encoder on at most `embedding_batch_size` sequences at a time, drawn across
+requests (a request's inputs longest-first, so padding stays small), with its own `embedding_threads`
+torch intra-op threads (torch's thread count is per thread: the model thread keeps its own) and a
+niceness of `embedding_nice` (on Linux a thread's own), so that when both want the cores, the model
+thread's get them. A request whose client leaves is dropped from the queue. The HTTP routes are fly_daemon.embeddings_http.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from fly_llm.common.errors import BadRequest, Busy, FLyError, ModelError, TooLong
+
+log = logging.getLogger("fly_daemon")
+
+MAX_INPUTS = 2048
+"""Inputs one request may carry (OpenAI's limit)."""
+
+
+class EmbeddingSettings(BaseModel):
+    """Whether and how the daemon serves embeddings; fly_daemon.settings.DaemonSettings extends this model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    embeddings: bool = Field(True, description="Serve /v1/embeddings, /api/embed and /api/embeddings (the model "
+                             "loads on the first request: a daemon that never embeds loads nothing).")
+    embedding_model: str | None = Field(None, description="Local directory or Hugging Face id (already in the "
+                                        "local cache) of the embedding model; None = the embedded all-MiniLM-L6-v2.")
+    embedding_batch_size: int = Field(32, ge=1, le=1024, description="Sequences per encoder forward (across "
+                                      "requests); smaller holds the CPU for less at a time.")
+    embedding_queue_size: int = Field(8192, ge=MAX_INPUTS, le=1_000_000, description="Inputs waiting to be "
+                                      "embedded, all requests together; a request that does not fit gets BUSY.")
+    embedding_threads: int = Field(1, ge=1, le=1024, description="Torch intra-op threads of the embedding worker "
+                                   "(the model thread keeps its own; 1 leaves generation the other cores).")
+    embedding_nice: int = Field(10, ge=0, le=19, description="Niceness of the embedding worker thread (Linux): "
+                                "when both want the cores, generation's threads get most of them; 0 = equal share.")
+
+
+class Embedder(Protocol):
+    """What the worker needs of an embedding model (fly_llm.model.embedding.SentenceEmbedder)."""
+
+    name: str
+    aliases: tuple[str, ...]
+    dimensions: int
+    max_length: int
+    vocab_size: int
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def sequence(self, ids: Sequence[int], truncate: bool) -> list[int]: ...
+
+    def embed(self, sequences: Sequence[Sequence[int]]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """One request's answer: a unit vector per input (float32 rows, in input order) and the tokens embedded."""
+
+    vectors: list[np.ndarray]
+    tokens: int
+
+
+@dataclass(eq=False)
+class _Job:
+    """One request in the queue: its sequences, the order they are taken in, and its rows so far."""
+
+    sequences: list[list[int]]
+    done: Future = field(default_factory=Future)
+    order: list[int] = field(default_factory=list)
+    taken: int = 0
+    filled: int = 0
+    rows: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.order = sorted(range(len(self.sequences)), key=lambda i: -len(self.sequences[i]))
+        self.rows = [None] * len(self.sequences)
+
+
+class EmbeddingService:
+    """Embeds inputs for the HTTP front in a worker thread of its own (started, and the model loaded, on first use)."""
+
+    def __init__(self, load: Callable[[], Embedder] | None = None,
+                 settings: EmbeddingSettings = EmbeddingSettings()) -> None:
+        """`load` builds the model; the worker thread calls it, so thread-local torch settings made there stick.
+        Without `load`, or with `settings.embeddings` off, every request is refused."""
+        self.settings = settings if load is not None else EmbeddingSettings(embeddings=False)
+        self._load = load
+        self._loaded: Future = Future()
+        self._lock = threading.Condition()
+        self._jobs: deque[_Job] = deque()
+        self._queued = 0
+        self._worker: threading.Thread | None = None
+
+    async def embedder(self) -> Embedder:
+        """The model, loading it (in the worker thread) on first use; BadRequest when embeddings are off,
+        ModelError when it cannot be loaded."""
+        if not self.settings.embeddings:
+            raise BadRequest("this daemon serves no embeddings (it was started with --no-embeddings)")
+        with self._lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="fly-embed", daemon=True)
+                self._worker.start()
+        return await asyncio.shield(asyncio.wrap_future(self._loaded))  # one caller leaving cancels no load
+
+    async def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]], *, truncate: bool) -> Embedded:
+        """Unit vectors of `inputs` (texts, or token-id lists in the model's vocabulary without special tokens).
+
+        An input over the model's max length is cut to it if `truncate`, else TooLong; TooLong for over
+        MAX_INPUTS inputs; BadRequest for a token id outside the vocabulary; BUSY when the queue has no room
+        for them. Cancelling the caller drops them.
+        """
+        embedder = await self.embedder()
+        if len(inputs) > MAX_INPUTS:
+            raise TooLong(f"{len(inputs)} inputs in one request; at most {MAX_INPUTS}")
+        if not inputs:
+            return Embedded([], 0)
+        self._room(len(inputs))
+        sequences = await asyncio.get_running_loop().run_in_executor(None, _sequences, embedder, inputs, truncate)
+        job = _Job(sequences)
+        with self._lock:
+            self._room(len(sequences))
+            self._jobs.append(job)
+            self._queued += len(sequences)
+            self._lock.notify()
+        await asyncio.wrap_future(job.done)
+        return Embedded(job.rows, sum(map(len, sequences)))
+
+    def check(self) -> None:
+        """Raise AssertionError unless the queue is consistent: the inputs counted as waiting are those its
+        requests have not yet had taken, within the bound, and every queued request still has some."""
+        with self._lock:
+            left = [len(job.order) - job.taken for job in self._jobs]
+            assert self._queued == sum(left), (self._queued, left)
+            assert self._queued <= self.settings.embedding_queue_size
+            assert all(left), left
+
+    def _room(self, inputs: int) -> None:
+        """BUSY unless `inputs` more fit in the queue."""
+        if self._queued + inputs > self.settings.embedding_queue_size:
+            raise Busy(f"the embedding queue is full ({self._queued} inputs waiting, "
+                       f"room for {self.settings.embedding_queue_size}); retry later")
+
+    # ---- the worker thread ----
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.settings.embedding_nice)  # this thread
+        except (OSError, AttributeError) as exc:  # not Linux, or not allowed: equal share
+            log.warning("the embedding worker keeps its priority: %s", exc)
+        try:
+            embedder = self._load()  # type: ignore[misc]  # set whenever embeddings are on
+        except Exception as exc:  # noqa: BLE001  # told to every request: the daemon serves on without embeddings
+            log.error("cannot load the embedding model: %s", exc, exc_info=not isinstance(exc, FLyError))
+            self._loaded.set_exception(exc if isinstance(exc, FLyError) else ModelError(
+                f"cannot load the embedding model: {type(exc).__name__}; the server's log has the details"))
+            return
+        log.info("embedding model %s loaded (%d dimensions, %d tokens)", embedder.name, embedder.dimensions,
+                 embedder.max_length)
+        self._loaded.set_result(embedder)
+        while True:
+            batch = self._take()
+            try:
+                vectors = np.asarray(embedder.embed([job.sequences[i] for job, i in batch]), dtype=np.float32)
+            except Exception as exc:  # noqa: BLE001  # fails these requests only
+                for job in {job for job, _ in batch}:
+                    _settle(job.done, exc)
+                continue
+            for row, (job, i) in enumerate(batch):
+                job.rows[i] = vectors[row]
+                job.filled += 1
+                if job.filled == len(job.sequences):
+                    _settle(job.done, None)
+
+    def _take(self) -> list[tuple[_Job, int]]:
+        """The next batch, (job, input index) pairs: up to embedding_batch_size from the head of the queue,
+        skipping requests already settled (cancelled or failed); waits while there are none."""
+        size = self.settings.embedding_batch_size
+        with self._lock:
+            batch: list[tuple[_Job, int]] = []
+            while not batch:
+                while not self._jobs:
+                    self._lock.wait()
+                while self._jobs and len(batch) < size:
+                    job = self._jobs[0]
+                    count = 0 if job.done.done() else min(size - len(batch), len(job.order) - job.taken)
+                    batch += [(job, i) for i in job.order[job.taken:job.taken + count]]
+                    self._queued -= len(job.order) - job.taken if job.done.done() else count
+                    job.taken += count
+                    if job.done.done() or job.taken == len(job.order):
+                        self._jobs.popleft()
+            return batch
+
+
+def _sequences(embedder: Embedder, inputs: Sequence[str] | Sequence[Sequence[int]],
+               truncate: bool) -> list[list[int]]:
+    """Each input as a sequence the model takes (its special tokens added, cut or refused when too long)."""
+    if isinstance(inputs[0], str):
+        ids = embedder.tokenize(inputs)  # type: ignore[arg-type]
+    else:
+        ids = [list(s) for s in inputs]  # type: ignore[union-attr]
+        bad = next((t for s in ids for t in s if not 0 <= t < embedder.vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"token id {bad} is outside the embedding model's vocabulary "
+                             f"(0..{embedder.vocab_size - 1})")
+    return [embedder.sequence(s, truncate) for s in ids]
+
+
+def _settle(done: Future, error: BaseException | None) -> None:
+    """Give a request its outcome, unless it already has one (its caller cancelled)."""
+    try:
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+    except Exception:  # noqa: BLE001  # InvalidStateError: cancelled meanwhile
+        pass

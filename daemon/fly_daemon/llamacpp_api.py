@@ -22,7 +22,7 @@ from fly_llm.client.core import build_options, checked
 from fly_llm.common.fim import Infill
 from fly_llm.common.protocol import GenerateRequest, GenerateResult
 
-from fly_daemon.ollama_api import SAMPLER_SETTINGS, SAMPLERS_OFF
+from fly_daemon.ollama_api import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers
 
 IGNORED = frozenset({"cache_prompt", "id_slot", "n_keep", "n_indent", "min_keep", "penalize_nl", "t_max_predict_ms",
                      "t_max_prompt_ms", *SAMPLER_SETTINGS})
@@ -39,7 +39,7 @@ class ExtraFile(BaseModel):
     text: str
 
 
-class InfillBody(BaseModel):
+class InfillBody(LlamaSamplers):
     """POST /infill: fill in between `input_prefix` (+ `prompt`) and `input_suffix`, `input_extra` as context."""
 
     model_config = ConfigDict(extra="allow")
@@ -51,14 +51,6 @@ class InfillBody(BaseModel):
     model: str | None = Field(None, description="Accepted and not checked (llama.cpp serves one model).")
     n_predict: int | None = Field(None, ge=-1, description="Most tokens to generate; -1 or none: no limit.")
     stream: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = Field(None, description="FLy's repetition_penalty.")
-    repeat_last_n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     seed: int | None = Field(None, ge=-1, description="-1: a random seed (llama.cpp's).")
     stop: list[str] | None = None
     k: int | None = None

@@ -51,12 +51,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Options(BaseModel):
-    """An Ollama request's `options`: those FLy honours as fields, FLy's own and the ignored ones as extras."""
+class LlamaSamplers(BaseModel):
+    """The samplers llama.cpp's requests and Ollama's `options` name alike (mapped to FLy's by the routes)."""
 
-    model_config = ConfigDict(extra="allow")
-
-    num_predict: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -65,6 +62,14 @@ class Options(BaseModel):
     repeat_last_n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+
+
+class Options(LlamaSamplers):
+    """An Ollama request's `options`: those FLy honours as fields, FLy's own and the ignored ones as extras."""
+
+    model_config = ConfigDict(extra="allow")
+
+    num_predict: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     num_ctx: int | None = Field(None, ge=1)

@@ -52,7 +52,7 @@ import numpy as np
 from benchmarks.harness.cli import target_gguf
 from benchmarks.harness.environment import cpu_name, git_commit
 from benchmarks.serving.serve_bench import add_model_arguments
-from benchmarks.serving.server_side_by_side import fly_server, stop, wait_for_models
+from benchmarks.serving.server_side_by_side import fly_server, ratio, read_jsonl, stop, wait_for_models
 from benchmarks.serving.webui_check import free_port, get_json
 
 SERVERS = ("llamacpp", "llamacpp-python", "fly", "target")
@@ -149,10 +149,6 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 3) if values else None
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 2) if a is not None and b else None
-
-
 def _stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     times = [r["e2e_s"] for r in rows]
     return {"requests": len(rows), "p50_s": percentile(times, 50), "p95_s": percentile(times, 95),
@@ -185,12 +181,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for s in servers:
             mine = summary[s]["all"]
             both = [r for r in rows if r["server"] == s and r["request_id"] in reference]
-            summary[s]["vs_reference"] = {"p50": _ratio(mine["p50_s"], ref["p50_s"]),
-                                         "p95": _ratio(mine["p95_s"], ref["p95_s"]),
+            summary[s]["vs_reference"] = {"p50": ratio(mine["p50_s"], ref["p50_s"]),
+                                         "p95": ratio(mine["p95_s"], ref["p95_s"]),
                                          "same_content": f"{sum(reference[r['request_id']] == r['content'] for r in both)}/{len(both)}"}
         if "fly" in summary:
-            ratio = summary["fly"]["vs_reference"]["p50"]
-            summary["aim"] = {"fly_p50_over_reference": ratio, "aim": AIM, "met": ratio is not None and ratio <= AIM}
+            fly_p50 = summary["fly"]["vs_reference"]["p50"]
+            summary["aim"] = {"fly_p50_over_reference": fly_p50, "aim": AIM, "met": fly_p50 is not None and fly_p50 <= AIM}
     return summary
 
 
@@ -220,13 +216,6 @@ def markdown(summary: dict[str, Any], settings: dict[str, Any]) -> str:
                       f"{'met' if aim['met'] else 'not met'})."]
     lines += ["", f"llama-server build: {settings['llama_server_build'] or 'unknown'}", ""]
     return "\n".join(lines)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of `path` (none when it does not exist)."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def pending(rows: list[dict[str, Any]], server: str, requests: list[FimRequest]) -> list[FimRequest]:

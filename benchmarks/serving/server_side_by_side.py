@@ -120,8 +120,8 @@ def pending(rows: list[dict[str, Any]], server: str, round_: int, prompts: list[
     return [p for p in prompts if p.prompt_id not in done]
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows measured so far (none when the file does not exist)."""
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of `path`: the rows measured so far (none when the file does not exist)."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -142,7 +142,8 @@ def _medians(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     return {m: _median([_median([r[m] for r in group]) for group in by_prompt.values()]) for m in METRICS}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b to two places; None when either is missing or b is 0."""
     return round(a / b, 2) if a is not None and b else None
 
 
@@ -165,9 +166,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ref = summary[REFERENCE]
         for s in servers:
             summary[s]["vs_llamacpp"] = {
-                "tokens_per_s_end_to_end": _ratio(summary[s]["tokens_per_s_end_to_end"],
+                "tokens_per_s_end_to_end": ratio(summary[s]["tokens_per_s_end_to_end"],
                                                   ref["tokens_per_s_end_to_end"]),
-                **{part: {m: _ratio(summary[s][part][m], ref[part][m]) for m in METRICS} for part in ["all", *kinds]},
+                **{part: {m: ratio(summary[s][part][m], ref[part][m]) for m in METRICS} for part in ["all", *kinds]},
             }
         summary["same_text_as_llamacpp"] = _same_texts(rows, servers)
     return summary
@@ -300,7 +301,7 @@ def settings(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[s
 
 def write_report(out: Path, argv: list[str] | None, args: argparse.Namespace) -> dict[str, Any]:
     """results.json and results.md from rows.jsonl; the summary."""
-    rows = read_rows(out / "rows.jsonl")
+    rows = read_jsonl(out / "rows.jsonl")
     if not rows:
         raise SystemExit(f"no rows in {out / 'rows.jsonl'}: run a --server part first")
     report = {"settings": settings(args, argv, rows), "summary": summarize(rows)}
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.server:
-        prompts = pending(read_rows(args.out / "rows.jsonl"), args.server, args.round, load_prompts())
+        prompts = pending(read_jsonl(args.out / "rows.jsonl"), args.server, args.round, load_prompts())
         with target_gguf(args.target, bool(prompts)) as gguf, \
                 tempfile.TemporaryDirectory(prefix="fly-side-by-side-") as tmp:
             if prompts and gguf is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.serving.server_side_by_side import Prompt, decode_rate, markdown, pending, read_rows, summarize
+from benchmarks.serving.server_side_by_side import Prompt, decode_rate, markdown, pending, read_jsonl, summarize
 
 
 def row(server: str, prompt_id: str, kind: str, ttft: float, e2e: float, tokens: int = 31, text: str = "a",
@@ -22,10 +22,10 @@ def test_decode_rate_counts_the_tokens_after_the_first_over_the_time_after_it():
 def test_pending_skips_what_this_server_and_round_already_measured(tmp_path):
     prompts = [Prompt(p, "code", []) for p in ("a", "b", "c")]
     path = tmp_path / "rows.jsonl"
-    assert read_rows(path) == []
+    assert read_jsonl(path) == []
     path.write_text("".join(json.dumps(r) + "\n" for r in
                             [row("fly", "a", "code", 1, 2), row("llamacpp", "b", "code", 1, 2)]))
-    rows = read_rows(path)
+    rows = read_jsonl(path)
     assert [p.prompt_id for p in pending(rows, "fly", 1, prompts)] == ["b", "c"]
     assert [p.prompt_id for p in pending(rows, "fly", 2, prompts)] == ["a", "b", "c"]
 

@@ -195,9 +195,8 @@ class MessagesRequest(Conversation, FLyFields):
 
     def to_generate(self, request_id: str) -> GenerateRequest:
         """The wire request this body asks for; BadRequest / TooLong (naming the field) if it is not valid."""
-        top_k = {} if self.top_k is None else {"top_k": self.top_k}
         sampling, fly = build_options(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                      stop=self.stop_sequences, **top_k, **self.fly_options())
+                                      top_k=self.top_k, stop=self.stop_sequences, **self.fly_options())
         choice = self.tool_choice
         output = self.output_config.format if self.output_config is not None else None
         with checked():

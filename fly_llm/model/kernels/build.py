@@ -4,10 +4,16 @@ The build goes to `<model cache>/kernels/<name>-<key>` (fly_llm.model.cache_path
 the source, torch and Python versions, so a change to any of them builds anew and an unchanged one
 loads in a fraction of a second. It needs a C++ compiler (g++) and ninja; without them, or if the
 build fails, `load_extension` logs one line and returns None, and the caller uses its fallback.
+
+Builders of one directory take turns under an `fcntl` lock, which the kernel releases when a process
+dies. torch's own guard is a `lock` file that a killed builder (an OOM kill, a Ctrl-C at the wrong
+moment) leaves behind, and every later load then waits for it forever; holding our lock, a `lock`
+file there can only be such a leftover, so it is removed first.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -22,6 +28,8 @@ from fly_llm.model.cache_paths import cache_root
 log = logging.getLogger(__name__)
 
 _FLAGS = ["-O3", "-std=c++17", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own thread pool
+TORCH_BATON = "lock"
+"""The file torch.utils.cpp_extension creates in a build directory while it builds (its FileBaton)."""
 
 
 def build_directory(name: str, source: Path) -> Path:
@@ -36,8 +44,11 @@ def compile_extension(name: str, source: Path, directory: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=name, sources=[str(source)], build_directory=str(directory),
-                              extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    with open(directory / "build.flock", "w") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        (directory / TORCH_BATON).unlink(missing_ok=True)  # a dead builder's; a live one would hold our lock
+        return cpp_extension.load(name=name, sources=[str(source)], build_directory=str(directory),
+                                  extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 @functools.cache

@@ -43,6 +43,9 @@ class FLyConfig(_Settings):
                                   "the cascade runs them in its own order; () is target-only decoding.")
     max_ngram: int = Field(4, ge=1, le=16)
     ngram_tokens: int = Field(6, ge=1, le=64, description="Tokens one n-gram proposal copies.")
+    recent_answers: int = Field(
+        8192, ge=0, le=1 << 20, description="Tokens of recent answers (each request's own cache scope's) the "
+                                            "n-gram stage also copies from, all scopes together; 0: off.")
     draft_confidence: float = Field(
         0.0, ge=0.0, le=1.0, description="Stop a row's draft-model drafting after a token the draft model gives "
                                          "less than this probability (0: off). Drafts only: exact mode stays exact.")

@@ -489,7 +489,8 @@ class FLyEngine:
         fill = req.fill
         self._prefix.save(fill.tokens, fill.target, 0, fill.draft, scope=req.scope)
         self._kv.add_row(fill.target)
-        self._cascade.add_row(RowStart(len(req.prompt), fill.draft, req.matcher))
+        seeded = req.sampling.temperature > 0 and req.sampling.seed is not None  # draws depend on the drafts
+        self._cascade.add_row(RowStart(len(req.prompt), fill.draft, req.matcher, req.scope, not seeded))
         self._rows.append(req)
         self._waiting.pop(0)
         if req.prompt_logprobs:
@@ -560,6 +561,7 @@ class FLyEngine:
         for i in indices:
             self.stats.merge(self._rows[i].stats)
             self._prefix.save(self._rows[i].tokens, self._kv, i, draft_kv, scope=self._rows[i].scope)
+            self._cascade.answered(i, self._rows[i].tokens)
         keep = [i for i in range(len(self._rows)) if i not in drop]
         self._kv.remove_rows(keep)
         self._cascade.remove_rows(keep)

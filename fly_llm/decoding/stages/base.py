@@ -21,11 +21,15 @@ from fly_llm.decoding.cache import BatchKV
 @dataclass(frozen=True)
 class RowStart:
     """What the engine knows of a row when it joins: its prompt's length, the draft-model cache its
-    prefill left (a prefix of the prompt, or None), its grammar's matcher at the start of the output."""
+    prefill left (a prefix of the prompt, or None), its grammar's matcher at the start of the output,
+    its cache scope (the tenant whose recent answers it may draft from) and whether it may draft from
+    them (not a seeded sample: its seed must reproduce its answer whatever was asked before)."""
 
     prompt_length: int
     draft_kv: BatchKV | None = None
     matcher: object | None = None
+    scope: str = ""
+    copies_recent: bool = True
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,10 @@ class Stage(ABC):
     def continuation(self, row: int, context: list[int], drafted: list[int], room: int) -> list[int]:
         """Up to `room` tokens after `context + drafted` offered to a later stage (default: none)."""
         return []
+
+    def answered(self, row: int, tokens: list[int]) -> None:
+        """The row leaves the batch with `tokens` (its prompt and answer) as its context; called before
+        `remove_rows` (default: nothing kept)."""
 
     def observe(self, valid: list[int], contexts: list[list[int]]) -> None:
         """After a round: each row's first valid[b] tokens of context plus drafts were right, and its

@@ -49,6 +49,11 @@ class Cascade:
         for stage in self.stages:
             stage.add_row(start)
 
+    def answered(self, row: int, tokens: list[int]) -> None:
+        """The row leaves the batch with `tokens` (prompt and answer) as its context (before `remove_rows`)."""
+        for stage in self.stages:
+            stage.answered(row, tokens)
+
     def remove_rows(self, keep: list[int]) -> None:
         """Keep only the rows at these indices."""
         for stage in self.stages:

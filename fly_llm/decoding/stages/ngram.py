@@ -1,4 +1,5 @@
-"""The n-gram stage: prompt lookup over an incremental index of each row's context (docs/design.md §1.1)."""
+"""The n-gram stage: prompt lookup over an incremental index of each row's context, and over its
+scope's recent answers (docs/design.md §1.1)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ from dataclasses import dataclass, field
 
 from fly_llm.common.config import FLyConfig
 from fly_llm.decoding.stages.base import Proposal, RowStart, Stage, continue_from
+from fly_llm.decoding.stages.recent_answers import PROMPT_TAIL, RecentAnswers
 
 
 @dataclass
 class _NgramRow:
+    scope: str  # whose recent answers it keeps its answer with …
+    prompt_length: int
+    copies_recent: bool  # … and may copy from
     first_end: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its first occurrence
     indexed: int = 0  # context tokens indexed so far
     last: list[int] = field(default_factory=list)  # the previous proposal …
@@ -27,31 +32,47 @@ class NgramStage(Stage):
     left of it after the tokens emitted since. A copied span interrupted by a one-token variant
     often goes on (the premise of FLy's deferred window), and a wrong proposal costs only its
     verification columns. As a drafter it chains lookups (each continues the copy) up to k tokens.
+
+    With `recent` the stage also copies from the row's scope's recent answers
+    (fly_llm.decoding.stages.recent_answers) when one of them holds a longer suffix of the context
+    than the context itself (unless its RowStart says it may not), and keeps each answered row there
+    when it leaves.
     """
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 4, ngram_tokens: int = 6) -> None:
+    def __init__(self, max_ngram: int = 4, ngram_tokens: int = 6, recent: RecentAnswers | None = None) -> None:
         self.max_ngram = max_ngram
         self.ngram_tokens = ngram_tokens
+        self.recent = recent
         self.rows: list[_NgramRow] = []
 
     @classmethod
     def build(cls, config: FLyConfig, draft) -> NgramStage:
-        """Lookups of up to `config.max_ngram` tokens copying `config.ngram_tokens`."""
-        return cls(config.max_ngram, config.ngram_tokens)
+        """Lookups of up to `config.max_ngram` tokens copying `config.ngram_tokens`, and over
+        `config.recent_answers` tokens of recent answers."""
+        recent = RecentAnswers(config.recent_answers) if config.recent_answers else None
+        return cls(config.max_ngram, config.ngram_tokens, recent)
 
     def add_row(self, start: RowStart) -> None:
         """Append a row for a new request (its index is built from the context on first use)."""
-        self.rows.append(_NgramRow())
+        self.rows.append(_NgramRow(start.scope, start.prompt_length, start.copies_recent))
+
+    def answered(self, row: int, tokens: list[int]) -> None:
+        """Keep the row's answer (after its prompt's last PROMPT_TAIL tokens) among its scope's recent answers."""
+        state = self.rows[row]
+        if self.recent is not None and len(tokens) > state.prompt_length:
+            self.recent.add(state.scope, tokens[max(0, state.prompt_length - PROMPT_TAIL):])
 
     def remove_rows(self, keep: list[int]) -> None:
         """Keep only the rows at these indices."""
         self.rows = [self.rows[i] for i in keep]
 
     def check(self, contexts: list[list[int]]) -> None:
-        """Assert one row per context."""
+        """Assert one row per context, and the recent answers' books."""
         assert len(self.rows) == len(contexts), (len(self.rows), len(contexts))
+        if self.recent is not None:
+            self.recent.check()
 
     def propose(self, contexts: list[list[int]], ks: list[int], upstreams: list[Sequence[Stage]],
                 configs: list[FLyConfig]) -> Proposal:
@@ -77,16 +98,25 @@ class NgramStage(Stage):
 
     def lookup(self, row: int, tokens: list[int], k: int) -> list[int]:
         """Up to min(k, ngram_tokens) tokens that followed the earliest earlier occurrence of the
-        longest matching suffix of `tokens` (committed context plus speculative drafts)."""
-        first_end = self.rows[row].first_end
+        longest matching suffix of `tokens` (committed context plus speculative drafts), or what
+        followed a longer one in a recent answer of the row's scope."""
+        state = self.rows[row]
         count = min(k, self.ngram_tokens)
         if count <= 0:
             return []
+        n, copy = self._in_context(state, tokens, count)
+        if self.recent is not None and state.copies_recent:
+            _, recent = self.recent.lookup(state.scope, tokens, count, at_least=n + 1)
+            copy = recent or copy
+        return copy
+
+    def _in_context(self, state: _NgramRow, tokens: list[int], count: int) -> tuple[int, list[int]]:
+        """`(n, continuation)` of the longest suffix of `tokens` that occurred earlier in them; `(0, [])`: none."""
         for n in range(min(self.max_ngram, len(tokens)), 0, -1):
-            end = first_end.get(tuple(tokens[-n:]))
+            end = state.first_end.get(tuple(tokens[-n:]))
             if end is not None and end < len(tokens):
-                return tokens[end:end + count]
-        return []
+                return n, tokens[end:end + count]
+        return 0, []
 
     @staticmethod
     def _chain(stages: Sequence[Stage], row: int, context: list[int], k: int) -> list[int]:

@@ -17,7 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fly_llm.common.errors import BadRequest, Busy, ModelError, TooLong
-from fly_llm.model.embedding import EmbeddingWheel, SentenceEmbedder, wheel_model_dir
+from fly_llm.model.embedding import SentenceEmbedder
+from fly_llm.model.embedding_source import EmbeddingWheel, wheel_model_dir
 
 from fly_daemon.cli import _parser
 from fly_daemon.embeddings import MAX_INPUTS, EmbeddingService, EmbeddingSettings

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from fly_llm.common.config import FLyConfig, ModelSpec
+from fly_llm.model.embedding_source import served_names
 
 from fly_daemon.embeddings import Embedder, EmbeddingService, EmbeddingSettings
 from fly_daemon.http import HttpFront, create_app, require_key_off_loopback, trusted_hosts
@@ -91,9 +92,10 @@ class ServingCore:
 
 def build_core(spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings) -> ServingCore:
     """The core the settings describe: `spec`'s models with `fly`'s defaults, under the daemon's limits, and
-    the embedding model (loaded on the first embeddings request)."""
+    the embedding model (listed by its name at once, loaded on the first embeddings request)."""
     return ServingCore(_engine_loader(spec, fly, settings), settings,
-                       embeddings=EmbeddingService(_embedding_loader(settings), settings))
+                       embeddings=EmbeddingService(_embedding_loader(settings), settings,
+                                                   name=served_names(settings.embedding_model)[0]))
 
 
 def _engine_loader(spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings) -> Callable[[], "FLyEngine"]:

@@ -8,7 +8,8 @@ the worker runs the encoder on at most `embedding_batch_size` sequences at a tim
 requests (a request's inputs longest-first, so padding stays small), with its own `embedding_threads`
 torch intra-op threads (torch's thread count is per thread: the model thread keeps its own) and a
 niceness of `embedding_nice` (on Linux a thread's own), so that when both want the cores, the model
-thread's get them. A request whose client leaves is dropped from the queue. The HTTP routes are fly_daemon.embeddings_http.
+thread's get them. A request whose client leaves is dropped from the queue. The model is listed by its
+name (`listed`) before it loads, and no longer once its load failed. The HTTP routes are fly_daemon.embeddings_http.
 """
 
 from __future__ import annotations
@@ -97,16 +98,28 @@ class EmbeddingService:
     """Embeds inputs for the HTTP front in a worker thread of its own (started, and the model loaded, on first use)."""
 
     def __init__(self, load: Callable[[], Embedder] | None = None,
-                 settings: EmbeddingSettings = EmbeddingSettings()) -> None:
+                 settings: EmbeddingSettings = EmbeddingSettings(), name: str | None = None) -> None:
         """`load` builds the model; the worker thread calls it, so thread-local torch settings made there stick.
-        Without `load`, or with `settings.embeddings` off, every request is refused."""
+        Without `load`, or with `settings.embeddings` off, every request is refused. `name`: the model's name
+        (fly_llm.model.embedding_source.served_names), listed before it loads."""
         self.settings = settings if load is not None else EmbeddingSettings(embeddings=False)
         self._load = load
+        self._name = name
         self._loaded: Future = Future()
         self._lock = threading.Condition()
         self._jobs: deque[_Job] = deque()
         self._queued = 0
         self._worker: threading.Thread | None = None
+
+    def listed(self) -> str | None:
+        """The embedding model's name as the model lists show it (GET /v1/models, /api/tags): whether loaded
+        yet or not, since clients pick a model from the list; None when embeddings are off, the name is not
+        known before loading, or the model failed to load (its requests are refused)."""
+        if not self.settings.embeddings:
+            return None
+        if not self._loaded.done():
+            return self._name
+        return None if self._loaded.exception() is not None else self._loaded.result().name
 
     async def embedder(self) -> Embedder:
         """The model, loading it (in the worker thread) on first use; BadRequest when embeddings are off,

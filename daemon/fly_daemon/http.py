@@ -16,7 +16,8 @@ ZeroMQ bind needs CURVE. With a key, every route but /health needs it (/docs and
 name, its bound host or an allowed host (a web page reaching it by DNS rebinding names its own host);
 others get 421, in the error shape of the API asked for. An unexpected failure answers INTERNAL
 with a request id that the log's traceback carries, never the exception's text. Connections are timed
-out and capped by fly_daemon.http_connections (the `http_*` settings).
+out and capped by fly_daemon.http_connections (the `http_*` settings). GET /v1/models lists the target, and
+the embedding model where embeddings are served (before it loads: clients pick it from the list).
 """
 
 from __future__ import annotations
@@ -119,8 +120,10 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": client.served_model(), "object": "model",
-                                            "created": int(client.started), "owned_by": "fly-llm"}]}
+        """The target, then the embedding model where embeddings are served (fly_daemon.embeddings: listed)."""
+        names = [client.served_model(), *filter(None, [embeddings.listed()])]
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(client.started),
+                                            "owned_by": "fly-llm"} for name in names]}
 
     @app.post("/infill", dependencies=guard)
     async def infill(body: InfillBody, request: Request) -> Response:

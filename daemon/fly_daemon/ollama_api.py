@@ -341,13 +341,23 @@ def same_model(asked: str, served: str) -> bool:
 def model_card(model: ModelInfo, started: float) -> dict[str, Any]:
     """The served target as /api/tags and /api/ps list a model: name, size in bytes, digest, details."""
     arch = model.architecture
-    return {"name": model.name, "model": model.name,
-            "modified_at": datetime.fromtimestamp(started, timezone.utc).isoformat(),
-            "size": model.size_bytes,
-            "digest": hashlib.sha256(model.name.encode()).hexdigest(),
-            "details": {"parent_model": "", "format": "gguf" if model.name.endswith(".gguf") else "safetensors",
-                        "family": arch, "families": [arch], "parameter_size": _size(model.parameter_count),
-                        "quantization_level": model.quantization.upper()}}
+    return _card(model.name, started, model.size_bytes,
+                 {"format": "gguf" if model.name.endswith(".gguf") else "safetensors", "family": arch,
+                  "families": [arch], "parameter_size": _size(model.parameter_count),
+                  "quantization_level": model.quantization.upper()})
+
+
+def embedding_card(name: str, started: float) -> dict[str, Any]:
+    """The embedding model as /api/tags lists it, loaded or not (clients pick it from the list before the first
+    request loads it): its size and family are not known before, so 0 and ''; it runs in float32."""
+    return _card(name, started, 0, {"format": "safetensors", "family": "", "families": [], "parameter_size": "",
+                                    "quantization_level": "F32"})
+
+
+def _card(name: str, started: float, size: int, details: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "model": name, "modified_at": datetime.fromtimestamp(started, timezone.utc).isoformat(),
+            "size": size, "digest": hashlib.sha256(name.encode()).hexdigest(),
+            "details": {"parent_model": "", **details}}
 
 
 def _size(count: int) -> str:

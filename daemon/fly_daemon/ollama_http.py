@@ -34,7 +34,7 @@ from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, UnknownM
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.model_info import ModelInfo
 from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaBody, Served, ShowBody, capabilities,
-                                   model_card, same_model, show_template)
+                                   embedding_card, model_card, same_model, show_template)
 
 MANAGEMENT = ("/pull", "/push", "/create", "/copy", "/delete")
 """Ollama routes fly-daemon refuses: it serves the models it loaded from local files at start."""
@@ -59,7 +59,10 @@ def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str,
 
     @app.get("/tags")
     async def tags() -> dict[str, Any]:
-        return {"models": [model_card(await client.loaded_model_info(), client.started)]}
+        """The target, then the embedding model where embeddings are served (fly_daemon.embeddings: listed)."""
+        embedder = embeddings.listed()
+        return {"models": [model_card(await client.loaded_model_info(), client.started),
+                           *([embedding_card(embedder, client.started)] if embedder else [])]}
 
     @app.get("/ps")
     async def ps() -> dict[str, Any]:

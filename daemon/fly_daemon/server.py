@@ -295,7 +295,7 @@ class Server:
             device=model.device, dtype=model.dtype,
             target_quantization=model.quantization, draft_quantization=model.draft_quantization,
             fly_defaults=model.fly_defaults, sampling_defaults=SamplingParams(),
-            chat_template=bool(model.chat_template))
+            chat_template=bool(model.chat_template), fill_in_middle=model.fim is not None)
 
     def _status(self, rid: str) -> StatusReply:
         model = self.scheduler.model

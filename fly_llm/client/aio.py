@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import suppress
 from typing import Any
 
@@ -11,11 +11,14 @@ import zmq.asyncio
 from pydantic import BaseModel
 
 from fly_llm.client.base import ClientBase, Connection
-from fly_llm.client.core import POLL_S, GenerateReplies, Messages, Resend, Tools, answer, new_id, tokenize_request
+from fly_llm.client.core import (
+    POLL_S, GenerateReplies, Messages, Prompt, Resend, Tools, answer, make_infill, new_id, tokenize_request,
+)
 from fly_llm.client.heartbeat import Heartbeat
 from fly_llm.client.sockets import send
 from fly_llm.common.config import FLyOverrides, SamplingParams
 from fly_llm.common.errors import FLyUnavailable, Timeout
+from fly_llm.common.fim import InfillFile
 from fly_llm.common.protocol import (
     GenerateResult, HealthReply, HealthRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenChunk,
     TokenizeReply,
@@ -73,11 +76,21 @@ class AsyncFLyClient(ClientBase):
         super().__init__(endpoint, timeout, max_retries)
         self._connections: dict[asyncio.AbstractEventLoop, _AsyncConnection] = {}
 
-    async def generate(self, prompt: str, sampling: SamplingParams | None = None,
-                       fly: FLyOverrides | None = None, timeout: float | None = None,
+    async def generate(self, prompt: Prompt, sampling: SamplingParams | None = None,
+                       fly: FLyOverrides | None = None, timeout: float | None = None, suffix: str | None = None,
                        **structure: Any) -> GenerateResult:
-        """Generate a completion for `prompt`; `structure`: the structure options (e.g. `response_format`)."""
-        return (await self.batch([prompt], sampling, fly, timeout, **structure))[0]
+        """Generate a completion for `prompt` (with `suffix`, or an Infill, fill in the middle: see
+        `FLyClient.generate`); `structure`: the structure options (e.g. `response_format`)."""
+        return (await self.batch([prompt], sampling, fly, timeout, suffix, **structure))[0]
+
+    async def infill(self, prefix: str, suffix: str = "", *, files: Iterable[InfillFile | dict[str, str]] = (),
+                     filename: str = "", repo_name: str = "", sampling: SamplingParams | None = None,
+                     fly: FLyOverrides | None = None, timeout: float | None = None,
+                     **structure: Any) -> GenerateResult:
+        """Fill in the code between `prefix` and `suffix`, other `files` of the repository first
+        (`FLyClient.infill`)."""
+        return await self.generate(make_infill(prefix, suffix, files, filename, repo_name), sampling, fly, timeout,
+                                   **structure)
 
     async def chat(self, messages: Messages, sampling: SamplingParams | None = None,
                    fly: FLyOverrides | None = None, timeout: float | None = None, **structure: Any) -> GenerateResult:
@@ -91,22 +104,23 @@ class AsyncFLyClient(ClientBase):
         """
         return (await self.batch([messages], sampling, fly, timeout, **structure))[0]
 
-    async def stream(self, prompt: str | None = None, *, messages: Messages | None = None,
+    async def stream(self, prompt: Prompt | None = None, *, messages: Messages | None = None,
                      sampling: SamplingParams | None = None, fly: FLyOverrides | None = None,
-                     timeout: float | None = None, **structure: Any) -> AsyncIterator[TokenChunk | GenerateResult]:
+                     timeout: float | None = None, suffix: str | None = None,
+                     **structure: Any) -> AsyncIterator[TokenChunk | GenerateResult]:
         """Yield TokenChunks as text (and whole tool calls) are generated, then the final GenerateResult;
-        `structure` as for `chat`; leaving early cancels."""
-        request = self._request(prompt, messages, sampling, fly, timeout, stream=True, **structure)
+        `prompt` and `suffix` as for `generate`, `structure` as for `chat`; leaving early cancels."""
+        request = self._request(prompt, messages, sampling, fly, timeout, stream=True, suffix=suffix, **structure)
         with self._open([request]) as (conn, (replies,)):
             async for reply in self._replies(conn, replies):
                 yield reply
 
-    async def batch(self, prompts: list[str] | list[Messages], sampling: SamplingParams | None = None,
-                    fly: FLyOverrides | None = None, timeout: float | None = None,
+    async def batch(self, prompts: list[Prompt] | list[Messages], sampling: SamplingParams | None = None,
+                    fly: FLyOverrides | None = None, timeout: float | None = None, suffix: str | None = None,
                     **structure: Any) -> list[GenerateResult]:
-        """Generate for many prompts (strings or message lists), all sent at once and batched by the daemon;
-        `structure` as for `chat`, the same for every prompt."""
-        requests = self._batch(prompts, sampling, fly, timeout, **structure)
+        """Generate for many prompts (strings, Infills or message lists), all sent at once and batched by the
+        daemon; `suffix` and `structure` as for `generate`, the same for every prompt."""
+        requests = self._batch(prompts, sampling, fly, timeout, suffix, **structure)
         with self._open(requests) as (conn, routes):
             return [[r async for r in self._replies(conn, replies)][-1] for replies in routes]
 

@@ -16,7 +16,9 @@ from typing import Any
 import zmq
 from pydantic import BaseModel
 
-from fly_llm.client.core import GenerateReplies, Inbox, Messages, batch_requests, generate_request, rpc_windows
+from fly_llm.client.core import (
+    GenerateReplies, Inbox, Messages, Prompt, batch_requests, completion_source, generate_request, rpc_windows,
+)
 from fly_llm.client.heartbeat import Heartbeat
 from fly_llm.client.sockets import cancel, new_socket, send
 from fly_llm.common.config import FLyOverrides, SamplingParams
@@ -63,14 +65,16 @@ class ClientBase(ABC):
     def _drop_conn(self) -> None:
         """Close the connection (a later call opens a new one)."""
 
-    def _request(self, prompt: str | None, messages: Messages | None, sampling: SamplingParams | None,
-                 fly: FLyOverrides | None, timeout: float | None, stream: bool = False,
+    def _request(self, prompt: Prompt | None, messages: Messages | None, sampling: SamplingParams | None,
+                 fly: FLyOverrides | None, timeout: float | None, stream: bool = False, suffix: str | None = None,
                  **structure: Any) -> GenerateRequest:
-        return generate_request(prompt, messages, sampling, fly, self._timeout(timeout), stream, **structure)
+        return generate_request(completion_source(prompt, suffix), messages, sampling, fly, self._timeout(timeout),
+                                stream, **structure)
 
-    def _batch(self, prompts: list[str] | list[Messages], sampling: SamplingParams | None, fly: FLyOverrides | None,
-               timeout: float | None, **structure: Any) -> list[GenerateRequest]:
-        return batch_requests(prompts, sampling, fly, self._timeout(timeout), **structure)
+    def _batch(self, prompts: list[Prompt] | list[Messages], sampling: SamplingParams | None,
+               fly: FLyOverrides | None, timeout: float | None, suffix: str | None = None,
+               **structure: Any) -> list[GenerateRequest]:
+        return batch_requests(prompts, sampling, fly, self._timeout(timeout), suffix, **structure)
 
     def _timeout(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from fly_llm.common.config import REQUEST_OPTIONS, FLyOverrides, SamplingParams
 from fly_llm.common.errors import BadRequest, Busy, FLyUnavailable, Timeout, error_from_code
+from fly_llm.common.fim import Infill, InfillFile
 from fly_llm.common.protocol import (
     ChatMessage, ErrorReply, GenerateRequest, GenerateResult, TokenChunk, TokenizeRequest, decode_reply,
     invalid,
@@ -34,6 +35,8 @@ MAX_TIMEOUT_S = 86_400.0
 """The protocol's cap on a request deadline."""
 
 Messages = list[ChatMessage | dict[str, Any]]
+Prompt = str | Infill
+"""A completion's input: text to continue, or an `Infill` (fly_llm.common.fim) to fill in the middle of."""
 Tools = list[ToolSpec | dict[str, Any]]
 """OpenAI-style tools: {"type": "function", "function": {"name", "description", "parameters"}}."""
 
@@ -51,7 +54,8 @@ def build_options(**options: Any) -> tuple[SamplingParams, FLyOverrides]:
 
 
 def call_options(fields: object, call: dict[str, Any]) -> dict[str, Any]:
-    """An adapter call's client keywords: `sampling`, `fly`, `timeout` and the structure options that are set.
+    """An adapter call's client keywords: `sampling`, `fly`, `timeout`, the structure options that are set and
+    `suffix` where the call gives one (a completion's: fill in the middle; never a field).
 
     Each option is the call's value where the call gives one, else the adapter's field of that name
     (None, or no such field: the daemon's default); an unknown keyword is a TypeError.
@@ -59,10 +63,11 @@ def call_options(fields: object, call: dict[str, Any]) -> dict[str, Any]:
     def value(name: str) -> Any:
         return call[name] if name in call else getattr(fields, name, None)
 
-    rest = {name: v for name, v in call.items() if name not in ("timeout", *STRUCTURE_OPTIONS)}
+    rest = {name: v for name, v in call.items() if name not in ("timeout", "suffix", *STRUCTURE_OPTIONS)}
     sampling, fly = build_options(**{**{name: getattr(fields, name) for name in REQUEST_OPTIONS}, **rest})
     structure = {name: value(name) for name in STRUCTURE_OPTIONS}
-    return {"sampling": sampling, "fly": fly, "timeout": value("timeout"),
+    suffix = {"suffix": call["suffix"]} if call.get("suffix") is not None else {}
+    return {"sampling": sampling, "fly": fly, "timeout": value("timeout"), **suffix,
             **{name: v for name, v in structure.items() if v is not None}}
 
 
@@ -86,26 +91,50 @@ def _chat(messages: Messages | None) -> list[ChatMessage] | None:
     return [m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m) for m in messages]
 
 
-def generate_request(prompt: str | None, messages: Messages | None, sampling: SamplingParams | None,
+def completion_source(prompt: Prompt | Messages, suffix: str | None) -> Prompt | Messages:
+    """The prompt, or with a `suffix` the middle to fill in between them (OpenAI's `suffix`: the daemon builds
+    the FIM prompt from the target's FIM tokens; FIM_UNSUPPORTED for a target without them)."""
+    if suffix is None:
+        return prompt
+    if not isinstance(prompt, str):
+        raise TypeError("suffix goes with a prompt string (not chat messages; an Infill carries its own suffix)")
+    with checked():
+        return Infill(prefix=prompt, suffix=suffix)
+
+
+def make_infill(prefix: str, suffix: str, files: Iterable[InfillFile | dict[str, str]], filename: str,
+                repo_name: str) -> Infill:
+    """What to fill in (fly_llm.common.fim.Infill): the code before and after the cursor, other files of the
+    repository (`{"filename", "text"}` each, put first in the model's repository format); BadRequest / TooLong."""
+    with checked():
+        return Infill(prefix=prefix, suffix=suffix, files=list(files), filename=filename, repo_name=repo_name)
+
+
+def generate_request(prompt: Prompt | None, messages: Messages | None, sampling: SamplingParams | None,
                      fly: FLyOverrides | None, timeout: float, stream: bool = False,
                      **structure: Any) -> GenerateRequest:
-    """A GenerateRequest for a prompt (completion) or chat messages; BadRequest if it is not valid.
+    """A GenerateRequest for a prompt (completion: a string, or an Infill to fill in the middle of) or chat
+    messages; BadRequest if it is not valid.
 
     `structure`: the structure options (`fly_llm.common.tools.StructureOptions`: tools, tool_choice, ...) as
     GenerateRequest takes them, None leaving one unset; another keyword is a TypeError.
     """
     option_names(structure)
+    source = {"infill": prompt} if isinstance(prompt, Infill) else {"prompt": prompt}
     with checked():
-        return GenerateRequest(id=new_id(), prompt=prompt, messages=_chat(messages), sampling=sampling or SamplingParams(),
+        return GenerateRequest(id=new_id(), **source, messages=_chat(messages), sampling=sampling or SamplingParams(),
                                fly=fly or FLyOverrides(), stream=stream, timeout_s=min(timeout, MAX_TIMEOUT_S),
                                **structure)
 
 
-def batch_requests(prompts: list[str] | list[Messages], sampling: SamplingParams | None, fly: FLyOverrides | None,
-                   timeout: float, **structure: Any) -> list[GenerateRequest]:
-    """One GenerateRequest per prompt: a string (completion) or a list of chat messages."""
-    return [generate_request(p, None, sampling, fly, timeout, **structure) if isinstance(p, str)
-            else generate_request(None, p, sampling, fly, timeout, **structure) for p in prompts]
+def batch_requests(prompts: list[Prompt] | list[Messages], sampling: SamplingParams | None,
+                   fly: FLyOverrides | None, timeout: float, suffix: str | None = None,
+                   **structure: Any) -> list[GenerateRequest]:
+    """One GenerateRequest per prompt: a string or an Infill (completion) or a list of chat messages; with a
+    `suffix`, each is a string: the code before it (`completion_source`; else a TypeError)."""
+    sources = [completion_source(p, suffix) for p in prompts]
+    return [generate_request(None, s, sampling, fly, timeout, **structure) if isinstance(s, list)
+            else generate_request(s, None, sampling, fly, timeout, **structure) for s in sources]
 
 
 def tokenize_request(text: str | None, messages: Messages | None, tools: Tools | None = None) -> TokenizeRequest:

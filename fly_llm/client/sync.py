@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import zmq
 from pydantic import BaseModel
 
 from fly_llm.client.base import ClientBase, Connection
-from fly_llm.client.core import GenerateReplies, Messages, Resend, Tools, answer, new_id, result_of, tokenize_request
+from fly_llm.client.core import (
+    GenerateReplies, Messages, Prompt, Resend, Tools, answer, make_infill, new_id, result_of, tokenize_request,
+)
 from fly_llm.client.sockets import send
 from fly_llm.common.config import FLyOverrides, SamplingParams
 from fly_llm.common.errors import FLyUnavailable, Timeout
+from fly_llm.common.fim import InfillFile
 from fly_llm.common.protocol import (
     GenerateResult, HealthReply, HealthRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenChunk,
     TokenizeReply,
@@ -50,10 +53,24 @@ class FLyClient(ClientBase):
         self._local = threading.local()
         self._connections: list[_Connection] = []
 
-    def generate(self, prompt: str, sampling: SamplingParams | None = None, fly: FLyOverrides | None = None,
-                 timeout: float | None = None, **structure: Any) -> GenerateResult:
-        """Generate a completion for `prompt`; `structure`: the structure options (e.g. `response_format`)."""
-        return self.batch([prompt], sampling, fly, timeout, **structure)[0]
+    def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, fly: FLyOverrides | None = None,
+                 timeout: float | None = None, suffix: str | None = None, **structure: Any) -> GenerateResult:
+        """Generate a completion for `prompt`; `structure`: the structure options (e.g. `response_format`).
+
+        With `suffix` (OpenAI's), or an `Infill` as `prompt`, fill in the middle: the daemon builds the prompt
+        from the target's FIM tokens (FimUnsupported, FIM_UNSUPPORTED, for a target without them).
+        """
+        return self.batch([prompt], sampling, fly, timeout, suffix, **structure)[0]
+
+    def infill(self, prefix: str, suffix: str = "", *, files: Iterable[InfillFile | dict[str, str]] = (),
+               filename: str = "", repo_name: str = "", sampling: SamplingParams | None = None,
+               fly: FLyOverrides | None = None, timeout: float | None = None, **structure: Any) -> GenerateResult:
+        """Fill in the code between `prefix` and `suffix` (what llama.cpp's /infill does): `files` are other files
+        of the repository (`{"filename", "text"}`), put before the code in the model's repository format with
+        `repo_name`, and `filename` names the file being edited. FimUnsupported for a target without FIM tokens.
+        To stream it, give `stream` the same as an `Infill` (fly_llm.common.fim) as its prompt."""
+        return self.generate(make_infill(prefix, suffix, files, filename, repo_name), sampling, fly, timeout,
+                             **structure)
 
     def chat(self, messages: Messages, sampling: SamplingParams | None = None, fly: FLyOverrides | None = None,
              timeout: float | None = None, **structure: Any) -> GenerateResult:
@@ -67,22 +84,25 @@ class FLyClient(ClientBase):
         """
         return self.batch([messages], sampling, fly, timeout, **structure)[0]
 
-    def stream(self, prompt: str | None = None, *, messages: Messages | None = None,
+    def stream(self, prompt: Prompt | None = None, *, messages: Messages | None = None,
                sampling: SamplingParams | None = None, fly: FLyOverrides | None = None,
-               timeout: float | None = None, **structure: Any) -> Iterator[TokenChunk | GenerateResult]:
+               timeout: float | None = None, suffix: str | None = None,
+               **structure: Any) -> Iterator[TokenChunk | GenerateResult]:
         """Yield TokenChunks as text (and whole tool calls) are generated, then the final GenerateResult.
 
-        `structure` as for `chat`. Closing the iterator early cancels the request on the daemon.
+        `prompt` and `suffix` as for `generate` (or chat `messages`); `structure` as for `chat`. Closing the
+        iterator early cancels the request on the daemon.
         """
-        request = self._request(prompt, messages, sampling, fly, timeout, stream=True, **structure)
+        request = self._request(prompt, messages, sampling, fly, timeout, stream=True, suffix=suffix, **structure)
         with self._open([request]) as (conn, (replies,)):
             yield from self._replies(conn, replies)
 
-    def batch(self, prompts: list[str] | list[Messages], sampling: SamplingParams | None = None,
-              fly: FLyOverrides | None = None, timeout: float | None = None, **structure: Any) -> list[GenerateResult]:
-        """Generate for many prompts (strings or message lists), all sent at once and batched by the daemon;
-        `structure` as for `chat`, the same for every prompt."""
-        requests = self._batch(prompts, sampling, fly, timeout, **structure)
+    def batch(self, prompts: list[Prompt] | list[Messages], sampling: SamplingParams | None = None,
+              fly: FLyOverrides | None = None, timeout: float | None = None, suffix: str | None = None,
+              **structure: Any) -> list[GenerateResult]:
+        """Generate for many prompts (strings, Infills or message lists), all sent at once and batched by the
+        daemon; `suffix` (each prompt a string) and `structure` as for `generate`, the same for every prompt."""
+        requests = self._batch(prompts, sampling, fly, timeout, suffix, **structure)
         with self._open(requests) as (conn, routes):
             return [result_of(self._replies(conn, replies)) for replies in routes]
 

@@ -343,6 +343,8 @@ class InfoReply(_Message):
     sampling_defaults: SamplingParams
     chat_template: bool = False
     """The target's tokenizer has a chat template, so `messages` work (False from older daemons)."""
+    fill_in_middle: bool = False
+    """The target's tokenizer has FIM tokens (fly_llm.common.fim), so `infill` works (False from older daemons)."""
 
 
 HealthState = Literal["loading", "ready", "draining", "failed"]

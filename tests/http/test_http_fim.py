@@ -1,9 +1,12 @@
-"""Fill-in-the-middle on every door of the HTTP front, in-process on a tiny pair whose tokenizer has
-Qwen2.5-Coder's FIM tokens (exact mode, prefix cache on), and refusals on one whose tokenizer has none.
+"""Fill-in-the-middle on every door, in-process on a tiny pair whose tokenizer has Qwen2.5-Coder's FIM tokens
+(exact mode, prefix cache on), and refusals on one whose tokenizer has none.
 
-`suffix` on /v1/completions and /api/generate, llama.cpp's /infill (whole and streamed), /api/show's
-template with `.Suffix` and the `insert` capability; each answer is the target's own greedy middle for the
-FIM prompt written out by hand; consecutive keystrokes reuse the prefix cache; bad input gets a clear 4xx.
+The HTTP front: `suffix` on /v1/completions and /api/generate, llama.cpp's /infill (whole and streamed),
+/api/show's template with `.Suffix` and the `insert` capability. The ZeroMQ side: FLyClient's and
+AsyncFLyClient's `infill`, `generate(suffix=)`, `stream` and `batch`, the same as /infill's answer for the same
+request, and LangChain's and LlamaIndex's FLyLLM with a `suffix` call option. Each answer is the target's own
+greedy middle for the FIM prompt written out by hand; consecutive keystrokes reuse the prefix cache; bad input
+gets a clear 4xx, a target without FIM tokens FIM_UNSUPPORTED (FimUnsupported in Python) on every door.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ import openai
 import pytest
 import torch
 
+from fly_llm.client import AsyncFLyClient, FLyClient, Infill, build_options
 from fly_llm.common.config import FLyConfig
+from fly_llm.common.errors import FimUnsupported
 from fly_llm.common.fim import MAX_INFILL_CHARS, MAX_INFILL_FILES
+from fly_llm.common.protocol import GenerateResult, TokenChunk
 from fly_llm.decoding.engine import FLyEngine
 from support.engine_double import serving
 from support.tiny_models import greedy_tokens, make_pair
@@ -48,9 +54,14 @@ FIM_IDS = [FIM_PREFIX, *plain(PREFIX), FIM_SUFFIX, *plain(SUFFIX), FIM_MIDDLE]
 EXPECTED = middle(FIM_IDS)
 
 
+def endpoint(path) -> str:
+    """The ZeroMQ endpoint of the daemon `front(path, ...)` serves."""
+    return f"ipc://{path}/s.sock"
+
+
 @contextmanager
 def front(path, engine: FLyEngine):
-    with serving(f"ipc://{path}/s.sock", engine) as server:
+    with serving(endpoint(path), engine) as server:
         http = HttpFront(create_app(server.core.inproc), "127.0.0.1:0")
         http.start()
         try:
@@ -67,15 +78,38 @@ def fim_engine():
 
 
 @pytest.fixture(scope="module")
-def client(fim_engine, tmp_path_factory):
-    with front(tmp_path_factory.mktemp("fim"), fim_engine) as c:
+def fim_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fim")
+
+
+@pytest.fixture(scope="module")
+def client(fim_engine, fim_dir):
+    with front(fim_dir, fim_engine) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def plain_client(tmp_path_factory):
+def fly(client, fim_dir):
+    """FLyClient of the daemon whose HTTP front `client` is on."""
+    with FLyClient(endpoint(fim_dir), timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("nofim")
+
+
+@pytest.fixture(scope="module")
+def plain_client(plain_dir):
     target, draft, tokenizer = make_pair("llama")
-    with front(tmp_path_factory.mktemp("nofim"), FLyEngine(target, tokenizer, draft)) as c:
+    with front(plain_dir, FLyEngine(target, tokenizer, draft)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def plain_fly(plain_client, plain_dir):
+    with FLyClient(endpoint(plain_dir), timeout=60) as c:
         yield c
 
 
@@ -196,3 +230,103 @@ def test_bad_input_is_a_clear_4xx_and_the_daemon_keeps_serving(client, model, pa
     error = refused.json()["error"] if path != "/api/generate" else refused.json()
     assert refused.status_code == 400 and (error["code"] == code), refused.text
     assert client.post("/infill", json={"input_prefix": "a", "n_predict": 1}).status_code == 200
+
+
+# ---- the ZeroMQ client and the adapters ----
+
+EXTRA = [{"filename": "util.py", "text": "def add(a, b):\n    return a + b\n"}]
+GREEDY = build_options(max_tokens=MAX_NEW, temperature=0, loose=False)
+
+
+def infill_route(client, **fields) -> dict:
+    """/infill's whole answer for llama.cpp's `fields`, greedy and at most MAX_NEW tokens."""
+    return client.post("/infill", json={"n_predict": MAX_NEW, "temperature": 0, **fields}).json()
+
+
+def streamed(items) -> tuple[str, GenerateResult]:
+    """The text of a stream's chunks and its final result (which comes last, after chunks only)."""
+    *chunks, final = items
+    assert isinstance(final, GenerateResult) and all(isinstance(c, TokenChunk) for c in chunks)
+    return "".join(c.text for c in chunks), final
+
+
+def test_client_infill_is_the_infill_routes_answer(client, fly):
+    """The same request through FLyClient.infill and /infill: the same middle, prompt and counts (other
+    files first, in the repository format), and the target's own greedy middle."""
+    for files in ([], EXTRA):
+        route = infill_route(client, input_prefix=PREFIX, input_suffix=SUFFIX, input_extra=files)
+        result = fly.infill(PREFIX, SUFFIX, files=files, sampling=GREEDY[0], fly=GREEDY[1])
+        assert result.text == route["content"] and result.text.strip()
+        assert result.usage.prompt_tokens == route["tokens_evaluated"]
+        assert result.usage.completion_tokens == route["tokens_predicted"] == len(result.token_ids)
+    assert result.text == middle([REPO, *plain("repository\n"), SEP, *plain(
+        "util.py\ndef add(a, b):\n    return a + b\n\n"), SEP, *plain("\n"), *FIM_IDS])
+
+
+def test_client_suffix_stream_and_batch_fill_in_the_middle(fly):
+    """OpenAI's `suffix` on generate, stream and batch; an Infill as the prompt; the chunks add up to the result."""
+    assert fly.generate(PREFIX, *GREEDY, suffix=SUFFIX).text == EXPECTED
+    text, final = streamed(list(fly.stream(PREFIX, sampling=GREEDY[0], fly=GREEDY[1], suffix=SUFFIX)))
+    assert text == final.text == EXPECTED and final.usage.prompt_tokens == len(FIM_IDS)
+    text, _ = streamed(list(fly.stream(Infill(prefix=PREFIX, suffix=SUFFIX, files=EXTRA), sampling=GREEDY[0],
+                                       fly=GREEDY[1])))
+    assert text == fly.infill(PREFIX, SUFFIX, files=EXTRA, sampling=GREEDY[0], fly=GREEDY[1]).text
+    both = fly.batch([PREFIX, PREFIX[:10]], *GREEDY, suffix=SUFFIX)
+    assert both[0].text == EXPECTED and both[1].usage.prompt_tokens == len(
+        [FIM_PREFIX, *plain(PREFIX[:10]), FIM_SUFFIX, *plain(SUFFIX), FIM_MIDDLE])
+    assert fly.generate(PREFIX, *GREEDY).usage.prompt_tokens == len(plain(PREFIX))  # no suffix: plain completion
+    with pytest.raises(TypeError, match="suffix goes with a prompt string"):
+        next(fly.stream(messages=[{"role": "user", "content": "x"}], suffix=SUFFIX))
+    assert fly.info().fill_in_middle
+
+
+async def test_async_client_fills_in_the_middle(fim_dir, client):
+    async with AsyncFLyClient(endpoint(fim_dir), timeout=60) as aclient:
+        assert (await aclient.infill(PREFIX, SUFFIX, sampling=GREEDY[0], fly=GREEDY[1])).text == EXPECTED
+        assert (await aclient.generate(PREFIX, *GREEDY, suffix=SUFFIX)).text == EXPECTED
+        items = [item async for item in aclient.stream(PREFIX, sampling=GREEDY[0], fly=GREEDY[1], suffix=SUFFIX)]
+        assert streamed(items)[0] == EXPECTED
+
+
+def test_the_client_gets_fim_unsupported_for_a_model_without_fim_tokens(plain_fly):
+    assert not plain_fly.info().fill_in_middle
+    for call in (lambda: plain_fly.infill("a", "b"), lambda: plain_fly.generate("a", suffix="b"),
+                 lambda: list(plain_fly.stream("a", suffix="b")), lambda: plain_fly.batch(["a"], suffix="b")):
+        with pytest.raises(FimUnsupported) as refused:
+            call()
+        assert refused.value.code == "FIM_UNSUPPORTED" and "fill-in-the-middle" in refused.value.message
+    assert plain_fly.generate("a", build_options(max_tokens=2)[0]).usage.completion_tokens <= 2  # still serving
+
+
+def test_langchain_llm_passes_suffix_on(fim_dir, plain_dir, plain_client):
+    from langchain_fly import ChatFLy, FLyLLM
+
+    llm = FLyLLM(endpoint=endpoint(fim_dir), max_tokens=MAX_NEW, temperature=0, loose=False)
+    assert llm.invoke(PREFIX, suffix=SUFFIX) == EXPECTED
+    assert "".join(llm.stream(PREFIX, suffix=SUFFIX)) == EXPECTED
+    assert llm.batch([PREFIX, PREFIX], suffix=SUFFIX) == [EXPECTED, EXPECTED]
+    streaming = FLyLLM(endpoint=endpoint(fim_dir), max_tokens=MAX_NEW, temperature=0, loose=False, streaming=True)
+    assert streaming.invoke(PREFIX, suffix=SUFFIX) == EXPECTED
+    assert llm.invoke(PREFIX) != EXPECTED  # without it: a plain completion of the prefix
+    with pytest.raises(FimUnsupported):
+        FLyLLM(endpoint=endpoint(plain_dir), max_tokens=2).invoke("a", suffix="b")
+    with pytest.raises(TypeError, match="suffix"):
+        ChatFLy(endpoint=endpoint(fim_dir), max_tokens=2).invoke("a", suffix="b")
+
+
+async def test_langchain_llm_passes_suffix_on_async(fim_dir, client):
+    from langchain_fly import FLyLLM
+
+    llm = FLyLLM(endpoint=endpoint(fim_dir), max_tokens=MAX_NEW, temperature=0, loose=False)
+    assert await llm.ainvoke(PREFIX, suffix=SUFFIX) == EXPECTED
+    assert "".join([chunk async for chunk in llm.astream(PREFIX, suffix=SUFFIX)]) == EXPECTED
+
+
+def test_llama_index_complete_passes_suffix_on(fim_dir, plain_dir, plain_client):
+    from llama_index.llms.fly import FLyLLM
+
+    llm = FLyLLM(endpoint=endpoint(fim_dir), max_tokens=MAX_NEW, temperature=0, loose=False)
+    assert llm.complete(PREFIX, suffix=SUFFIX).text == EXPECTED
+    assert [r.text for r in llm.stream_complete(PREFIX, suffix=SUFFIX)][-1] == EXPECTED
+    with pytest.raises(FimUnsupported):
+        FLyLLM(endpoint=endpoint(plain_dir), max_tokens=2).complete("a", suffix="b")

@@ -45,7 +45,7 @@ def zmq_client(http_daemon):
 @pytest.fixture(scope="module")
 def model(client, tiny_pair_dirs) -> str:
     models = client.models.list().data
-    assert [m.id for m in models] == [str(tiny_pair_dirs[0])]
+    assert [m.id for m in models] == [str(tiny_pair_dirs[0]), "all-MiniLM-L6-v2"]  # the embedding model, unloaded
     return models[0].id
 
 

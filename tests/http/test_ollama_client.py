@@ -53,7 +53,7 @@ def zmq_client(ollama_daemon):
 @pytest.fixture(scope="module")
 def model(client, tiny_pair_dirs) -> str:
     models = client.list().models
-    assert [m.model for m in models] == [str(tiny_pair_dirs[0])]
+    assert [m.model for m in models] == [str(tiny_pair_dirs[0]), "all-MiniLM-L6-v2"]  # the embedding model, unloaded
     return models[0].model
 
 

@@ -74,7 +74,7 @@ def test_requests_reach_both_replicas(served):
     counts = _replicas_answering(served, 24)
     assert len(counts) == 2, counts
     models = httpx.get(f"{served}/v1/models", timeout=30).json()
-    assert [m["id"] for m in models["data"]] == [CHAT["model"]]
+    assert [m["id"] for m in models["data"]] == [CHAT["model"], "all-MiniLM-L6-v2"]  # the target, the embedding model
 
 
 def test_streaming_goes_through_ray(served):

@@ -10,16 +10,19 @@ import httpx
 
 from support.engine_double import CountingEngine, serving
 
+from fly_daemon.embeddings import EmbeddingService
 from fly_daemon.http import HttpFront, create_app
 from fly_daemon.server import Server
 
 
 @contextmanager
-def double_front(tmp_path, engine: CountingEngine | None = None, *,
-                 api_key: str | None = None) -> Iterator[tuple[Server, httpx.Client]]:
-    """(server, httpx client on the front's URL) serving `engine` (a fresh CountingEngine by default)."""
+def double_front(tmp_path, engine: CountingEngine | None = None, *, api_key: str | None = None,
+                 embeddings: EmbeddingService | None = None) -> Iterator[tuple[Server, httpx.Client]]:
+    """(server, httpx client on the front's URL) serving `engine` (a fresh CountingEngine by default) and
+    `embeddings` (default: none)."""
     with serving(f"ipc://{tmp_path}/s.sock", engine or CountingEngine()) as server:
-        http = HttpFront(create_app(server.core.inproc, api_key=api_key), "127.0.0.1:0", api_key=api_key)
+        app = create_app(server.core.inproc, api_key=api_key, embeddings=embeddings or EmbeddingService())
+        http = HttpFront(app, "127.0.0.1:0", api_key=api_key)
         http.start()
         try:
             with httpx.Client(base_url=http.url, timeout=30) as client:

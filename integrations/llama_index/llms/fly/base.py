@@ -56,6 +56,9 @@ class FLyLLM(FunctionCallingLLM):
     text. Option fields left at None take the daemon's defaults; every call may override them as
     keyword arguments, e.g. `llm.complete(prompt, max_tokens=32, stop=["\\n\\n"])` (a call's value
     replaces the field's, `stop` included); unknown keywords are a TypeError.
+    Code completion: `llm.complete(prefix, suffix=suffix)` (and `stream_complete`, the async twins) fills
+    in the middle between them with the target's FIM tokens (`formatted=True` keeps a
+    `completion_to_prompt` off the prefix); a target without them is refused (FimUnsupported).
 
     Tools: `chat_with_tools` (and its async / streaming twins), `predict_and_call`, agents such as
     `FunctionAgent`; calls come back as `ToolCallBlock`s (`get_tool_calls_from_response`).

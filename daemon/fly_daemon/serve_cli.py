@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 import threading
@@ -24,6 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from fly_llm.common.config import FLyConfig, ModelSpec
 
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options=http_options(host, port, settings))
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         if not _wait_ready(url, args.wait, stop):
@@ -96,6 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         serve.delete(APP_NAME)
         ray.shutdown()
+
+
+def http_options(host: str, port: int, settings: DaemonSettings) -> dict[str, Any]:
+    """Ray Serve's HTTP proxy options: where it listens, and the daemon's idle keep-alive timeout (Ray takes
+    whole seconds; its own default is 90).
+
+    The proxies are Ray's (uvicorn inside), so of the daemon front's connection limits only this one
+    carries over: head and body timeouts and the connection caps (`http_header_timeout`,
+    `http_body_timeout`, `http_max_connections*`) are not Ray's to set (docs/daemon.md, fly-serve)."""
+    return {"host": host, "port": port, "keep_alive_timeout_s": math.ceil(settings.http_keep_alive_timeout)}  # whole s
 
 
 def _shape(args: argparse.Namespace) -> str:

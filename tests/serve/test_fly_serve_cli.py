@@ -119,3 +119,13 @@ def test_the_builder_refuses_what_fly_serve_refuses(monkeypatch, no_ray_auth_mod
     assert replicas.build({"target": "some/dir", "api_key": "k"}) and os.environ["RAY_AUTH_MODE"] == "token"
     monkeypatch.setattr(replicas, "serve_http_host", lambda: "127.0.0.1")
     assert replicas.build({"target": "some/dir"})
+
+
+def test_the_daemons_keep_alive_timeout_reaches_rays_proxy():
+    from fly_daemon.settings import DaemonSettings
+
+    options = serve_cli.http_options("127.0.0.1", 8123, DaemonSettings(http_keep_alive_timeout=7.5))
+    assert options == {"host": "127.0.0.1", "port": 8123, "keep_alive_timeout_s": 8}  # Ray takes whole seconds
+    from ray.serve.config import HTTPOptions
+
+    assert HTTPOptions(**options).keep_alive_timeout_s == 8  # a field Ray's proxy takes

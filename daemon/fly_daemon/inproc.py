@@ -95,7 +95,7 @@ class InProcessClient:
 
     async def tokenize(self, **fields: object) -> TokenizeReply:
         """A tokenize request of `fields` (fly_llm.common.protocol.TokenizeRequest's: text or token_ids, ...),
-        answered by the scheduler's preparation pool; its error (BAD_REQUEST, TOO_LONG, BUSY, ...) is raised."""
+        answered in the scheduler's tokenize lane; its error (BAD_REQUEST, TOO_LONG, BUSY, ...) is raised."""
         with checked():
             request = TokenizeRequest(id=f"tokenize-{uuid.uuid4().hex}", **fields)
         queue: asyncio.Queue = asyncio.Queue()

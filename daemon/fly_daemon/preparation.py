@@ -1,16 +1,19 @@
 """Preparation, the scheduler's second room: a request's prompt and constraint made ready for the engine.
 
-Runs in the scheduler's preparation pool, off the model thread: the character limit (before anything
-is read), the chat template and tokenizer, the token limit, the constraint of the request's structure
-(the model's tool format, `fly_llm.common.tool_formats`) and its compiled grammar. Tokenize requests
-are answered here too (the same limits and template). The queue and the loop: fly_daemon.scheduler;
-what comes out of the engine: fly_daemon.delivery.
+Runs in the scheduler's preparation pool, off the model thread, in two parts. `prepare`: the character
+limit (before anything is read), the chat template and tokenizer, the token limit, the constraint of the
+request's structure (the model's tool format, `fly_llm.common.tool_formats`) and, when its scope has
+compiled that grammar already, its matcher; bounded work (the limits). `compile`: a grammar new to its
+scope, compiled (in the sandbox first: up to its time limit), the part the queue lets each client do
+once at a time (fly_daemon.request_queue). Tokenize requests are answered here too (the same limits and
+template, in the scheduler's tokenize lane). The queue and the loop: fly_daemon.scheduler; what comes
+out of the engine: fly_daemon.delivery.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from fly_llm.common.constraints import Constraint
@@ -32,11 +35,12 @@ than any tokenizer averages over real text, so only prompts that cannot fit are 
 @dataclass(frozen=True, eq=False)
 class PreparedInput:
     """What a generate request gives the engine: its prompt's token ids, its constraint (None: free
-    output) and that constraint's compiled grammar."""
+    output) and that constraint's compiled grammar, unless it `needs_compile` still (`Preparation.compile`)."""
 
     prompt_ids: list[int]
     constraint: Constraint | None
     matcher: object | None
+    needs_compile: bool = False
 
 
 class Preparation:
@@ -51,8 +55,8 @@ class Preparation:
         self._constraints = constraints
 
     def prepare(self, request: GenerateRequest, scope: str) -> PreparedInput:
-        """Tokenize the prompt (within the limits) and compile its constraint in cache `scope`;
-        BadRequest or TooLong for a prompt that cannot be served."""
+        """Tokenize the prompt (within the limits) and find its constraint's grammar in cache `scope`
+        (else it `needs_compile`); BadRequest or TooLong for a prompt that cannot be served."""
         prompt_ids = self._tokens_of(request)
         if not prompt_ids:
             raise BadRequest("the prompt encodes to no tokens")
@@ -61,7 +65,15 @@ class Preparation:
             raise TooLong(f"prompt of {len(prompt_ids)} tokens exceeds the limit of {cap}")
         check_reply_size(request, len(prompt_ids), self._limits.max_reply_units)
         constraint = self._constraints.constraint(request.structure)
-        return PreparedInput(prompt_ids, constraint, self._engine.compile_constraint(constraint, scope))
+        if constraint is None:
+            return PreparedInput(prompt_ids, None, None)
+        matcher = self._engine.compiled_matcher(constraint, scope)
+        return PreparedInput(prompt_ids, constraint, matcher, needs_compile=matcher is None)
+
+    def compile(self, prepared: PreparedInput, scope: str) -> PreparedInput:
+        """`prepared` with its constraint's grammar compiled in cache `scope` (BadRequest for a bad one)."""
+        return replace(prepared, matcher=self._engine.compile_constraint(prepared.constraint, scope),
+                       needs_compile=False)
 
     def tokenize(self, request: TokenizeRequest) -> TokenizeReply:
         """The answer to a tokenize request: its text's token ids, or its token ids' text."""

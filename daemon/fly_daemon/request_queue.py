@@ -1,14 +1,24 @@
 """The scheduler's books: where each generate request is (queued, preparing, prepared, in the engine),
 what each client holds, and the tokenize requests waiting — the first room's data, its invariants in `check()`.
 
+Fair preparation: queued requests wait in a lane per client, and the preparation pool takes them
+clients in turn (round-robin), so one client's backlog delays another client's next request by at
+most one preparation per worker. Compiling a grammar new to its scope is the one slow part of a
+preparation (fly_daemon.preparation), so each client compiles at most one grammar at a time and all
+clients together at most GRAMMAR_COMPILES: a request that finds its grammar must compile while its
+client's compile slot is taken goes back to its lane (its prompt already tokenized) without holding a
+thread, and the client's requests that need no compile (free output, a grammar already compiled in
+its scope) are taken past it. With one preparation thread more than GRAMMAR_COMPILES, one is always
+free of compiles.
+
 Not thread-safe on its own: the scheduler (fly_daemon.scheduler) holds its lock around every call.
 """
 
 from __future__ import annotations
 
 from bisect import insort
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -33,6 +43,10 @@ Emit = Callable[[Envelope, BaseModel], None]
 """Sends a reply to the client behind an envelope (thread-safe)."""
 Place = Literal["queued", "preparing", "prepared", "engine", "ended"]
 
+GRAMMAR_COMPILES = 2
+"""Grammar compiles in flight at once, all clients together (one per client): as many as the grammar
+sandbox's processes by default (`grammar_workers`), one fewer than the preparation threads."""
+
 
 @dataclass(eq=False)
 class Entry:
@@ -47,7 +61,7 @@ class Entry:
     last_seen: float
     place: Place = "queued"
     kill: FLyError | None = None  # why it must end, once something decided it must
-    prepared: PreparedInput | None = None  # from preparation until it joins the engine
+    prepared: PreparedInput | None = None  # from preparation (its first part while it awaits a compile) to the engine
     prompt_tokens: int = 0  # once prepared
     output: OutputState | None = None  # once it is in the engine
 
@@ -64,6 +78,11 @@ class Entry:
         """Tokens this request may occupy in the batch (prompt + max new tokens)."""
         return self.prompt_tokens + self.request.sampling.max_tokens
 
+    @property
+    def awaits_compile(self) -> bool:
+        """Prepared but for its grammar's compile (back in its lane while its client's compile slot is taken)."""
+        return self.prepared is not None and self.prepared.needs_compile
+
     def cache_scope(self, shared: bool) -> str:
         """Whose caches (prefixes, compiled grammars) it reads and fills: its tenant's, unless `shared`."""
         return "" if shared else self.tenant
@@ -79,12 +98,15 @@ class Entry:
 
 
 class RequestQueue:
-    """Every request the scheduler holds, each in exactly one place, within `limits`' caps."""
+    """Every request the scheduler holds, each in exactly one place, within `limits`' caps; at most
+    `compiles` grammar compiles at once, one per client."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, compiles: int = GRAMMAR_COMPILES) -> None:
         self.limits = limits
+        self.compiles = compiles
         self.entries: dict[tuple[Envelope, str], Entry] = {}
-        self._queued: deque[Entry] = deque()
+        self._lanes: OrderedDict[str, list[Entry]] = OrderedDict()  # client -> its queued, by seq; next in turn first
+        self._compiling: dict[str, Entry] = {}  # client -> whose grammar compiles (until the compile returns)
         self._preparing: set[Entry] = set()
         self._prepared: list[Entry] = []  # in submission order
         self._per_client: dict[str, int] = {}
@@ -105,29 +127,74 @@ class RequestQueue:
         if self.outside_engine() >= self.limits.queue_size:
             raise Busy(f"admission queue full ({self.limits.queue_size} waiting)")
         self.entries[entry.key] = entry
-        self._queued.append(entry)
+        self._enqueue(entry)
         self._per_client[entry.client] = self._per_client.get(entry.client, 0) + 1
 
     def queued(self) -> int:
-        return len(self._queued)
+        return sum(len(lane) for lane in self._lanes.values())
 
     def outside_engine(self) -> int:
         """Requests queued, preparing or prepared."""
-        return len(self._queued) + len(self._preparing) + len(self._prepared)
+        return self.queued() + len(self._preparing) + len(self._prepared)
 
     def in_engine(self) -> list[Entry]:
         return [e for e in self.entries.values() if e.place == "engine"]
 
     def take_to_prepare(self) -> Entry | None:
-        """Move the next queued entry to preparing: the oldest of a client with nothing being prepared,
-        else the oldest; None if none is queued."""
+        """Move the next queued entry to preparing, clients in turn: the oldest that may start now of the
+        next client in turn with nothing being prepared, else of the next client in turn (who then goes
+        last); None if none may start. One that awaits its compile takes its client's compile slot."""
         busy = {e.client for e in self._preparing}
-        entry = next((e for e in self._queued if e.client not in busy), self._queued[0] if self._queued else None)
-        if entry is not None:
-            self._queued.remove(entry)
-            self._preparing.add(entry)
-            entry.place = "preparing"
+        startable = [e for lane in self._lanes.values() if (e := next(filter(self._may_start, lane), None))]
+        entry = next((e for e in startable if e.client not in busy), startable[0] if startable else None)
+        if entry is None:
+            return None
+        self._dequeue(entry)
+        if entry.client in self._lanes:
+            self._lanes.move_to_end(entry.client)
+        self._preparing.add(entry)
+        entry.place = "preparing"
+        if entry.awaits_compile:
+            self._compiling[entry.client] = entry
         return entry
+
+    def begin_compile(self, entry: Entry) -> bool:
+        """A preparing entry found its grammar must compile: take its client's compile slot (True), or go
+        back to its lane to wait for one (False: its client compiles already, or all slots are taken);
+        False too if it ended meanwhile."""
+        if entry.place != "preparing":
+            return False
+        if self._may_compile(entry.client):
+            self._compiling[entry.client] = entry
+            return True
+        self._preparing.remove(entry)
+        self._enqueue(entry)
+        return False
+
+    def end_compile(self, entry: Entry) -> None:
+        """Its compile returned (done, failed, or after the entry ended): free its client's compile slot."""
+        del self._compiling[entry.client]
+
+    def _may_start(self, entry: Entry) -> bool:
+        return not entry.awaits_compile or self._may_compile(entry.client)
+
+    def _may_compile(self, client: str) -> bool:
+        return client not in self._compiling and len(self._compiling) < self.compiles
+
+    def _enqueue(self, entry: Entry) -> None:
+        """Into its client's lane, in submission order (a new client's lane has the last turn)."""
+        insort(self._lanes.setdefault(entry.client, []), entry, key=lambda e: e.seq)
+        entry.place = "queued"
+
+    def _dequeue(self, entry: Entry) -> None:
+        """Out of its client's lane (a lane left empty goes)."""
+        lane = self._lanes[entry.client]
+        lane.remove(entry)
+        if not lane:
+            del self._lanes[entry.client]
+
+    def _queued_entries(self) -> Iterator[Entry]:
+        return (entry for lane in self._lanes.values() for entry in lane)
 
     def mark_prepared(self, entry: Entry) -> bool:
         """Move a preparing entry to the prepared (in submission order); False if it ended meanwhile."""
@@ -156,7 +223,7 @@ class RequestQueue:
         """Detach every entry (every queued one with `queued_only`) that was cancelled or that `reason`
         gives an error for (set as its `kill`); each with whether it was in the engine."""
         ended = []
-        for entry in list(self._queued) if queued_only else self.entries.values():
+        for entry in list(self._queued_entries()) if queued_only else self.entries.values():
             if entry.kill is None:
                 entry.kill = reason(entry)
             if entry.kill is not None:
@@ -169,7 +236,7 @@ class RequestQueue:
         """Take an entry out of the table, its place and its client's count."""
         del self.entries[entry.key]
         if entry.place == "queued":
-            self._queued.remove(entry)
+            self._dequeue(entry)
         elif entry.place == "preparing":
             self._preparing.discard(entry)
         elif entry.place == "prepared":
@@ -199,9 +266,18 @@ class RequestQueue:
 
     def check(self) -> None:
         """Assert the books: every entry is in exactly one place (queued, preparing, prepared, engine)
-        and that place says so; the prepared are in submission order; the per-client counts match the
-        entries and stay within the cap; the queue and the batch within their bounds."""
-        places: dict[Place, list[Entry]] = {"queued": list(self._queued), "preparing": list(self._preparing),
+        and that place says so; each lane is its client's, not empty, in submission order; a queued
+        entry is prepared only when it awaits its compile; at most one compile per client and
+        `compiles` in all, each of an entry preparing (or ended meanwhile); the prepared are in
+        submission order; the per-client counts match the entries and stay within the cap; the queue
+        and the batch within their bounds."""
+        for client, lane in self._lanes.items():
+            assert lane and all(e.client == client for e in lane), f"stale lane {client}"
+            assert [e.seq for e in lane] == sorted(e.seq for e in lane), f"lane {client} out of order"
+            assert all(e.prepared is None or e.awaits_compile for e in lane), f"a prepared entry in lane {client}"
+        assert len(self._compiling) <= self.compiles, len(self._compiling)
+        assert all(e.client == client and e.place in ("preparing", "ended") for client, e in self._compiling.items())
+        places: dict[Place, list[Entry]] = {"queued": list(self._queued_entries()), "preparing": list(self._preparing),
                                             "prepared": list(self._prepared), "engine": self.in_engine()}
         held = [entry for entries in places.values() for entry in entries]
         assert len({id(e) for e in held}) == len(held) == len(self.entries), "an entry is in two places or none"

@@ -4,8 +4,10 @@ The scheduler has three rooms, as vLLM's v1 engine separates its core, input pro
 processing:
 - the queue and the loop (this module; its books in fly_daemon.request_queue, the model thread's
   turns in fly_daemon.engine_loop): admission, per-client caps, deadlines, heartbeats, cancels;
-- preparation (fly_daemon.preparation): chat template, tokenizer, limits, constraint and grammar, and
-  the tokenize answers, in a small pool of worker threads so no preparation holds up a running stream;
+- preparation (fly_daemon.preparation): chat template, tokenizer, limits, constraint and grammar, in a
+  small pool of worker threads so no preparation holds up a running stream, taking the queued requests
+  clients in turn with at most one grammar compile per client (fly_daemon.request_queue); the tokenize
+  and detokenize answers in a lane of their own (one thread), so no compile ever delays them;
 - delivery (fly_daemon.delivery): one output state per request turning engine outputs into chunks and
   results (text, logprobs, tool calls, timings), the metrics, and the failures' replies.
 
@@ -42,27 +44,30 @@ from fly_daemon.limits import Limits
 from fly_daemon.metrics import Metrics
 from fly_daemon.model_info import ModelInfo
 from fly_daemon.preparation import CHARS_PER_TOKEN, Preparation
-from fly_daemon.request_queue import LOCAL, Emit, Entry, Envelope, RequestQueue
+from fly_daemon.request_queue import GRAMMAR_COMPILES, LOCAL, Emit, Entry, Envelope, RequestQueue
 
 if TYPE_CHECKING:
     from fly_llm.decoding.engine import FLyEngine
 
-__all__ = ["ADMISSIONS_PER_TURN", "CHARS_PER_TOKEN", "LOCAL", "PREPARE_WORKERS", "Emit", "Envelope", "Limits",
-           "Scheduler"]
+__all__ = ["ADMISSIONS_PER_TURN", "CHARS_PER_TOKEN", "LOCAL", "PREPARE_WORKERS", "TOKENIZE_WORKERS", "Emit", "Envelope",
+           "Limits", "Scheduler"]
 
 log = logging.getLogger("fly_daemon")
 
-PREPARE_WORKERS = 2
-"""Threads that prepare requests and answer tokenize requests."""
+PREPARE_WORKERS = GRAMMAR_COMPILES + 1
+"""Threads that prepare requests: one more than the grammar compiles at once, so one is always free of them."""
+TOKENIZE_WORKERS = 1
+"""Threads that answer tokenize and detokenize requests (bounded work: the character and token limits)."""
 
 
 class Scheduler:
     """Bounded admission queue, preparation off the model thread, and continuous batching into one
     engine, built by `load_engine`. `executor` runs the preparations (default: a pool of
-    PREPARE_WORKERS threads)."""
+    PREPARE_WORKERS threads), `tokenize_executor` the tokenize answers (default: TOKENIZE_WORKERS threads)."""
 
     def __init__(self, load_engine: Callable[[], "FLyEngine"], emit: Emit, limits: Limits = Limits(),
-                 metrics: Metrics | None = None, executor: Executor | None = None) -> None:
+                 metrics: Metrics | None = None, executor: Executor | None = None,
+                 tokenize_executor: Executor | None = None) -> None:
         self.limits = limits
         self.metrics = metrics or Metrics()
         self.model: ModelInfo | None = None
@@ -74,6 +79,8 @@ class Scheduler:
         self._preparation: Preparation | None = None
         self._delivery = Delivery(emit, self.metrics)
         self._executor = executor or ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="fly-prepare")
+        self._tokenize_executor = tokenize_executor or ThreadPoolExecutor(TOKENIZE_WORKERS,
+                                                                          thread_name_prefix="fly-tokenize")
         self._lock = threading.Lock()  # guards the books, the state and the engine's arrival
         self._wake = threading.Event()
         self._books = RequestQueue(limits)
@@ -110,7 +117,7 @@ class Scheduler:
                                   now, now))
             loaded = self._loop is not None
         if loaded:
-            self._executor.submit(self._prepare_next)
+            self._executor.submit(self._prepare_queued)
 
     def cancel(self, envelope: Envelope, request_id: str, error: FLyError | None = None) -> bool:
         """Cancel a client's request; False if it has none with that id."""
@@ -143,13 +150,13 @@ class Scheduler:
                     entry.last_seen = now
 
     def tokenize(self, envelope: Envelope, request: TokenizeRequest) -> None:
-        """Queue a tokenize request (answered by the preparation pool; waits while models load)."""
+        """Queue a tokenize request (answered in the tokenize lane; waits while models load)."""
         with self._lock:
             self._life.check_open()
             loaded = self._loop is not None
             self._books.add_tokenize(envelope, request, waits=not loaded)
         if loaded:
-            self._executor.submit(self._answer_tokenize, envelope, request)
+            self._tokenize_executor.submit(self._answer_tokenize, envelope, request)
 
     def expire_queued(self) -> None:
         """While models load, end queued requests that were cancelled, passed their deadline or lost their client.
@@ -194,14 +201,37 @@ class Scheduler:
 
     # ---- the preparation pool ----
 
-    def _prepare_next(self) -> None:
-        """Prepare one queued request (`RequestQueue.take_to_prepare` picks which)."""
-        with self._lock:
-            entry = self._books.take_to_prepare()
-        if entry is None:
-            return  # its request was cancelled or taken by another task
+    def _prepare_queued(self) -> None:
+        """Prepare queued requests while one may start (`RequestQueue.take_to_prepare` picks which).
+
+        One such task is submitted per request; one finding nothing to start returns. Work becomes
+        startable only by a submit (its own task) or a compile's end (in a task that then takes again)."""
+        while True:
+            with self._lock:
+                entry = self._books.take_to_prepare()
+            if entry is None:
+                return  # nothing may start: taken by other tasks, or waiting for compile slots
+            self._prepare(entry)
+
+    def _prepare(self, entry: Entry) -> None:
+        """Prepare a taken request: its prompt and checks (unless done before it waited), then its grammar's
+        compile when new to its scope, holding its client's compile slot (or back to its lane to wait)."""
+        scope = entry.cache_scope(self.limits.share_prefix_cache)
         try:
-            prepared = self._preparation.prepare(entry.request, entry.cache_scope(self.limits.share_prefix_cache))
+            prepared = entry.prepared  # set when it comes back from its lane to compile (the slot is taken)
+            if prepared is None:
+                prepared = self._preparation.prepare(entry.request, scope)
+                if prepared.needs_compile:
+                    with self._lock:
+                        entry.prepared = prepared
+                        if not self._books.begin_compile(entry):
+                            return  # it waits in its lane for its client's compile slot (or it ended)
+            if prepared.needs_compile:
+                try:
+                    prepared = self._preparation.compile(prepared, scope)
+                finally:
+                    with self._lock:
+                        self._books.end_compile(entry)
         except BaseException as exc:  # a failed preparation (a grammar compiler's panic too) fails only its request
             if not contained(exc):
                 raise
@@ -235,7 +265,7 @@ class Scheduler:
             with self._lock:
                 self._life.fail(f"loading models failed: {exc}")
             self.abandon_queue(NotReady(self.detail))  # what was queued while loading gets the reason
-            self._executor.shutdown(wait=False)
+            self._shutdown_pools()
             return
         self.start(engine)
         log.info("ready: target=%s draft=%s", engine.target_name, engine.draft_name)
@@ -249,7 +279,7 @@ class Scheduler:
                 self._life.fail("the model thread failed (the daemon's log has the details)")
             self._fail_all(Internal(self.detail))
         finally:
-            self._executor.shutdown(wait=False)  # what it still holds ends quickly: no queued request is left
+            self._shutdown_pools()  # what they still hold ends quickly: no queued request is left
 
     def start(self, engine: "FLyEngine") -> None:
         """The models are loaded: serve with `engine`, and prepare what was queued while they loaded."""
@@ -262,9 +292,13 @@ class Scheduler:
             self._life.loaded()
             tokenize, queued = self._books.take_tokenize_waiting(), self._books.queued()
         for envelope, request in tokenize:
-            self._executor.submit(self._answer_tokenize, envelope, request)
+            self._tokenize_executor.submit(self._answer_tokenize, envelope, request)
         for _ in range(queued):
-            self._executor.submit(self._prepare_next)
+            self._executor.submit(self._prepare_queued)
+
+    def _shutdown_pools(self) -> None:
+        self._executor.shutdown(wait=False)
+        self._tokenize_executor.shutdown(wait=False)
 
     def _serve(self) -> None:
         """The model thread's loop: turn after turn until drained, waiting for work when there is none."""

@@ -38,6 +38,14 @@ class LruCache(Generic[K, V]):
         self._entries: OrderedDict[K, tuple[V, int]] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
 
+    def get(self, key: K) -> V | None:
+        """The value cached for `key` (now the most recently used), or None (for a cache that holds no None)."""
+        with self._lock:
+            if key not in self._entries:
+                return None
+            self._entries.move_to_end(key)
+            return self._entries[key][0]
+
     def get_or_make(self, key: K, make: Callable[[], V]) -> V:
         """The value cached for `key`, or `make()`'s, cached now if it fits the budget."""
         with self._lock:

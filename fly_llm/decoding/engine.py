@@ -198,6 +198,11 @@ class FLyEngine:
         before in `scope`, a tenant, compiles in the sandbox first, then here; a repeated one is a copy)."""
         return self.grammars.for_constraint(constraint, scope)
 
+    def compiled_matcher(self, constraint: Constraint, scope: str = ""):
+        """The grammar matcher for a constraint whose grammar `scope` has compiled already, else None
+        (nothing compiles: a caller tells a quick request from one that waits for a compile)."""
+        return self.grammars.compiled(constraint, scope)
+
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     fly: FLyConfig | None = None, constraint: Constraint | None = None, *, matcher=None,
                     cache_scope: str = "", logprobs: int | None = None, prompt_logprobs: bool = False) -> None:

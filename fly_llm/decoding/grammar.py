@@ -157,6 +157,12 @@ class GrammarCompiler:
                     raise BadRequest(f"{what} cannot be used: {reason}") from None
             raise
 
+    def compiled(self, constraint: Constraint, scope: str = "") -> llguidance.LLMatcher | None:
+        """A fresh matcher for a constraint whose grammar `scope` has compiled already, else None: compiles
+        nothing (its grammar text is made, within the schema caps, if not remembered)."""
+        compiled = self._compiled.get((scope, self.grammar(constraint, scope)))
+        return None if compiled is None else compiled.prototype.deep_copy()
+
     def matcher(self, grammar: str, scope: str = "") -> llguidance.LLMatcher:
         """A fresh matcher at the start of `grammar`; BadRequest if it does not compile, its language is
         empty, its compiled form is over the per-grammar cap, or (in the sandbox) it crashes the compiler,

@@ -39,8 +39,9 @@ def test_a_value_bigger_than_the_budget_is_returned_not_kept():
 
 @pytest.mark.parametrize("seed", range(5))
 def test_random_traffic_matches_a_reference_and_never_exceeds_the_budget(seed):
-    """Seeded random gets of values of random sizes: after each, the byte count is the entries' sum and within the
-    budget (`check`), and the cache holds exactly what a plain LRU-by-bytes reference holds."""
+    """Seeded random gets (`get_or_make`, or `get`, which makes nothing) of values of random sizes: after each, the
+    byte count is the entries' sum and within the budget (`check`), and the cache holds exactly what a plain
+    LRU-by-bytes reference holds."""
     rng = random.Random(seed)
     budget = rng.randint(5, 60)
     sizes = {key: rng.randint(1, 25) for key in range(40)}
@@ -49,10 +50,14 @@ def test_random_traffic_matches_a_reference_and_never_exceeds_the_budget(seed):
     for _ in range(500):
         key = rng.randrange(40)
         hit = key in reference
-        assert cache.get_or_make(key, lambda: key * 7) == key * 7
+        peek = rng.random() < 0.3
+        if peek:
+            assert cache.get(key) == (key * 7 if hit else None)
+        else:
+            assert cache.get_or_make(key, lambda: key * 7) == key * 7
         if hit:
             reference.move_to_end(key)
-        elif sizes[key] <= budget:
+        elif sizes[key] <= budget and not peek:
             reference[key] = sizes[key]
             while sum(reference.values()) > budget:
                 reference.popitem(last=False)

@@ -13,12 +13,11 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from contextlib import contextmanager
 
 import pytest
-from support.engine_double import CountingEngine, Replies
+from support.engine_double import MODEL_THREAD, CountingEngine, Replies, running
 
 from fly_llm.common.config import SamplingParams
 from fly_llm.common.errors import BadRequest, Busy, FLyError, TooLong
@@ -27,7 +26,6 @@ from fly_llm.common.tool_formats.hermes import ToolCallStream
 
 from fly_daemon.scheduler import ADMISSIONS_PER_TURN, Limits, Scheduler
 
-MODEL_THREAD = "fly-model-under-test"
 A, B, C = (b"a",), (b"b",), (b"c",)
 NO_HEARTBEATS = Limits(heartbeat_timeout=0)
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
@@ -64,21 +62,6 @@ class Recording(CountingEngine):
     def step(self):
         self.adds_between_steps.append(0)
         return super().step()
-
-
-@contextmanager
-def running(engine: CountingEngine, limits: Limits = NO_HEARTBEATS) -> Iterator[tuple[Scheduler, Replies]]:
-    """A scheduler on `engine`, its model thread running (named MODEL_THREAD); drained at the end."""
-    replies = Replies()
-    scheduler = Scheduler(lambda: engine, replies, limits)
-    thread = threading.Thread(target=scheduler.run, name=MODEL_THREAD, daemon=True)
-    thread.start()
-    try:
-        yield scheduler, replies
-    finally:
-        scheduler.drain(force=True)
-        thread.join(30)
-        assert not thread.is_alive()
 
 
 def generate(rid: str, words: int = 3, max_tokens: int = 3, **extra) -> GenerateRequest:
@@ -256,7 +239,7 @@ def test_random_interleavings_keep_the_schedulers_books(seed):
     executor, replies = ManualExecutor(), Replies()
     limits = Limits(heartbeat_timeout=0, queue_size=6, max_batch_size=3, max_requests_per_client=4,
                     max_prompt_tokens=68, max_batch_tokens=60)
-    scheduler = Scheduler(lambda: engine, replies, limits, executor=executor)
+    scheduler = Scheduler(lambda: engine, replies, limits, executor=executor, tokenize_executor=executor)
     clients = [A, B, C]
     accepted: list[tuple[tuple[bytes, ...], str]] = []
     counted: list[str] = []  # accepted tokenize requests

@@ -361,6 +361,9 @@ def test_grammar_caches_are_scoped_per_tenant(pair, monkeypatch):
     for scope in ["tenant-a", "tenant-a", "tenant-b", "tenant-a", "tenant-b"]:
         assert eng.compile_constraint(constraint, scope) is not None
     assert compiled == sandboxed == ["tenant-a", "tenant-b"]
+    assert eng.compiled_matcher(constraint, "tenant-a") is not None  # a hit is a copy: nothing compiles
+    assert eng.compiled_matcher(constraint, "tenant-c") is None  # what another tenant compiled is not its
+    assert compiled == ["tenant-a", "tenant-b"]
     verdicts = len(eng.grammars.sandbox._verdicts)
     eng.grammars.sandbox.check(eng.grammars.grammar(constraint, "tenant-c"), "tenant-c")
     assert len(eng.grammars.sandbox._verdicts) == verdicts + 1  # its own verdict, not tenant-a's

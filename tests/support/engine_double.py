@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ from fly_llm.common.stats import GrammarCacheStats, PromptStats, RequestStats
 
 from fly_daemon.core import ServingCore
 from fly_daemon.metrics import Metrics
-from fly_daemon.scheduler import Limits
+from fly_daemon.scheduler import Limits, Scheduler
 from fly_daemon.server import Server
 
 
@@ -93,6 +94,10 @@ class CountingEngine:
         """No grammars here: every constraint compiles to no matcher."""
         return None
 
+    def compiled_matcher(self, constraint, scope=""):
+        """Nothing is compiled ahead: every constraint compiles (to no matcher)."""
+        return None
+
     def add_request(self, request_id, prompt_ids, sampling, fly=None, constraint=None, *, matcher=None,
                     cache_scope: str = "", logprobs=None, prompt_logprobs=False) -> None:
         if len(prompt_ids) >= self.context_window:
@@ -150,6 +155,26 @@ class Replies:
             assert self._cond.wait_for(lambda: any(isinstance(m, self.ENDS) for m in self.by_id.get(rid, ())),
                                        timeout), f"no final reply to {rid}"
             return self.by_id[rid][-1]
+
+
+MODEL_THREAD = "fly-model-under-test"
+"""The name of `running`'s model thread."""
+
+
+@contextmanager
+def running(engine: CountingEngine,
+            limits: Limits = Limits(heartbeat_timeout=0)) -> Iterator[tuple[Scheduler, Replies]]:
+    """A scheduler on `engine`, its model thread running (named MODEL_THREAD); drained at the end."""
+    replies = Replies()
+    scheduler = Scheduler(lambda: engine, replies, limits)
+    thread = threading.Thread(target=scheduler.run, name=MODEL_THREAD, daemon=True)
+    thread.start()
+    try:
+        yield scheduler, replies
+    finally:
+        scheduler.drain(force=True)
+        thread.join(30)
+        assert not thread.is_alive()
 
 
 @contextmanager

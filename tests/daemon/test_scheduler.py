@@ -161,13 +161,12 @@ def test_batch_limit_holds_and_a_failed_step_fails_only_its_batch(engine):
     finally:
         scheduler.drain(force=True)
         thread.join(30)
-    failed = sum(isinstance(f, ErrorReply) for f in finals)  # 1 or 2: the batch of the first step (its
-    assert failed in (1, 2)                                   # second request may not be prepared yet)
-    assert [type(f).__name__ for f in finals] == ["ErrorReply"] * failed + ["GenerateResult"] * (5 - failed)
+    errors = [f for f in finals if isinstance(f, ErrorReply)]  # the first step's batch: 1 or 2 (whichever
+    assert len(errors) in (1, 2)                               # were prepared first; preparation runs in parallel)
     assert all(f.code == "INTERNAL" and "engine step failed" in f.message and "injected" not in f.message
-               for f in finals[:failed])  # our message: the exception's text stays in the log
+               for f in errors)  # our message: the exception's text stays in the log
     expected = engine.generate("def add(a, b):", SamplingParams(max_tokens=6), FLyConfig(loose=False))[0].token_ids
-    assert all(f.token_ids == expected for f in finals[failed:])
+    assert all(f.token_ids == expected for f in finals if not isinstance(f, ErrorReply))
     assert failing.widest <= 2 and scheduler.state in ("ready", "draining")
 
 

@@ -514,7 +514,9 @@ class HttpFront:
             raise OSError(f"cannot serve HTTP on {address}: {exc.strerror or exc}") from None
         bound_host, self.port = self._socket.getsockname()[:2]
         self.url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+        # proxy_headers off: the peer stays the peer (uvicorn would take X-Forwarded-For from any 127.0.0.1 peer);
+        # forwarded headers are read by fly_daemon.client_identity, from trusted proxies only
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", proxy_headers=False,
                                 timeout_graceful_shutdown=5, http=guarded_protocol(limits),
                                 timeout_keep_alive=limits.http_keep_alive_timeout)  # type: ignore[arg-type]
         self._server = uvicorn.Server(config)

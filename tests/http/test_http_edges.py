@@ -13,9 +13,11 @@ import re
 from contextlib import contextmanager
 
 import httpx
+import hypothesis
 import pytest
 
 from support.engine_double import CountingEngine, serving
+from support.forwarded_headers import forwarded_headers
 
 from fly_daemon.core import ServingCore
 from fly_daemon.limits import Limits
@@ -144,6 +146,32 @@ def test_requests_carry_their_tenant_and_client(tmp_path, monkeypatch, api_key, 
     assert re.fullmatch(rf"{tenant}@127\.0\.0\.1{'' if api_key else ':[0-9]+'}", seen[0]["client"]), seen
 
 
+def test_no_forwarded_header_names_the_client_of_an_untrusted_peer(tmp_path, monkeypatch):
+    """Without --trusted-proxies a client's own X-Forwarded-For / Forwarded lines change nothing: the client is
+    the key's holders at the peer's address. (uvicorn's proxy-header handling, on by default for 127.0.0.1,
+    once rewrote the peer from X-Forwarded-For, so any local process could pass as any address it made up,
+    each with caps of its own.)"""
+    with front(tmp_path, api_key=KEY) as (server, client):
+        seen, replies = [], server.core.inproc.replies
+
+        def spy(request, **identity):
+            seen.append(identity["client"])
+            return replies(request, **identity)
+
+        monkeypatch.setattr(server.core.inproc, "replies", spy)
+        tenant = "http-key:" + hashlib.sha256(KEY.encode()).hexdigest()[:16]
+
+        @hypothesis.settings(max_examples=30, deadline=None, derandomize=True, database=None)
+        @hypothesis.given(lines=forwarded_headers(min_lines=1))
+        def spoofed(lines):
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1},
+                            headers=[("Authorization", f"Bearer {KEY}"), *lines])
+            assert r.status_code == 200, r.text
+            assert seen[-1] == f"{tenant}@127.0.0.1", lines
+
+        spoofed()
+
+
 @pytest.mark.parametrize("settings, forwarded, statuses", [
     ({"api_key": KEY, "trusted_proxies": "127.0.0.1"}, ("203.0.113.1", "203.0.113.2"), (200, 503)),
     ({"api_key": KEY}, ("203.0.113.1", "203.0.113.2"), (503, 503)),
@@ -164,7 +192,8 @@ def test_each_client_has_its_own_request_cap(tmp_path, settings, forwarded, stat
     with front(tmp_path, CountingEngine(step_s=0.01), Limits(max_requests_per_client=1), **settings) as (_, client):
         with client.stream("POST", "/v1/completions", json=body | {"max_tokens": 4000, "stream": True},
                            headers=headers(first)) as held:
-            assert next(line for line in held.iter_lines() if line.startswith("data: "))  # it runs
+            lines = held.iter_lines()  # kept: a dropped iterator closes the stream (and cancels its request)
+            assert next(line for line in lines if line.startswith("data: "))  # it runs
             other = client.post("/v1/completions", json=body, headers=headers(second))  # the stream holds its own
             same = client.post("/v1/completions", json=body, headers=headers(first))
     assert (other.status_code, same.status_code) == statuses, (other.text, same.text)

@@ -11,7 +11,7 @@ deep JSON text, tool results for unknown calls), options at their edges, and mal
 /v1/completions), the embedding routes' bodies (/v1/embeddings, /api/embed, /api/embeddings: texts
 over the model's length, ids out of the vocabulary, too many inputs, odd formats, dimensions, models), and
 issue 45's: `n` × `echo` × `logprobs` amplification on long prompts, and forwarded-header spoofing
-(`X-Forwarded-For` / `Forwarded` lines a client writes itself, `forwarded_headers`).
+(`X-Forwarded-For` / `Forwarded` lines a client writes itself: tests/support/forwarded_headers.py).
 
 Shapes known to have killed the daemon are families of their own, drawn often enough to be found
 within a CI run: a `$defs` chain of ~1,000+ `$ref`s (llguidance segfaults compiling it), tool-call
@@ -30,6 +30,8 @@ from typing import Any
 from hypothesis import strategies as st
 
 from fly_llm.common.protocol import MAX_TOP_LOGPROBS
+
+from support.forwarded_headers import forwarded_headers
 
 from fly_daemon.openai_api import MAX_CHOICES
 
@@ -507,32 +509,6 @@ def _logprobs_case(draw: st.DrawFn) -> Case:
         if draw(st.booleans()):
             body["sampling"]["max_tokens"] = draw(st.sampled_from([0, 0, 1, -1]))
     return Case("logprobs", body, must_refuse=_outside(count, 0, MAX_TOP_LOGPROBS))
-
-
-def _header_value(text: str | bytes) -> bytes:
-    """`text` as a header value HTTP can carry (no control characters, no surrounding blanks): any other byte
-    stays, UTF-8 and Latin-1 alike."""
-    raw = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
-    return bytes(b for b in raw if b == 0x09 or 0x20 <= b != 0x7F).strip()
-
-
-def forwarded_headers(min_lines: int = 0) -> st.SearchStrategy[tuple[tuple[str, bytes], ...]]:
-    """X-Forwarded-For and Forwarded lines (`min_lines` to 3) as a client writes them to pass as another (issue 45): addresses
-    (loopback and the proxies' own among them), ports, chains, RFC 7239 elements with and without `for`,
-    obfuscated and malformed hops, raw bytes, thousands of hops, several lines."""
-    hop = st.one_of(st.ip_addresses().map(str),
-                    st.sampled_from(["127.0.0.1", "::1", "::ffff:127.0.0.1", "[::1]:80", "10.0.0.1:8080", "unknown",
-                                     "_hidden", "", " ", "[", "[::1", "1.2.3.4:x", '"', "for=", ";", "0", "localhost"]),
-                    st.text(max_size=12))
-    xff = st.lists(hop, max_size=8).map(", ".join)
-    element = st.builds(lambda h, extra: f'for="{h}"{extra}', hop,
-                        st.sampled_from(["", ";proto=https", ";by=10.0.0.1", ";For=6.6.6.6", ";for"]))
-    forwarded = st.one_of(st.lists(element, max_size=6).map(", ".join),
-                          st.sampled_from(["proto=https", "for=", "for", ";;;", ",,,", "for=unknown, for=_x"]))
-    many = st.builds(lambda n, h: ", ".join([h] * n), st.integers(100, 3_000), st.sampled_from(["10.0.0.1", "::1"]))
-    value = st.one_of(xff, xff, forwarded, many, st.binary(max_size=40)).map(_header_value)
-    name = st.sampled_from(["X-Forwarded-For", "x-forwarded-for", "Forwarded", "FORWARDED"])
-    return st.lists(st.tuples(name, value), min_size=min_lines, max_size=3).map(tuple)
 
 
 @st.composite

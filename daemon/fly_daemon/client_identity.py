@@ -5,9 +5,10 @@ takes turns, by a *client* string. Each door names it here, one way for all its 
 
 - ZeroMQ (`zmq_client`): the CURVE public key when the door authenticates with CURVE (every socket of one
   key is one client), else None: the scheduler then counts the socket (its routing envelope).
-- HTTP (`HttpClients.identity`, for every route of every API): `<tenant>@<address>`. The tenant is the credential
-  the request carried (the front's API key, hashed: fly_daemon.http.request_tenant) or LOCAL_TENANT. A front
-  has one key, so the credential tells the deployment apart, not its clients; the address does that:
+- HTTP (`HttpClients.identity`, for every route of every API): `<tenant>@<address>`. The tenant is the
+  credential the request carried (the front's API key, hashed: fly_daemon.http.request_tenant) or
+  LOCAL_TENANT. A front has one key, so the credential tells the deployment apart, not its clients; the
+  address does that:
   - the peer's address (the TCP connection's other end);
   - for a loopback peer without a credential, the connection (address and port): two local apps, or a
     browser tab and an editor plugin, are two clients;
@@ -18,14 +19,15 @@ takes turns, by a *client* string. Each door names it here, one way for all its 
     needs it names the peer instead: a header never fails a request.
 
 Only the rightmost hops are read, because each proxy appends the address it saw: what a client wrote
-itself is on the left, past the first untrusted hop, and never reached.
+itself is on the left, past the first untrusted hop, and never reached. uvicorn's own proxy-header
+handling is off (fly_daemon.http.HttpFront), so the peer uvicorn gives is the TCP peer.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:

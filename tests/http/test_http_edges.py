@@ -179,9 +179,9 @@ def test_no_forwarded_header_names_the_client_of_an_untrusted_peer(tmp_path, mon
 ], ids=["trusted proxy", "untrusted peer", "loopback without a key"])
 def test_each_client_has_its_own_request_cap(tmp_path, settings, forwarded, statuses):
     """max_requests_per_client = 1 and one client's stream running; then a request of another client and one of
-    the same client, on another connection than the stream's. Behind a trusted proxy, another forwarded address is another
-    client; an untrusted peer's forwarded addresses change nothing (all one client, the key's holders at
-    127.0.0.1); without a key, each loopback connection is a client."""
+    the same client, on another connection than the stream's. Behind a trusted proxy, another forwarded address
+    is another client; an untrusted peer's forwarded addresses change nothing (all one client, the key's
+    holders at 127.0.0.1); without a key, each loopback connection is a client."""
     first, second = forwarded
     auth = {"Authorization": f"Bearer {KEY}"} if settings.get("api_key") else {}
 

@@ -38,8 +38,8 @@ KINDS = ("crash", "hang", "bad_answer", "exact")
 DOORS = {"zmq": ZmqDoor, "http": HttpDoor, "responses": ResponsesDoor, "messages": MessagesDoor}
 """Each door by name: the socket, the OpenAI routes, /v1/responses, /v1/messages."""
 OWN_FAMILIES = {"http": list(OPENAI_FAMILIES), "responses": ["responses_body"], "messages": ["messages_body"]}
-"""The families a door runs beside the door-neutral ones (the OpenAI door's: its routes, the embedding routes
-among them)."""
+"""The families a door runs beside the door-neutral ones (the OpenAI door's: its routes, the embedding routes,
+`n` × `echo` × `logprobs` amplification and forwarded-header spoofing among them)."""
 
 
 class Tally:

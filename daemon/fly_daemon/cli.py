@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-max-connections", type=int, help="open HTTP connections in all; more get 503 BUSY")
     serve.add_argument("--http-max-connections-per-client", type=int,
                        help="open HTTP connections from one client address; more get 503 BUSY")
+    serve.add_argument("--trusted-proxies", metavar="CIDR[,CIDR...]",
+                       help="reverse proxies whose X-Forwarded-For (else Forwarded) names the client that the "
+                            "per-client caps count (e.g. 127.0.0.1,10.0.0.0/8); default none: the peer counts")
     embed = start.add_argument_group("embeddings (/v1/embeddings, /api/embed; the model loads on first use)")
     embed.add_argument("--embedding-model", metavar="PATH_OR_ID",
                        help="local directory or Hugging Face id (in the local cache) of a sentence-transformers "

@@ -77,7 +77,7 @@ class ServingCore:
         """The OpenAI-compatible routes over this core, answering the Host names `host` trusts (None: any)."""
         hosts = trusted_hosts(host, settings.allowed_hosts) if host else None
         return create_app(self.inproc, api_key=settings.api_key_value(), max_body_bytes=settings.max_frame_bytes,
-                          allowed_hosts=hosts, embeddings=self.embeddings)
+                          allowed_hosts=hosts, embeddings=self.embeddings, trusted_proxies=settings.trusted_proxies)
 
     def http_front(self, settings: DaemonSettings) -> HttpFront | None:
         """The HTTP front on `settings.http` (bound, not yet serving), or None; ValueError for a

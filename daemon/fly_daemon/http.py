@@ -48,6 +48,7 @@ import fly_llm
 from fly_llm.common.errors import BadRequest, FLyError, Unauthorized
 from fly_llm.common.protocol import MAX_FRAME_BYTES, GenerateRequest, GenerateResult, TokenChunk
 
+from fly_daemon.client_identity import LOCAL_TENANT, HttpClients, Network
 from fly_daemon.embeddings import EmbeddingService
 from fly_daemon.embeddings_http import openai_embeddings
 from fly_daemon.http_connections import HttpLimits, guarded_protocol
@@ -79,12 +80,13 @@ _HOST = re.compile(r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+|[0-9a-f:]+
 
 def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_bytes: int = MAX_FRAME_BYTES,
                allowed_hosts: Collection[str] | None = None,
-               embeddings: EmbeddingService = EmbeddingService()) -> FastAPI:
+               embeddings: EmbeddingService = EmbeddingService(), trusted_proxies: Iterable[Network] = ()) -> FastAPI:
     """The FastAPI app serving `client`'s scheduler, and `embeddings` (default: none) on the embedding routes.
 
     With `api_key`, every route but /health needs `Authorization: Bearer <api_key>` or `x-api-key: <api_key>`
     (/docs and /redoc are off). With `allowed_hosts` (see `trusted_hosts`), a request whose Host header names
-    another host is refused (421).
+    another host is refused (421). Each request counts against the per-client caps as the client that
+    fly_daemon.client_identity names (the address `trusted_proxies` forward, if its peer is one of them).
     """
     guard = [Depends(_bearer(api_key))] if api_key else []
     docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if api_key else {}
@@ -94,23 +96,23 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     if allowed_hosts is not None:
         app.add_middleware(_TrustedHosts, hosts=allowed_hosts)
     v1 = APIRouter(prefix="/v1", dependencies=guard)
-    tenant = request_tenant(api_key)
+    clients = HttpClients(request_tenant(api_key), tuple(trusted_proxies))
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _generate(client, body, request, tenant)
+        return await _generate(client, body, request, clients)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _generate(client, body, request, tenant)
+        return await _generate(client, body, request, clients)
 
     @v1.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        return await _translated(client, body, request, tenant)
+        return await _translated(client, body, request, clients)
 
     @v1.post("/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
-        return await _translated(client, body, request, tenant)
+        return await _translated(client, body, request, clients)
 
     @v1.post("/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, Any]:
@@ -128,7 +130,7 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     @app.post("/infill", dependencies=guard)
     async def infill(body: InfillBody, request: Request) -> Response:
         """llama.cpp's fill-in-the-middle (fly_daemon.llamacpp_api)."""
-        return await _infill(client, body, request, tenant)
+        return await _infill(client, body, request, clients)
 
     @app.post("/tokenize", dependencies=guard)
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
@@ -157,14 +159,15 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
 
     v1.include_router(openai_embeddings(embeddings))
     app.include_router(v1)
-    app.mount(OLLAMA_PREFIX, ollama_app(client, guard, tenant, embeddings))  # docs/daemon.md, "Ollama API"
+    app.mount(OLLAMA_PREFIX, ollama_app(client, guard, clients, embeddings))  # docs/daemon.md, "Ollama API"
     _add_error_handlers(app)
     return app
 
 
 def request_tenant(api_key: str | None) -> str:
-    """The tenant a front's requests are submitted under: 'http-key:' + a short sha256 of its key, else 'local'."""
-    return f"http-key:{hashlib.sha256(api_key.encode()).hexdigest()[:16]}" if api_key else "local"
+    """The tenant a front's requests are submitted under: 'http-key:' + a short sha256 of its key, else
+    LOCAL_TENANT."""
+    return f"http-key:{hashlib.sha256(api_key.encode()).hexdigest()[:16]}" if api_key else LOCAL_TENANT
 
 
 def require_key_off_loopback(host: str, api_key: str | None) -> None:
@@ -213,12 +216,13 @@ def _bearer(api_key: str) -> Callable[..., Awaitable[None]]:
 
 # ---- generation ----
 
-async def _generate(client: InProcessClient, body: GenerationBody, request: Request, tenant: str) -> Response:
+async def _generate(client: InProcessClient, body: GenerationBody, request: Request, clients: HttpClients
+                    ) -> Response:
     """Serve one chat or text completion (its `n` choices submitted together), whole or as server-sent
-    events, as `tenant` and its connection's peer."""
+    events, for the client `clients` names."""
     async def start() -> tuple[dict[str, Any], list[Replies], list[TokenChunk | GenerateResult]]:
         head = body.head(await _served_model(client, body.model))
-        return head, *await _submitted(client, body.choice_requests(head["id"]), request, tenant)
+        return head, *await _submitted(client, body.choice_requests(head["id"]), request, clients)
 
     try:
         head, streams, firsts = await unless_disconnected(request, start())
@@ -238,11 +242,11 @@ async def _served_model(client: InProcessClient, asked: str) -> str:
 
 
 async def _submitted(client: InProcessClient, requests: list[GenerateRequest], request: Request,
-                     tenant: str) -> tuple[list[Replies], list[TokenChunk | GenerateResult]]:
-    """Submit `requests` as `tenant` and the connection's peer; their reply streams and first replies.
-    An error before the first reply is raised (the other requests are cancelled)."""
-    peer = request.client.host if request.client else "unknown"
-    streams = [client.replies(r, tenant=tenant, client=f"{tenant}@{peer}") for r in requests]
+                     clients: HttpClients) -> tuple[list[Replies], list[TokenChunk | GenerateResult]]:
+    """Submit `requests` as the tenant and client `clients` names for `request`; their reply streams and first
+    replies. An error before the first reply is raised (the other requests are cancelled)."""
+    identity = clients.identity(request)
+    streams = [client.replies(r, tenant=clients.tenant, client=identity) for r in requests]
     firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
     failed = [f for f in firsts if isinstance(f, BaseException)]
     if failed:  # an error before the first token is a plain HTTP error (the other choices are cancelled)
@@ -251,12 +255,13 @@ async def _submitted(client: InProcessClient, requests: list[GenerateRequest], r
     return streams, firsts
 
 
-async def _translated(client: InProcessClient, body: Translated, request: Request, tenant: str) -> Response:
+async def _translated(client: InProcessClient, body: Translated, request: Request, clients: HttpClients
+                      ) -> Response:
     """Serve a request of another API (the Responses or Messages API) as one chat request, whole or as the
-    server-sent events its shaper makes, as `tenant` and its connection's peer."""
+    server-sent events its shaper makes, for the client `clients` names."""
     async def start() -> tuple[EventShaper, Replies, TokenChunk | GenerateResult]:
         shaper = body.shaper(await _served_model(client, body.model))
-        [replies], [first] = await _submitted(client, [body.to_generate(shaper.id)], request, tenant)
+        [replies], [first] = await _submitted(client, [body.to_generate(shaper.id)], request, clients)
         return shaper, replies, first
 
     try:
@@ -291,13 +296,14 @@ async def _shaped(shaper: EventShaper, first: TokenChunk | GenerateResult, repli
         await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
 
 
-async def _infill(client: InProcessClient, body: InfillBody, request: Request, tenant: str) -> Response:
-    """Serve one /infill request, whole or as server-sent events in llama.cpp's shape (no `[DONE]`)."""
+async def _infill(client: InProcessClient, body: InfillBody, request: Request, clients: HttpClients) -> Response:
+    """Serve one /infill request, whole or as server-sent events in llama.cpp's shape (no `[DONE]`), for the
+    client `clients` names."""
     async def start() -> tuple[str, Replies, TokenChunk | GenerateResult]:
         model = await client.loaded_model()
         no_limit = client.limits.max_tokens_limit  # clipped to what fits the context window
         [replies], [first] = await _submitted(
-            client, [body.to_generate(f"infill-{uuid.uuid4().hex}", no_limit)], request, tenant)
+            client, [body.to_generate(f"infill-{uuid.uuid4().hex}", no_limit)], request, clients)
         return model, replies, first
 
     try:
@@ -511,7 +517,9 @@ class HttpFront:
             raise OSError(f"cannot serve HTTP on {address}: {exc.strerror or exc}") from None
         bound_host, self.port = self._socket.getsockname()[:2]
         self.url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+        # proxy_headers off: the peer stays the peer (uvicorn would take X-Forwarded-For from any 127.0.0.1 peer);
+        # forwarded headers are read by fly_daemon.client_identity, from trusted proxies only
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", proxy_headers=False,
                                 timeout_graceful_shutdown=5, http=guarded_protocol(limits),
                                 timeout_keep_alive=limits.http_keep_alive_timeout)  # type: ignore[arg-type]
         self._server = uvicorn.Server(config)

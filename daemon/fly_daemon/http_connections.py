@@ -12,8 +12,10 @@ uvicorn picks) with:
 - a body timeout: its body must be complete within `http_body_timeout` of its head; else the
   connection is closed (the route sees a disconnect, and nothing was submitted);
 - caps: at most `http_max_connections` open connections in all and `http_max_connections_per_client`
-  from one client address; one more is answered 503 BUSY naming the cap, at once, before anything is
-  read, and closed, so a flood of connections holds its file descriptors for a moment only.
+  from one client address (a trusted proxy's, `trusted_proxies`, count only in all: its connections
+  carry many clients, fly_daemon.client_identity); one more is answered 503 BUSY naming the cap, at
+  once, before anything is read, and closed, so a flood of connections holds its file descriptors for
+  a moment only.
 
 A head over `MAX_HEAD_BYTES` is answered 431 and closed (httptools, which uvicorn prefers, has no
 such limit of its own); bodies are bounded by `max_frame_bytes` (`http._BodyLimit`). All of it runs on
@@ -31,6 +33,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from fly_llm.common.errors import Busy
 
+from fly_daemon.client_identity import is_trusted
 from fly_daemon.settings import HttpLimits
 
 log = logging.getLogger("fly_daemon")
@@ -62,7 +65,8 @@ class ConnectionGate:
         if self.total >= self.max_connections:
             return Busy(f"the HTTP front has {self.max_connections} connections open (its http_max_connections); "
                         f"try again later")
-        if self.open.get(client, 0) >= self.limits.http_max_connections_per_client:
+        if (self.open.get(client, 0) >= self.limits.http_max_connections_per_client
+                and not is_trusted(client, self.limits.trusted_proxies)):
             return Busy(f"this client has {self.limits.http_max_connections_per_client} HTTP connections open "
                         f"(the daemon's http_max_connections_per_client); close some or reuse them")
         self.open[client] = self.open.get(client, 0) + 1

@@ -25,6 +25,7 @@ from fly_llm.common.protocol import (
     ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest,
 )
 
+from fly_daemon.client_identity import LOCAL_TENANT
 from fly_daemon.limits import Limits
 from fly_daemon.model_info import ModelInfo
 from fly_daemon.scheduler import LOCAL, Envelope, Scheduler
@@ -109,7 +110,7 @@ class InProcessClient:
             raise error_from_code(reply.code, reply.message)
         return reply
 
-    async def replies(self, request: GenerateRequest, *, tenant: str = "local",
+    async def replies(self, request: GenerateRequest, *, tenant: str = LOCAL_TENANT,
                       client: str | None = None) -> AsyncIterator[TokenChunk | GenerateResult]:
         """Submit `request` for `tenant` and `client` (see `Scheduler.submit`); yield its chunks (if it
         streams), then its result.

@@ -22,8 +22,10 @@ class Limits(BaseModel):
     max_prompt_chars: int | None = Field(None, ge=1, description="Longest prompt in characters (messages and "
                                          "tools included), refused before tokenizing; None = 16 × the prompt "
                                          "token limit.")
-    max_requests_per_client: int = Field(64, ge=1, description="Requests one client (a ZeroMQ socket, an HTTP "
-                                         "connection) may have queued or running; more get BUSY.")
+    max_requests_per_client: int = Field(64, ge=1, description="Requests one client may have queued or running; "
+                                         "more get BUSY. A client (fly_daemon.client_identity): a CURVE key, else a "
+                                         "ZeroMQ socket; over HTTP the credential and the client's address (the one "
+                                         "a trusted proxy forwards; a loopback connection without a key).")
     max_tokens_per_client: int = Field(65_536, ge=1, description="Weight one client's queued and running "
                                        "requests may have: each max_tokens plus its echoed prompt tokens, so n "
                                        "choices weigh n × max_tokens (fly_daemon.request_weight); more get BUSY.")

@@ -6,7 +6,8 @@ through the same scheduler as /v1 (fly_daemon.inproc); GET /api/tags, /api/ps, /
 POST /api/show describe the served target; POST /api/embed and /api/embeddings embed
 (fly_daemon.embeddings_http); the model-management routes (pull, push, create, copy, delete) are
 refused. The front's API key, Host check and body limit apply as on /v1 (a misdirected Host gets the
-front's 421 in this shape). What both APIs share: fly_daemon.http_common.
+front's 421 in this shape), and so do the clients the per-client caps count (fly_daemon.client_identity).
+What both APIs share: fly_daemon.http_common.
 Errors are Ollama's shape, `{"error": message}`, with our stable code (fly_llm.common.errors) as `code`; a
 failure after a stream began is its last line. Shapes and translation: fly_daemon.ollama_api.
 """
@@ -27,6 +28,7 @@ from starlette.exceptions import HTTPException
 from fly_llm.common.errors import BadRequest, FLyError
 from fly_llm.common.protocol import GenerateResult, TokenChunk
 
+from fly_daemon.client_identity import HttpClients
 from fly_daemon.embeddings import EmbeddingService
 from fly_daemon.embeddings_http import ollama_embeddings
 from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, UnknownModel, error_headers, http_status,
@@ -42,20 +44,20 @@ NEVER = "2262-04-11T23:47:16Z"
 """/api/ps's `expires_at` of a model that stays loaded (the latest time Go's time.Time in ns can hold)."""
 
 
-def ollama_app(client: InProcessClient, guard: list[Depends], tenant: str,
+def ollama_app(client: InProcessClient, guard: list[Depends], clients: HttpClients,
                embeddings: EmbeddingService = EmbeddingService()) -> FastAPI:
-    """The /api app serving `client`'s scheduler as `tenant`, and `embeddings`; `guard`: the front's API-key
-    dependency, if any."""
+    """The /api app serving `client`'s scheduler, each request for the tenant and client `clients` names, and
+    `embeddings`; `guard`: the front's API-key dependency, if any."""
     app = FastAPI(dependencies=guard, docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(ollama_embeddings(embeddings))
 
     @app.post("/chat")
     async def chat(request: Request) -> Response:
-        return await _serve(client, await parsed_body(request, ChatBody), request, tenant)
+        return await _serve(client, await parsed_body(request, ChatBody), request, clients)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        return await _serve(client, await parsed_body(request, GenerateBody), request, tenant)
+        return await _serve(client, await parsed_body(request, GenerateBody), request, clients)
 
     @app.get("/tags")
     async def tags() -> dict[str, Any]:
@@ -104,10 +106,9 @@ async def _served(client: InProcessClient, asked: str) -> ModelInfo:
     return model
 
 
-async def _serve(client: InProcessClient, body: OllamaBody, request: Request, tenant: str) -> Response:
-    """Serve one chat or generate request, whole or as NDJSON lines, as `tenant` and its connection's peer."""
+async def _serve(client: InProcessClient, body: OllamaBody, request: Request, clients: HttpClients) -> Response:
+    """Serve one chat or generate request, whole or as NDJSON lines, for the client `clients` names."""
     started = time.perf_counter_ns()
-    peer = request.client.host if request.client else "unknown"
 
     async def start() -> tuple[Replies, TokenChunk | GenerateResult] | None:
         model = await _served(client, body.model)
@@ -116,8 +117,8 @@ async def _serve(client: InProcessClient, body: OllamaBody, request: Request, te
         served = Served(context_window=model.context_window,
                         no_limit_tokens=min(client.limits.max_tokens_limit, model.context_window),
                         chat_template=bool(model.chat_template))
-        replies = client.replies(body.to_generate(f"ollama-{uuid.uuid4().hex}", served), tenant=tenant,
-                                 client=f"{tenant}@{peer}")
+        replies = client.replies(body.to_generate(f"ollama-{uuid.uuid4().hex}", served), tenant=clients.tenant,
+                                 client=clients.identity(request))
         return replies, await anext(replies)  # an error before the first token is a plain HTTP error
 
     try:

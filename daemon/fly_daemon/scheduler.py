@@ -38,6 +38,7 @@ from fly_llm.common.protocol import ErrorReply, GenerateRequest, HealthState, To
 from fly_llm.common.stats import GrammarCacheStats
 from fly_llm.common.tool_formats import Constraints
 
+from fly_daemon.client_identity import LOCAL_TENANT
 from fly_daemon.delivery import Delivery
 from fly_daemon.engine_loop import ADMISSIONS_PER_TURN, EngineLoop, Lifecycle, error_of
 from fly_daemon.limits import Limits
@@ -100,7 +101,7 @@ class Scheduler:
 
     # ---- called from the socket thread ----
 
-    def submit(self, envelope: Envelope, request: GenerateRequest, *, tenant: str = "local",
+    def submit(self, envelope: Envelope, request: GenerateRequest, *, tenant: str = LOCAL_TENANT,
                client: str | None = None) -> None:
         """Queue a request (while models load too); raises NotReady, TooLong, BadRequest (duplicate id) or Busy.
 
@@ -137,7 +138,7 @@ class Scheduler:
                     entry.kill = Cancelled("the client went away")
         self._wake.set()
 
-    def touch(self, envelope: Envelope, request_ids: list[str], *, tenant: str = "local") -> None:
+    def touch(self, envelope: Envelope, request_ids: list[str], *, tenant: str = LOCAL_TENANT) -> None:
         """A heartbeat from `envelope` with credential `tenant`: its sender still waits for these requests.
 
         Only the sender's own are touched: those sent on this socket, and those of its credential

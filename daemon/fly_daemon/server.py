@@ -5,8 +5,9 @@ generate/cancel/heartbeat/tokenize to the scheduler, and forwards what the model
 (over an inproc PUSH/PULL pair) to the clients. A malformed frame gets an ErrorReply and changes
 nothing else; any other failure while handling one frame answers INTERNAL (the traceback goes to
 the log) and the loop goes on. A client whose socket is gone (ROUTER_MANDATORY send fails) loses
-its requests. Over CURVE each client key is its own tenant (prefix-cache scope); everything else is
-the one local tenant.
+its requests. Over CURVE each client key is its own tenant (prefix-cache scope) and its own client (what
+the per-client caps count, over all of that key's sockets); everything else is the one local tenant, and each
+socket its own client (fly_daemon.client_identity).
 The scheduler, its model thread and the in-process client (the HTTP front's) are a ServingCore's
 (fly_daemon.core): the loop is that core's `remote`, so replies to socket clients come here and
 replies to requests from inside the process go back to them.
@@ -37,6 +38,7 @@ from fly_llm.common.protocol import (
     HeartbeatRequest, InfoReply, InfoRequest, StatusReply, StatusRequest, TokenizeRequest, decode_request, encode,
 )
 
+from fly_daemon.client_identity import LOCAL_TENANT, zmq_client
 from fly_daemon.runtime import PidLock, check_endpoint, ipc_path, is_loopback
 from fly_daemon.scheduler import Envelope
 
@@ -54,7 +56,6 @@ _SNDHWM = 1000
 """Replies queued for one peer that is not reading; beyond, it counts as gone and its requests are cancelled.
 Replies are only made for a peer's own requests (at most max_requests_per_client), each a few tokens
 per step, so a lower mark would only cancel the streams of a client that paused a moment."""
-_LOCAL_TENANT = "local"
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ class Server:
     def _dispatch(self, router: zmq.Socket, envelope: Envelope, message: BaseModel, tenant: str) -> None:
         scheduler = self.scheduler
         if isinstance(message, GenerateRequest):
-            scheduler.submit(envelope, message, tenant=tenant)
+            scheduler.submit(envelope, message, tenant=tenant, client=zmq_client(tenant))
         elif isinstance(message, CancelRequest):
             if not scheduler.cancel(envelope, message.id):
                 raise BadRequest(f"no request {message.id!r} in flight to cancel")
@@ -311,8 +312,8 @@ def _tenant(frame: zmq.Frame) -> str:
     try:
         user_id = frame.get("User-Id")
     except zmq.ZMQError:  # no ZAP handler on this socket
-        return _LOCAL_TENANT
-    return f"curve:{user_id}" if user_id else _LOCAL_TENANT
+        return LOCAL_TENANT
+    return f"curve:{user_id}" if user_id else LOCAL_TENANT
 
 
 def _remove_stale_socket(path: Path) -> None:

@@ -32,6 +32,7 @@ from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSourc
 from fly_llm.common.config import FLyConfig, ModelSpec
 from fly_llm.common.protocol import MAX_FRAME_BYTES
 
+from fly_daemon.client_identity import Network, trusted_networks
 from fly_daemon.embeddings import EmbeddingSettings
 from fly_daemon.runtime import host_port
 from fly_daemon.limits import Limits
@@ -59,7 +60,23 @@ class HttpLimits(BaseModel):
     http_max_connections: int = Field(512, ge=1, le=1_000_000, description="Open HTTP connections in all; one "
                                       "more is answered 503 BUSY and closed (lowered to fit the fd limit).")
     http_max_connections_per_client: int = Field(64, ge=1, le=1_000_000, description="Open HTTP connections from "
-                                                 "one client address; one more is answered 503 BUSY and closed.")
+                                                 "one client address (a trusted proxy's count only in all); "
+                                                 "one more is answered 503 BUSY and closed.")
+    trusted_proxies: Annotated[list[Network], NoDecode] = Field(
+        default_factory=list, description="Reverse proxies (addresses or CIDR networks, e.g. 10.0.0.0/8) whose "
+        "X-Forwarded-For (else Forwarded: for=) names the client that per-client caps and fairness count; "
+        "default none: forwarded headers are ignored and the peer address counts. FLY_TRUSTED_PROXIES takes "
+        "them comma-separated.")
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _networks(cls, entries: Any) -> Any:
+        """Comma-separated text or a list of addresses and networks (host bits allowed), as networks."""
+        if isinstance(entries, str):
+            entries = entries.split(",")
+        if isinstance(entries, list | tuple) and all(isinstance(e, str) for e in entries):
+            return list(trusted_networks(e for e in entries if e.strip()))
+        return entries
 
 
 class DaemonSettings(Limits, HttpLimits, EmbeddingSettings):

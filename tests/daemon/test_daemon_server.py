@@ -213,34 +213,36 @@ def test_curve_on_loopback_tcp(tmp_path, monkeypatch):
                 stranger.generate("a", *build_options(max_tokens=2))
 
 
-def _recording_tenants(server: Server) -> list[str]:
-    """The tenant of every request the server submits from now on."""
+def _recording_identities(server: Server) -> list[tuple[str, str | None]]:
+    """The tenant and client of every request the server submits from now on."""
     tenants, submit = [], server.scheduler.submit
 
-    def record(envelope, request, *, tenant, **kwargs):
-        tenants.append(tenant)
-        return submit(envelope, request, tenant=tenant, **kwargs)
+    def record(envelope, request, *, tenant, client):
+        tenants.append((tenant, client))
+        return submit(envelope, request, tenant=tenant, client=client)
 
     server.scheduler.submit = record
     return tenants
 
 
-def test_each_curve_key_is_its_own_tenant_and_ipc_is_local(tmp_path, monkeypatch, endpoint):
+def test_each_curve_key_is_its_own_tenant_and_client_and_ipc_is_local(tmp_path, monkeypatch, endpoint):
+    """A CURVE key is the client the per-client caps count (over all its sockets); without CURVE, the socket
+    (client None: the scheduler counts the envelope)."""
     with serving(endpoint, CountingEngine()) as server, FLyClient(endpoint, timeout=10) as client:
-        tenants = _recording_tenants(server)
+        tenants = _recording_identities(server)
         client.generate("a", *build_options(max_tokens=1))
-    assert tenants == ["local"]
+    assert tenants == [("local", None)]
     monkeypatch.setenv("FLY_RUNTIME_DIR", str(tmp_path))
     tcp, curve, certs = _curve_endpoint(tmp_path, ("alice", "bob"))
     monkeypatch.setenv("FLY_CURVE_SERVER_KEY", str(tmp_path / "server.key"))
     with serving(tcp, CountingEngine(), curve=curve) as server:
-        tenants = _recording_tenants(server)
+        tenants = _recording_identities(server)
         for name in ("alice", "bob", "alice"):
             monkeypatch.setenv("FLY_CURVE_CLIENT_CERT", str(certs[name]))
             with FLyClient(tcp, timeout=10) as client:
                 assert client.generate("a", *build_options(max_tokens=1)).text == "1 "
     public = [zmq.auth.load_certificate(certs[name])[0].decode() for name in ("alice", "bob")]
-    assert tenants == [f"curve:{public[0]}", f"curve:{public[1]}", f"curve:{public[0]}"]
+    assert tenants == [(f"curve:{key}", f"curve:{key}") for key in (public[0], public[1], public[0])]
 
 
 def test_non_loopback_bind_needs_curve(tmp_path):

@@ -1,9 +1,11 @@
 """Send hostile `Case`s to a daemon subprocess through its two doors and judge what comes back.
 
-`FuzzTarget` owns a tiny daemon (ZeroMQ on ipc, the HTTP front on loopback), restarts it when a
-case killed it, and checks after a batch that exact mode still equals the target's own greedy
-output. `ZmqDoor` sends raw frames on a fresh DEALER socket (the client library would refuse much
-of this before it left), `HttpDoor` posts OpenAI-shaped bodies (to /tokenize and /detokenize too).
+`FuzzTarget` owns a tiny daemon (ZeroMQ on ipc, the HTTP front on loopback, which it trusts as a proxy, so
+the forwarded headers a case carries are parsed and name its client), restarts it when a case killed it,
+and checks after a batch that exact mode still equals the target's own greedy output: a victim's request,
+from a client no forwarded header can name (a loopback connection without a key). `ZmqDoor` sends raw
+frames on a fresh DEALER socket (the client library would refuse much of this before it left), `HttpDoor`
+posts OpenAI-shaped bodies (to /tokenize and /detokenize too) with the case's header lines.
 Each `send` returns an `Outcome` ("served" or "refused" with its code) or raises `Finding`: a death, a
 hang, a code outside `STOP_CODES` (INTERNAL included), an HTTP 5xx or a body not in the route's API's error
 shape (Ollama's under /api), a served answer without all its choices (or its vectors), or an empty language
@@ -96,7 +98,8 @@ class FuzzTarget:
         if not encoder.exists():
             save_tiny_embedder(encoder)
         self.daemon = start_daemon(*self.dirs, self.workdir / f"run{self.starts}", "h", "--http",
-                                   f"127.0.0.1:{port}", "--heartbeat-timeout", "0", "--embedding-model", str(encoder))
+                                   f"127.0.0.1:{port}", "--heartbeat-timeout", "0", "--embedding-model", str(encoder),
+                                   "--trusted-proxies", "127.0.0.1")
         self.http_url = f"http://127.0.0.1:{port}"
         self.model = httpx.get(f"{self.http_url}/v1/models", timeout=10).json()["data"][0]["id"]
 
@@ -242,7 +245,7 @@ class HttpDoor:
         """Post one case and read its answer (a stream to its end); raise Finding on a bad one."""
         path, content = self._body(case)
         url = f"{self.target.http_url}{path}"
-        headers = {"content-type": "application/json"}
+        headers = [("content-type", b"application/json"), *case.headers]
         try:
             with httpx.stream("POST", url, content=content, headers=headers, timeout=REQUEST_TIMEOUT_S) as response:
                 if response.status_code == 200 and response.headers.get("content-type", "").startswith(

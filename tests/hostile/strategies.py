@@ -8,8 +8,10 @@ deep JSON text, tool results for unknown calls), options at their edges, and mal
 `CI_EXAMPLES` says how many of each a CI run tries. `OPENAI_FAMILIES` are the OpenAI door's alone (issue
 36's routes and fields): /tokenize and /detokenize bodies (odd text, bad, huge and mistyped ids), `n`
 (0, 17, huge, mistyped, streamed), `logprobs` / `top_logprobs` (out of range, mistyped, with `echo` on
-/v1/completions), and the embedding routes' bodies (/v1/embeddings, /api/embed, /api/embeddings: texts
-over the model's length, ids out of the vocabulary, too many inputs, odd formats, dimensions, models).
+/v1/completions), the embedding routes' bodies (/v1/embeddings, /api/embed, /api/embeddings: texts
+over the model's length, ids out of the vocabulary, too many inputs, odd formats, dimensions, models), and
+issue 45's: `n` × `echo` × `logprobs` amplification on long prompts, and forwarded-header spoofing
+(`X-Forwarded-For` / `Forwarded` lines a client writes itself: tests/support/forwarded_headers.py).
 
 Shapes known to have killed the daemon are families of their own, drawn often enough to be found
 within a CI run: a `$defs` chain of ~1,000+ `$ref`s (llguidance segfaults compiling it), tool-call
@@ -28,6 +30,8 @@ from typing import Any
 from hypothesis import strategies as st
 
 from fly_llm.common.protocol import MAX_TOP_LOGPROBS
+
+from support.forwarded_headers import forwarded_headers
 
 from fly_daemon.openai_api import MAX_CHOICES
 
@@ -61,12 +65,15 @@ class Case:
     must_refuse: bool = False
     route: str | None = None
     """An HTTP route of its own (/tokenize, /detokenize): the OpenAI door posts `request` there as it is."""
+    headers: tuple[tuple[str, bytes], ...] = ()
+    """HTTP header lines the OpenAI door sends too (forwarded-header spoofing)."""
 
     def __repr__(self) -> str:
         body = self.frame if self.frame is not None else json.dumps(self.request, default=str)
         text = repr(body)
         shown = text if len(text) <= 600 else f"{text[:400]} … {text[-150:]} ({len(text)} chars)"
-        return f"Case(family={self.family!r}, must_refuse={self.must_refuse}, body={shown})"
+        lines = f", headers={repr(self.headers)[:300]}" if self.headers else ""
+        return f"Case(family={self.family!r}, must_refuse={self.must_refuse}, body={shown}{lines})"
 
 
 # ---- big shapes, built from one drawn size ----
@@ -504,6 +511,31 @@ def _logprobs_case(draw: st.DrawFn) -> Case:
     return Case("logprobs", body, must_refuse=_outside(count, 0, MAX_TOP_LOGPROBS))
 
 
+@st.composite
+def _amplification_case(draw: st.DrawFn) -> Case:
+    """Work and reply size multiplied by `n` × (`max_tokens` + the prompt `echo`ed) × (1 + top `logprobs`)
+    (issue 45), on long prompts, streamed or not, each posing as some client by forwarded headers: served whole
+    or refused (TOO_LONG past max_reply_units or the window, BUSY past max_tokens_per_client)."""
+    n = draw(st.sampled_from([1, 2, 8, MAX_CHOICES]))
+    sampling = {"max_tokens": draw(st.sampled_from([0, 1, 64, 200, 511, 4096]))}
+    prompt = "The quick brown fox " * draw(st.integers(1, 120))
+    top = draw(st.sampled_from([0, 5, MAX_TOP_LOGPROBS]))
+    if draw(st.booleans()):
+        body = {"prompt": prompt, "sampling": sampling, "echo": draw(st.booleans()), "logprobs": top}
+    else:
+        body = {"messages": [{"role": "user", "content": prompt}], "sampling": sampling, "logprobs": True,
+                "top_logprobs": top}
+    return Case("amplify", body | {"n": n, "stream": draw(st.booleans())}, headers=draw(forwarded_headers()))
+
+
+@st.composite
+def _spoof_case(draw: st.DrawFn) -> Case:
+    """An ordinary generation with forwarded headers a client wrote itself (issue 45): read only from a trusted
+    proxy (the fuzzed daemon trusts loopback, so they are parsed), never a failure whatever they hold."""
+    return Case("spoof", _generation(draw) | {"stream": draw(st.booleans())},
+                headers=draw(forwarded_headers(min_lines=1)))
+
+
 def _outside(value: Any, low: int, high: int) -> bool:
     """Whether `value` is an integer (not a bool) outside low..high: refused on its face."""
     return isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high
@@ -512,6 +544,7 @@ def _outside(value: Any, low: int, high: int) -> bool:
 OPENAI_FAMILIES: dict[str, st.SearchStrategy[Case]] = {
     "tokenize": _tokenize_case(), "detokenize": _detokenize_case(), "choices": _choices_case(),
     "logprobs": _logprobs_case(), "infill": _infill_case(), "embeddings": _embedding_case(),
+    "amplify": _amplification_case(), "spoof": _spoof_case(),
 }
 """The OpenAI door's own families (its routes and fields the other doors do not have)."""
 
@@ -528,6 +561,7 @@ FAMILIES: dict[str, st.SearchStrategy[Case]] = {
 
 CI_EXAMPLES = {"schema": 50, "tools": 40, "messages": 35, "params": 25, "frame": 25, "ref_chain": 4,
                "deep_arguments": 4, "forced_deep": 3, "empty_language": 7,
-               "tokenize": 25, "detokenize": 25, "choices": 30, "logprobs": 35, "infill": 25, "embeddings": 40}
-"""Cases per family and door in CI (193 of `FAMILIES` per door, 180 of `OPENAI_FAMILIES`): the random
+               "tokenize": 25, "detokenize": 25, "choices": 30, "logprobs": 35, "infill": 25, "embeddings": 40,
+               "amplify": 12, "spoof": 20}
+"""Cases per family and door in CI (193 of `FAMILIES` per door, 212 of `OPENAI_FAMILIES`): the random
 families get most, each known killer a few."""

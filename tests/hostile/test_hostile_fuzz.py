@@ -13,7 +13,9 @@ Known killers on 5f419fe: `ref_chain` (a segfault), `deep_arguments` (the socket
 500 with the exception text), `empty_language` (served as an empty `stop`). The OpenAI door also gets
 families of its own (issue 36): /tokenize and /detokenize bodies, `n`, `logprobs` / `top_logprobs` /
 `echo`, and the embedding routes (issue 47: /v1/embeddings, and /api/embed and /api/embeddings judged in
-Ollama's error shape); a served answer must hold all its choices (indexed 0..n-1), a stream must finish each.
+Ollama's error shape), and issue 45's `n` × `echo` × `logprobs` amplification and forwarded-header spoofing
+(the daemon trusts loopback as a proxy, so the headers are parsed); a served answer must hold all its choices
+(indexed 0..n-1), a stream must finish each.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from support.daemon_process import free_port, start_daemon
 from support.engine_double import CountingEngine, serving
 
 from fly_daemon.http import HttpFront, create_app
+from fly_daemon.http_connections import ConnectionGate
 from fly_daemon.settings import HttpLimits
 
 SHORT = HttpLimits(http_header_timeout=0.5, http_body_timeout=0.5, http_keep_alive_timeout=0.5)
@@ -113,6 +114,19 @@ def test_an_idle_kept_alive_connection_is_closed(tmp_path):
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         answer = _read_to_close(sock)  # the answer, then the close once the connection idles
         assert answer.startswith(b"HTTP/1.1 200") and b'"state":"ready"' in answer
+
+
+def test_a_trusted_proxy_counts_only_against_the_overall_cap():
+    """A trusted proxy's connections carry many clients (fly_daemon.client_identity): the per-client cap is not
+    for it, the overall one is."""
+    gate = ConnectionGate(HttpLimits(http_max_connections_per_client=2, trusted_proxies="10.0.0.1"), 8)
+    assert [gate.admit("10.0.0.1") for _ in range(4)] == [None] * 4
+    assert [gate.admit("10.0.0.2") for _ in range(2)] == [None] * 2
+    assert "http_max_connections_per_client" in gate.admit("10.0.0.2").message
+    assert [gate.admit("10.0.0.1") for _ in range(2)] == [None] * 2
+    assert "http_max_connections)" in gate.admit("10.0.0.1").message
+    gate.release("10.0.0.1")
+    assert gate.admit("::ffff:10.0.0.1") is None  # as an IPv4-mapped peer too
 
 
 def test_a_connection_flood_past_the_caps_is_refused_while_others_are_served(tmp_path):

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from contextlib import contextmanager
 
 import httpx
+import hypothesis
 import pytest
 
 from support.engine_double import CountingEngine, serving
+from support.forwarded_headers import forwarded_headers
 
 from fly_daemon.core import ServingCore
+from fly_daemon.limits import Limits
 from fly_daemon.settings import DaemonSettings, load_settings
 
 MODEL = CountingEngine.target_name
@@ -25,9 +29,10 @@ KEY = "s3cret"
 
 
 @contextmanager
-def front(tmp_path, **settings):
-    """(server, httpx client) of a daemon's HTTP front on a free port, built from DaemonSettings(**settings)."""
-    with serving(f"ipc://{tmp_path}/s.sock", CountingEngine()) as server:
+def front(tmp_path, engine: CountingEngine | None = None, limits: Limits = Limits(), **settings):
+    """(server, httpx client) of a daemon's HTTP front on a free port, built from DaemonSettings(**settings), over
+    a Server on `engine` (a fresh CountingEngine by default) under `limits`."""
+    with serving(f"ipc://{tmp_path}/s.sock", engine or CountingEngine(), limits) as server:
         http = server.core.http_front(DaemonSettings(**{"http": "127.0.0.1:0", **settings}))
         http.start()
         try:
@@ -136,7 +141,64 @@ def test_requests_carry_their_tenant_and_client(tmp_path, monkeypatch, api_key, 
         assert client.post("/v1/chat/completions", json=CHAT, headers=headers).status_code == 200
         assert client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1, "stream": True},
                            headers=headers).status_code == 200
-    assert seen == [{"tenant": tenant, "client": f"{tenant}@127.0.0.1"}] * 2
+    assert [s["tenant"] for s in seen] == [tenant] * 2 and seen[0] == seen[1]  # httpx kept one connection open
+    # without a key, a loopback client is its connection (fly_daemon.client_identity)
+    assert re.fullmatch(rf"{tenant}@127\.0\.0\.1{'' if api_key else ':[0-9]+'}", seen[0]["client"]), seen
+
+
+def test_no_forwarded_header_names_the_client_of_an_untrusted_peer(tmp_path, monkeypatch):
+    """Without --trusted-proxies a client's own X-Forwarded-For / Forwarded lines change nothing: the client is
+    the key's holders at the peer's address. (uvicorn's proxy-header handling, on by default for 127.0.0.1,
+    once rewrote the peer from X-Forwarded-For, so any local process could pass as any address it made up,
+    each with caps of its own.)"""
+    with front(tmp_path, api_key=KEY) as (server, client):
+        seen, replies = [], server.core.inproc.replies
+
+        def spy(request, **identity):
+            seen.append(identity["client"])
+            return replies(request, **identity)
+
+        monkeypatch.setattr(server.core.inproc, "replies", spy)
+        tenant = "http-key:" + hashlib.sha256(KEY.encode()).hexdigest()[:16]
+
+        @hypothesis.settings(max_examples=30, deadline=None, derandomize=True, database=None)
+        @hypothesis.given(lines=forwarded_headers(min_lines=1))
+        def spoofed(lines):
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1},
+                            headers=[("Authorization", f"Bearer {KEY}"), *lines])
+            assert r.status_code == 200, r.text
+            assert seen[-1] == f"{tenant}@127.0.0.1", lines
+
+        spoofed()
+
+
+@pytest.mark.parametrize("settings, forwarded, statuses", [
+    ({"api_key": KEY, "trusted_proxies": "127.0.0.1"}, ("203.0.113.1", "203.0.113.2"), (200, 503)),
+    ({"api_key": KEY}, ("203.0.113.1", "203.0.113.2"), (503, 503)),
+    ({}, (None, None), (200, 200)),
+], ids=["trusted proxy", "untrusted peer", "loopback without a key"])
+def test_each_client_has_its_own_request_cap(tmp_path, settings, forwarded, statuses):
+    """max_requests_per_client = 1 and one client's stream running; then a request of another client and one of
+    the same client, on another connection than the stream's. Behind a trusted proxy, another forwarded address
+    is another client; an untrusted peer's forwarded addresses change nothing (all one client, the key's
+    holders at 127.0.0.1); without a key, each loopback connection is a client."""
+    first, second = forwarded
+    auth = {"Authorization": f"Bearer {KEY}"} if settings.get("api_key") else {}
+
+    def headers(address: str | None) -> dict[str, str]:  # the proxy appends `address`; the rest the client wrote
+        return auth | ({"X-Forwarded-For": f"198.51.100.77, {address}"} if address else {})
+
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 1}
+    with front(tmp_path, CountingEngine(step_s=0.01), Limits(max_requests_per_client=1), **settings) as (_, client):
+        with client.stream("POST", "/v1/completions", json=body | {"max_tokens": 4000, "stream": True},
+                           headers=headers(first)) as held:
+            lines = held.iter_lines()  # kept: a dropped iterator closes the stream (and cancels its request)
+            assert next(line for line in lines if line.startswith("data: "))  # it runs
+            other = client.post("/v1/completions", json=body, headers=headers(second))  # the stream holds its own
+            same = client.post("/v1/completions", json=body, headers=headers(first))
+    assert (other.status_code, same.status_code) == statuses, (other.text, same.text)
+    for refused in (r for r in (other, same) if r.status_code == 503):
+        assert _error(refused, 503, "BUSY")["message"].startswith("this client already has 1 requests")
 
 
 def test_an_empty_key_is_no_key(monkeypatch):

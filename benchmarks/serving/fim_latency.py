@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.cli import target_gguf
+from benchmarks.harness.cli import model_gguf
 from benchmarks.harness.environment import cpu_name, git_commit
 from benchmarks.serving.serve_bench import add_model_arguments
 from benchmarks.serving.server_side_by_side import fly_server, ratio, read_jsonl, stop, wait_for_models
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.server:
         needs_gguf = args.server.startswith("llamacpp") or not (args.out / "requests.jsonl").exists()
-        with target_gguf(args.target, needs_gguf) as gguf, tempfile.TemporaryDirectory(prefix="fly-fim-") as tmp:
+        with model_gguf(args.target, needs_gguf) as gguf, tempfile.TemporaryDirectory(prefix="fly-fim-") as tmp:
             if needs_gguf and gguf is None:
                 raise SystemExit("llama.cpp needs the target as a .gguf file (--target FILE.gguf)")
             requests = pending(read_jsonl(args.out / "rows.jsonl"), args.server, request_set(args, gguf))

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.cli import target_gguf
+from benchmarks.harness.cli import model_gguf
 from benchmarks.harness.datasets import load
 from benchmarks.harness.environment import cpu_name, git_commit
 from benchmarks.serving.serve_bench import add_model_arguments, resolve_models, start_daemon
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.server:
         prompts = pending(read_jsonl(args.out / "rows.jsonl"), args.server, args.round, load_prompts())
-        with target_gguf(args.target, bool(prompts)) as gguf, \
+        with model_gguf(args.target, bool(prompts)) as gguf, \
                 tempfile.TemporaryDirectory(prefix="fly-side-by-side-") as tmp:
             if prompts and gguf is None:
                 raise SystemExit("llama.cpp needs the target as a .gguf file (--target FILE.gguf)")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,8 +45,9 @@ from typing import Any
 from benchmarks.harness.cli import model_gguf
 from benchmarks.harness.datasets import load
 from benchmarks.harness.environment import cpu_name, git_commit
+from benchmarks.serving.processes import stop, wait_for_models
 from benchmarks.serving.serve_bench import add_model_arguments, resolve_models, start_daemon
-from benchmarks.serving.webui_check import free_port, get_json
+from benchmarks.serving.webui_check import free_port
 
 SERVERS = ("llamacpp", "llamacpp-lookup", "fly", "target")
 REFERENCE = "llamacpp"
@@ -209,29 +209,6 @@ def markdown(summary: dict[str, Any], settings: dict[str, Any]) -> str:
         lines += ["", "Answers identical to llama.cpp's: " + ", ".join(
             f"{s} {n}" for s, n in summary["same_text_as_llamacpp"].items()), ""]
     return "\n".join(lines)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after 60 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def wait_for_models(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600) -> str:
-    """The first model id the server at `url` lists, once it answers; SystemExit if it exits or never answers."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            return get_json(f"{url}/v1/models", timeout=5)["data"][0]["id"]
-        except OSError:
-            time.sleep(0.5)
-    stop(proc)
-    raise SystemExit(f"the server did not answer (exit {proc.poll()}); see {log}")
 
 
 @contextmanager

@@ -202,13 +202,13 @@ def latest_parts(parts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {p["server"]: p for p in parts}
 
 
-def summarize(rows: list[dict[str, Any]], parts: list[dict[str, Any]] = ()) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], parts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Medians per server (all prompts and per kind), tokens/s end to end, weight bytes per token and
     activation precision, ratios to the reference (llama-server, else llama-cpp-python) and the best llama.cpp
     mode by decode tok/s with FLy's ratios to it."""
     servers = [s for s in SERVERS if any(r["server"] == s for r in rows)]
     kinds = sorted({r["kind"] for r in rows}, key=[k for k, _, _ in KINDS].index)
-    how = latest_parts(list(parts))
+    how = latest_parts(parts or [])
     summary: dict[str, Any] = {}
     for s in servers:
         mine = [r for r in rows if r["server"] == s]

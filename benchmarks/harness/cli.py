@@ -158,18 +158,18 @@ def environment(models: Any, runner: Runner) -> dict[str, Any]:
 
 
 @contextmanager
-def target_gguf(target: str | None, wanted: bool) -> Iterator[Path | None]:
-    """The target's GGUF file for llama.cpp: the user's .gguf, or the embedded target assembled
-    (sha256-checked) into a temporary directory for the run; None when not wanted or not a GGUF."""
-    if not wanted or (target is not None and not target.lower().endswith(".gguf")):
+def model_gguf(given: str | None, wanted: bool, role: str = "target") -> Iterator[Path | None]:
+    """A model's GGUF file for llama.cpp: the user's .gguf, or the embedded pair's target or draft (`role`)
+    assembled (sha256-checked) into a temporary directory for the run; None when not wanted or not a GGUF."""
+    if not wanted or (given is not None and not given.lower().endswith(".gguf")):
         yield None
-    elif target is not None:
-        yield Path(target).expanduser()
+    elif given is not None:
+        yield Path(given).expanduser()
     else:
-        from fly_llm.model.embedded import TARGET, assemble_gguf
+        from fly_llm.model import embedded
 
         with tempfile.TemporaryDirectory(prefix="fly-bench-") as tmp:
-            yield assemble_gguf(TARGET, Path(tmp))
+            yield embedded.assemble_gguf({"target": embedded.TARGET, "draft": embedded.DRAFT}[role], Path(tmp))
 
 
 def benchmark(models: Any, args: argparse.Namespace, datasets: dict[str, list[Item]], command: str,
@@ -269,7 +269,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
         float_target = load_models(ModelSpec(target=args.target, draft="none", dtype=args.dtype, device=args.device,
                                              target_quantization="none")).target
     command = shlex.join(["fly-bench", *(sys.argv[1:] if argv is None else argv)])
-    with target_gguf(args.target, LLAMACPP in args.methods and not args.report_only) as gguf:
+    with model_gguf(args.target, LLAMACPP in args.methods and not args.report_only) as gguf:
         if args.quality:
             for path in quality_report.write(quality(models, args, datasets, command, gguf), args.out):
                 print(path)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own `llama-server` from the llama.cpp tree vendored in the
 # llama-cpp-python sdist (the package registry is the only network this needs),
-# for the FIM latency comparison (benchmarks/serving/fim_latency.py).
+# for the comparisons against it (benchmarks/serving/fim_latency.py and
+# server_side_by_side.py's llama-server parts).
 #
 # Usage: benchmarks/serving/build_llama_server.sh [BUILD_DIR]   (default /work/llama-server)
 # Prints the path of the built binary; writes BUILD_DIR/build-info.txt with the
-# version and cmake flags used (fim_latency.py --report quotes it).
+# version and cmake flags used (both reports quote it).
 set -euo pipefail
 
 VERSION="0.3.36"

@@ -42,17 +42,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.cli import target_gguf
+from benchmarks.harness.cli import model_gguf
 from benchmarks.harness.environment import cpu_name, git_commit
+from benchmarks.serving.llama_server import LLAMA_SERVER, MODES, build_info, command
+from benchmarks.serving.processes import serve
 from benchmarks.serving.serve_bench import add_model_arguments
-from benchmarks.serving.server_side_by_side import fly_server, ratio, read_jsonl, stop, wait_for_models
+from benchmarks.serving.server_side_by_side import fly_server, ratio, read_jsonl
 from benchmarks.serving.webui_check import free_port, get_json
 
 SERVERS = ("llamacpp", "llamacpp-python", "fly", "target")
@@ -63,7 +65,6 @@ AIM = 0.7
 SOURCE_PATH = "fly_llm/decoding/engine.py"
 SOURCE_COMMIT = "818119a"
 """The file the cursors are placed in, and the commit it is read at (the same text for every run)."""
-LLAMA_SERVER = Path("/work/llama-server/build/bin/llama-server")
 WARMUP = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n", "n_predict": 4, "temperature": 0}
 MIN_TYPED = 4
 """Characters of the line (after its indentation) already typed at a position's first request."""
@@ -255,22 +256,6 @@ def request_set(args: argparse.Namespace, gguf: Path) -> list[FimRequest]:
     return [FimRequest(**r) for r in read_jsonl(path)[1:]]
 
 
-@contextmanager
-def llama_server(binary: Path, gguf: Path, threads: int, workdir: Path) -> Iterator[str]:
-    """llama.cpp's `llama-server` on `gguf` with its defaults (but port and threads): its URL while it runs."""
-    port = free_port()
-    log = workdir / "llama-server.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                                 "-t", str(threads)], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_models(url, proc, log)
-        yield url
-    finally:
-        stop(proc)
-
-
 def infill_body(request: FimRequest, n_predict: int) -> dict[str, Any]:
     """The greedy /infill request, not streamed."""
     return {"input_prefix": request.prefix, "input_suffix": request.suffix, "n_predict": n_predict,
@@ -287,9 +272,10 @@ Complete = Callable[[FimRequest, int], tuple[int, str, dict[str, Any] | None]]
 
 
 @contextmanager
-def http_infill(server: Iterator[str]) -> Iterator[Complete]:
-    """The /infill door of an HTTP server (a context manager yielding its URL), warmed with one request."""
-    with server as url:
+def http_infill(server: AbstractContextManager[tuple[str, str]]) -> Iterator[Complete]:
+    """The /infill door of an HTTP server (a context manager yielding its URL and model id), warmed with one
+    request."""
+    with server as (url, _model):
         get_json(f"{url}/infill", WARMUP)
 
         def complete(request: FimRequest, n_predict: int) -> tuple[int, str, dict[str, Any] | None]:
@@ -324,11 +310,13 @@ def run_part(args: argparse.Namespace, requests: list[FimRequest], gguf: Path | 
     """Start `args.server`, warm it, measure the requests given; append each row to rows.jsonl."""
     commit = git_commit() or "unknown"
     if args.server == "llamacpp":
-        server = http_infill(llama_server(args.llama_server, gguf, args.threads, workdir))
+        port = free_port()
+        server = http_infill(serve(command(args.llama_server, MODES["llama-server"], gguf, None, port, args.threads),
+                                   port, workdir / "llama-server.log"))
     elif args.server == "llamacpp-python":
         server = in_process_llama(gguf, args.threads)
     else:
-        server = http_infill(_fly_url(args, workdir, args.server == "fly"))
+        server = http_infill(fly_server(args, workdir, args.server == "fly"))
     with server as complete:
         for q in requests:
             start = time.perf_counter()
@@ -339,18 +327,6 @@ def run_part(args: argparse.Namespace, requests: list[FimRequest], gguf: Path | 
             with open(args.out / "rows.jsonl", "a") as f:
                 f.write(json.dumps(asdict(row)) + "\n")
             print(f"{args.server} {q.request_id}: {seconds:.2f} s, {tokens} tokens", flush=True)
-
-
-@contextmanager
-def _fly_url(args: argparse.Namespace, workdir: Path, drafting: bool) -> Iterator[str]:
-    with fly_server(args, workdir, drafting) as (url, _model):
-        yield url
-
-
-def build_info(binary: Path) -> str | None:
-    """build_llama_server.sh's build-info.txt next to the binary, on one line; None without it."""
-    path = binary.parent / "build-info.txt"
-    return "; ".join(path.read_text().split("\n")).strip("; ") if path.exists() else None
 
 
 def write_report(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
@@ -400,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.server:
         needs_gguf = args.server.startswith("llamacpp") or not (args.out / "requests.jsonl").exists()
-        with target_gguf(args.target, needs_gguf) as gguf, tempfile.TemporaryDirectory(prefix="fly-fim-") as tmp:
+        with model_gguf(args.target, needs_gguf) as gguf, tempfile.TemporaryDirectory(prefix="fly-fim-") as tmp:
             if needs_gguf and gguf is None:
                 raise SystemExit("llama.cpp needs the target as a .gguf file (--target FILE.gguf)")
             requests = pending(read_jsonl(args.out / "rows.jsonl"), args.server, request_set(args, gguf))

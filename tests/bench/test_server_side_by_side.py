@@ -1,16 +1,40 @@
-"""benchmarks/serving/server_side_by_side.py's pure parts: the decode rate, resuming parts, medians and ratios."""
+"""benchmarks/serving/server_side_by_side.py's pure parts: the decode rate, resuming parts, medians and ratios,
+weight bytes per token from the servers' counters, each part's command line and the report's columns."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks.serving.server_side_by_side import Prompt, decode_rate, markdown, pending, read_jsonl, summarize
+import argparse
+from pathlib import Path
+
+import pytest
+
+from benchmarks.serving.server_side_by_side import (
+    Prompt,
+    bytes_per_token,
+    decode_rate,
+    forwards,
+    markdown,
+    parse_args,
+    pending,
+    read_jsonl,
+    start,
+    summarize,
+)
 
 
 def row(server: str, prompt_id: str, kind: str, ttft: float, e2e: float, tokens: int = 31, text: str = "a",
-        round_: int = 1) -> dict:
+        round_: int = 1, details: dict | None = None) -> dict:
     return {"round": round_, "server": server, "prompt_id": prompt_id, "kind": kind, "ttft_s": ttft,
-            "decode_tokens_per_s": 0.0, "e2e_s": e2e, "completion_tokens": tokens, "text": text, "commit": "abc"}
+            "decode_tokens_per_s": 0.0, "e2e_s": e2e, "completion_tokens": tokens, "text": text, "commit": "abc",
+            "details": details}
+
+
+def part(server: str, target: int | None = 1000, draft: int | None = 0, speculates: bool = True, **more) -> dict:
+    return {"server": server, "round": 1, "command": f"run {server}", "target_weight_bytes": target,
+            "draft_weight_bytes": draft, "speculates": speculates, "activations": f"{server} precision",
+            "llama_server": None, "log": None} | more
 
 
 def test_decode_rate_counts_the_tokens_after_the_first_over_the_time_after_it():
@@ -39,8 +63,92 @@ def test_summary_medians_per_prompt_over_rounds_then_over_prompts_and_ratios_to_
     assert summary["fly"]["code"] == {"ttft_s": 0.5, "decode_tokens_per_s": 25.0, "e2e_s": 1.75}
     assert summary["fly"]["rag"]["decode_tokens_per_s"] is None  # two tokens: too short to time
     assert summary["fly"]["all"] == {"ttft_s": 1.0, "decode_tokens_per_s": 25.0, "e2e_s": 1.875}
-    assert summary["fly"]["vs_llamacpp"]["all"]["decode_tokens_per_s"] == 2.5
-    assert summary["fly"]["vs_llamacpp"]["tokens_per_s_end_to_end"] == round(round(64 / 5.5, 2) / 3.3, 2)
-    assert summary["fly"]["rounds"] == 2 and summary["same_text_as_llamacpp"]["fly"] == "1/3"
-    text = markdown(summary, {"cpu": "cpu", "commits_measured": ["abc"], "command": "cmd"})
+    assert summary["reference"] == "llamacpp" and summary["fly"]["vs_reference"]["all"]["decode_tokens_per_s"] == 2.5
+    assert summary["fly"]["vs_reference"]["tokens_per_s_end_to_end"] == round(round(64 / 5.5, 2) / 3.3, 2)
+    assert summary["fly"]["rounds"] == 2 and summary["same_text_as_reference"]["fly"] == "1/3"
+    text = markdown(summary, {"cpu": "cpu", "commits_measured": ["abc"], "command": "cmd", "parts": {}})
     assert "| fly | 3 | 1.0 | 25.0 | 1.875 |" in text and "code" in text and "rag" in text
+
+
+def test_the_sweeps_parts_resume_each_on_its_own(tmp_path):
+    prompts = [Prompt(p, "code", []) for p in ("a", "b")]
+    rows = [row("llama-server-draft-n8-p0.75", "a", "code", 1, 2), row("llama-server-draft-n8-p0.9", "a", "code", 1, 2),
+            row("llama-server-draft-n8-p0.9", "b", "code", 1, 2)]
+    assert [p.prompt_id for p in pending(rows, "llama-server-draft-n8-p0.75", 1, prompts)] == ["b"]
+    assert pending(rows, "llama-server-draft-n8-p0.9", 1, prompts) == []
+    assert len(pending(rows, "llama-server-draft-n16-p0.75", 1, prompts)) == 2
+    assert parse_args(["--server", "llama-server-draft-n16-p0.5"]).server == "llama-server-draft-n16-p0.5"
+    with pytest.raises(SystemExit):
+        parse_args(["--server", "llama-server-draft-n3-p0.5"])  # not in the sweep
+
+
+def test_forwards_come_from_llama_servers_timings_and_fly_daemons_stats():
+    assert forwards(None) is None and forwards({}) is None
+    assert forwards({"timings": {"predicted_n": 10}}) == (10, 0, 10)  # plain decoding: a forward per token
+    assert forwards({"timings": {"predicted_n": 10, "draft_n": 12, "draft_n_accepted": 6}}) == (4, 12, 10)
+    stats = {"rounds": 5, "drafted": 9, "emitted": 12, "draft_model_rounds": 3}
+    assert forwards({"fly_stats": stats}) == (5, 9, 12)
+    assert forwards({"fly_stats": stats | {"draft_model_rounds": 0}}) == (5, 0, 12)  # n-grams only: no draft forward
+
+
+def test_bytes_per_token_weighs_each_forward_by_its_models_weights():
+    drafted = [row("s", "a", "code", 1, 2, details={"timings": {"predicted_n": 10, "draft_n": 12, "draft_n_accepted": 6}}),
+               row("s", "b", "code", 1, 2, details={"timings": {"predicted_n": 6, "draft_n": 4, "draft_n_accepted": 2}})]
+    assert bytes_per_token(drafted, part("s", 1000, 100)) == round((8 * 1000 + 16 * 100) / 16)
+    assert bytes_per_token(drafted, part("s", 1000, 0)) == 500  # n-gram drafts cost no weights
+    assert bytes_per_token(drafted, part("s", 1000, None)) is None  # a draft model whose size is unknown
+    assert bytes_per_token([row("s", "a", "code", 1, 2)], part("s", 1000, 0, speculates=False)) == 1000.0
+    assert bytes_per_token([row("s", "a", "code", 1, 2)], part("s")) is None  # speculates, no counters
+    assert bytes_per_token(drafted, part("s", None)) is None and bytes_per_token(drafted, None) is None
+
+
+def test_report_has_bytes_activations_the_llama_server_reference_the_best_llamacpp_mode_and_its_build():
+    timings = {"predicted_n": 31, "draft_n": 40, "draft_n_accepted": 20}
+    rows = [row("llamacpp", "a", "code", 1.0, 4.0), row("llama-server", "a", "code", 0.5, 3.5, text="b"),
+            row("llama-server-draft-n8-p0.75", "a", "code", 0.5, 2.0, details={"timings": timings}),
+            row("llama-server-ngram-mod", "a", "code", 0.5, 3.0, details={"timings": timings}),
+            row("fly", "a", "code", 0.4, 1.6, details={"fly_stats": {"rounds": 10, "drafted": 30, "emitted": 31,
+                                                                    "draft_model_rounds": 9}})]
+    build = {"version": "version: 0.5.0-dev", "build": "cmake_flags: -DGGML_AVX512=ON",
+             "system_info": "system_info: n_threads = 2 | AVX512 = 1 |"}
+    log = {"flash_attn": ["flash_attn = auto"], "slots": []}
+    parts = [part("llama-server", 1000, 0, speculates=False, llama_server=build, log=log),
+             part("llama-server-draft-n8-p0.75", 900, 100, llama_server=build, log=log),  # an earlier part
+             part("llama-server-draft-n8-p0.75", 1000, 100, llama_server=build, log=log),
+             part("llama-server-ngram-mod", 1000, 0, llama_server=build, log=log),
+             part("llamacpp", 1000, 0, speculates=False), part("fly", 950, 300)]
+    summary = summarize(rows, parts)
+    assert summary["reference"] == "llama-server"
+    assert summary["llama-server"]["bytes_per_token"] == 1000.0
+    assert summary["llama-server-draft-n8-p0.75"]["bytes_per_token"] == round((11 * 1000 + 40 * 100) / 31)
+    assert summary["llama-server-ngram-mod"]["bytes_per_token"] == round(11 * 1000 / 31)
+    assert summary["fly"]["bytes_per_token"] == round((10 * 950 + 30 * 300) / 31)
+    assert summary["fly"]["activations"] == "fly precision"
+    assert summary["best_llamacpp"]["server"] == "llama-server-draft-n8-p0.75"  # the fastest decode of llama.cpp's
+    assert summary["best_llamacpp"]["fly"]["all"]["e2e_s"] == 0.8
+    assert summary["same_text_as_reference"] == {s: "0/1" if s != "llama-server" else "1/1" for s in
+                                                 ("llamacpp", "llama-server", "llama-server-draft-n8-p0.75",
+                                                  "llama-server-ngram-mod", "fly")}
+    settings = {"cpu": "cpu", "commits_measured": ["abc"], "command": "cmd",
+                "parts": {p["server"]: p for p in parts}}
+    text = markdown(summary, settings)
+    assert "| weight MB/token | activations | TTFT × llama-server |" in text
+    assert "| llama-server | 1 | 0.5 | 10.0 | 3.5 | 8.86 | 0 | llama-server precision | 1.0 | 1.0 | 1.0 | 1.0 |" in text
+    assert "Best llama.cpp mode by decode tok/s: llama-server-draft-n8-p0.75; FLy's decode × it" in text
+    assert "- llama-server-draft-n8-p0.75: `run llama-server-draft-n8-p0.75` (flash_attn = auto)" in text
+    assert text.count("llama-server: version: 0.5.0-dev") == 1  # one binary, said once
+    assert "- build: cmake_flags: -DGGML_AVX512=ON" in text and "- system_info: n_threads = 2 | AVX512 = 1 |" in text
+
+
+def test_each_part_starts_its_own_command(tmp_path):
+    args = argparse.Namespace(server="llama-server-draft-n8-p0.75", llama_server=Path("/bin/llama-server"), threads=2,
+                              n_ctx=4096, dtype="auto")
+    _, cmd, log = start(args, Path("t.gguf"), Path("d.gguf"), tmp_path)
+    assert cmd[:5] == ["/bin/llama-server", "-m", "t.gguf", "-md", "d.gguf"] and cmd[-2:] == ["-t", "2"]
+    assert "--spec-draft-n-max" in cmd and log == tmp_path / "llama-server.log"
+    args.server = "llamacpp-lookup"
+    _, cmd, _ = start(args, Path("t.gguf"), None, tmp_path)
+    assert cmd[1:3] == ["-m", "llama_cpp.server"] and cmd[-2:] == ["--draft_model", "prompt-lookup-decoding"]
+    args.server = "target"
+    _, cmd, log = start(args, Path("t.gguf"), None, tmp_path)
+    assert cmd[-2:] == ["--stages", "''"] and log == tmp_path / "daemon.log"

@@ -8,13 +8,11 @@ engine double: through the scheduler, and through the OpenAI door where `n` is s
 
 from __future__ import annotations
 
-import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
-from support.engine_double import CountingEngine, Replies, serving
+from support.engine_double import CountingEngine, running, serving
 
 from fly_llm.common.config import SamplingParams
 from fly_llm.common.errors import Busy, TooLong
@@ -22,7 +20,6 @@ from fly_llm.common.protocol import ErrorReply, GenerateRequest, GenerateResult
 
 from fly_daemon.request_weight import check_reply_size, reply_units, weight
 from fly_daemon.limits import Limits
-from fly_daemon.scheduler import Scheduler
 from fly_daemon.settings import DaemonSettings
 
 A, B = (b"a",), (b"b",)
@@ -39,19 +36,6 @@ def wait_for(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
-
-
-@contextmanager
-def running(engine: CountingEngine, limits: Limits):
-    replies = Replies()
-    scheduler = Scheduler(lambda: engine, replies, limits)
-    thread = threading.Thread(target=scheduler.run, daemon=True)
-    thread.start()
-    try:
-        yield scheduler, replies
-    finally:
-        scheduler.drain(force=True)
-        thread.join(30)
 
 
 def test_weight_and_reply_units_count_choices_echo_and_alternatives():

@@ -465,8 +465,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--reopen-per-s", type=float, default=500.0,
                         help="the most connections an attacker opens again a second")
     parser.add_argument("--attackers", type=int, default=4, help="threads of the amplification and sampling attacks")
-    parser.add_argument("--grammar-cache-mb", type=int, default=64)
-    parser.add_argument("--max-grammar-mb", type=int, default=64)
+    parser.add_argument("--grammar-cache-mb", type=int, default=256, help="the daemon's (256, its default)")
+    parser.add_argument("--max-grammar-mb", type=int, default=64, help="the daemon's (64, its default)")
     for name in ("header-timeout", "body-timeout", "keep-alive-timeout"):
         parser.add_argument(f"--http-{name}", type=float, help="the daemon's (its default if not given)")
     for name in ("max-connections", "max-connections-per-client"):

@@ -11,13 +11,18 @@ thread, and the client's requests that need no compile (free output, a grammar a
 its scope) are taken past it. With one preparation thread more than GRAMMAR_COMPILES, one is always
 free of compiles.
 
+Fair batch slots: a free slot goes to the prepared request of the client with the fewest rows in the
+engine, then of the client whose last request joined longest ago (one never served first), then the
+oldest; so one client's many rows (`n` choices, a burst of requests) keep another client's request out
+of the batch only until a row ends, not until everything submitted before it ran.
+
 Not thread-safe on its own: the scheduler (fly_daemon.scheduler) holds its lock around every call.
 """
 
 from __future__ import annotations
 
 from bisect import insort
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -110,6 +115,8 @@ class RequestQueue:
         self._preparing: set[Entry] = set()
         self._prepared: list[Entry] = []  # in submission order
         self._per_client: dict[str, int] = {}
+        self._joins = 0  # requests that joined the engine
+        self._last_joined: dict[str, int] = {}  # client (with entries) -> when its last request joined (`_joins`)
         self.tokenize_waiting: deque[tuple[Envelope, TokenizeRequest]] = deque()  # for the models to load
         self.tokenize_pending = 0  # waiting for the models or the pool
 
@@ -206,17 +213,21 @@ class RequestQueue:
         return True
 
     def take_joinable(self) -> Entry | None:
-        """Move the first prepared entry into the engine if the batch has room for it (always for one)."""
+        """Move the next prepared entry into the engine if the batch has room for it (always for one): the
+        oldest of the client with the fewest rows in the engine, of those the one served longest ago."""
         if not self._prepared:
             return None
         active = self.in_engine()
         if len(active) >= self.limits.max_batch_size:
             return None
-        entry = self._prepared[0]
+        rows = Counter(e.client for e in active)
+        entry = min(self._prepared, key=lambda e: (rows[e.client], self._last_joined.get(e.client, -1), e.seq))
         if active and sum(e.budget for e in active) + entry.budget > self.limits.max_batch_tokens:
             return None
-        self._prepared.pop(0)
+        self._prepared.remove(entry)
         entry.place = "engine"
+        self._joins += 1
+        self._last_joined[entry.client] = self._joins
         return entry
 
     def sweep(self, reason: Callable[[Entry], FLyError | None], queued_only: bool = False) -> list[tuple[Entry, bool]]:
@@ -246,6 +257,7 @@ class RequestQueue:
             self._per_client[entry.client] = left
         else:
             del self._per_client[entry.client]
+            self._last_joined.pop(entry.client, None)
         entry.place = "ended"
 
     # ---- tokenize requests ----
@@ -288,6 +300,7 @@ class RequestQueue:
         for entry in self.entries.values():
             clients[entry.client] = clients.get(entry.client, 0) + 1
         assert clients == self._per_client, (clients, self._per_client)
+        assert self._last_joined.keys() <= clients.keys(), "a client without entries keeps its turn"
         assert max(clients.values(), default=0) <= self.limits.max_requests_per_client
         assert len(held) - len(places["engine"]) <= self.limits.queue_size
         assert len(places["engine"]) <= self.limits.max_batch_size

@@ -169,13 +169,16 @@ class Runner:
     @property
     def engine(self):
         """The FLyEngine over the same models, built on first use, with the given policy or one whose
-        costs are timed here (as `fly-daemon` does at start-up)."""
+        costs are timed here (as `fly-daemon` does at start-up). Its n-gram stage keeps no recent answers:
+        the methods run the same items one after another, and a copy of another method's answer to the
+        same prompt would flatter the later one (and make an item's tokens depend on what ran before)."""
         if self._engine is None:
             from fly_llm.decoding.engine import FLyEngine
             from fly_llm.decoding.policy import AdaptivePolicy, Costs
 
             policy = self.policy or AdaptivePolicy(Costs.measure(self.target, self.draft))
-            self._engine = FLyEngine(self.target, self.tokenizer, self.draft, FLyConfig(),
+            alone = FLyConfig(recent_answers=0)  # each item as if alone: no copies of earlier items' or methods' answers
+            self._engine = FLyEngine(self.target, self.tokenizer, self.draft, alone,
                                      context_window=self.context_window, policy=policy)
         return self._engine
 

@@ -52,6 +52,11 @@ def next_batch_size(endpoint: str, limit: int = 32) -> int:
     return max(seen + 1, 3)
 
 
+LONG = 200
+"""Tokens per answer in the one-batch tests: every request is still running when the last one is admitted
+(preparation runs on several threads, and a 24-token answer ended first once in the full suite on a busy machine)."""
+
+
 def max_batch_seen(endpoint: str) -> int:
     with FLyClient(endpoint) as client:
         return client.status().max_batch_size_seen
@@ -83,7 +88,7 @@ def test_max_tokens_per_call_overrides_the_field(llm: FLyLLM) -> None:
 
 
 def test_batch_is_one_daemon_batch(llm: FLyLLM, batch_daemon: str) -> None:
-    llm = llm.model_copy(update={"endpoint": batch_daemon})
+    llm = llm.model_copy(update={"endpoint": batch_daemon, "max_tokens": LONG})
     n = next_batch_size(batch_daemon)
     prompts = PROMPTS[:n]
     outputs = llm.batch(prompts)
@@ -93,7 +98,7 @@ def test_batch_is_one_daemon_batch(llm: FLyLLM, batch_daemon: str) -> None:
 
 
 async def test_abatch_is_one_daemon_batch(llm: FLyLLM, batch_daemon: str) -> None:
-    llm = llm.model_copy(update={"endpoint": batch_daemon})
+    llm = llm.model_copy(update={"endpoint": batch_daemon, "max_tokens": LONG})
     n = next_batch_size(batch_daemon)
     prompts = PROMPTS[:n]
     outputs = await llm.abatch(prompts)

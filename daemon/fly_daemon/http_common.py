@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from fly_llm.common.errors import BadRequest, FLyError, Internal, TooLong
 from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk, invalid
+from fly_llm.common.tools import ToolCall
 
 log = logging.getLogger("fly_daemon")
 T = TypeVar("T")
@@ -116,9 +117,20 @@ class EventShaper(ABC):
     def opening(self) -> list[Event]:
         """The events a stream opens with."""
 
-    @abstractmethod
     def chunk(self, chunk: TokenChunk) -> list[Event]:
         """The events of a chunk's new text and completed tool calls."""
+        events = self.text_events(chunk.text) if chunk.text else []
+        for call in chunk.tool_calls:
+            events += self.call_events(call)
+        return events
+
+    @abstractmethod
+    def text_events(self, delta: str) -> list[Event]:
+        """The events of new answer text (`whole` builds its answer through them too)."""
+
+    @abstractmethod
+    def call_events(self, call: ToolCall) -> list[Event]:
+        """The events of one completed tool call."""
 
     @abstractmethod
     def final(self, result: GenerateResult) -> list[Event]:

@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from fly_llm.common.errors import FLyError
-from fly_llm.common.protocol import GenerateResult, TokenChunk, Usage
+from fly_llm.common.protocol import GenerateResult, Usage
 from fly_llm.common.tools import ToolCall
 
 from fly_daemon.http_common import Event, EventShaper
@@ -57,12 +57,6 @@ class MessageShaper(EventShaper):
         usage = {"input_tokens": 0, "output_tokens": 0}
         return [{"type": "message_start", "message": self._message([], None, usage)}]
 
-    def chunk(self, chunk: TokenChunk) -> list[Event]:
-        events = self._text(chunk.text) if chunk.text else []
-        for call in chunk.tool_calls:
-            events += self._call(call)
-        return events
-
     def final(self, result: GenerateResult) -> list[Event]:
         return [*self._close_text(),
                 {"type": "message_delta", "delta": {"stop_reason": STOP_REASONS[result.finish_reason],
@@ -75,9 +69,9 @@ class MessageShaper(EventShaper):
 
     def whole(self, result: GenerateResult) -> dict[str, Any]:
         if result.text and (result.text.strip() or not result.tool_calls):  # no whitespace block beside calls
-            self._text(result.text)
+            self.text_events(result.text)
         for call in result.tool_calls:
-            self._call(call)
+            self.call_events(call)
         return {**self._message(self.content, STOP_REASONS[result.finish_reason], anthropic_usage(result.usage)),
                 "fly_stats": result.stats.model_dump()}
 
@@ -85,7 +79,7 @@ class MessageShaper(EventShaper):
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop_reason, "stop_sequence": None, "usage": usage}
 
-    def _text(self, delta: str) -> list[Event]:
+    def text_events(self, delta: str) -> list[Event]:
         """Events adding `delta` to the open text block (opened first if there is none)."""
         events = []
         if not self._text_open:
@@ -103,7 +97,7 @@ class MessageShaper(EventShaper):
         self._text_open = False
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
-    def _call(self, call: ToolCall) -> list[Event]:
+    def call_events(self, call: ToolCall) -> list[Event]:
         """Events of one completed call: a tool_use block, its input as one input_json_delta."""
         events = self._close_text()
         self.content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments})

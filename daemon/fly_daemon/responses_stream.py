@@ -20,7 +20,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from fly_llm.common.errors import FLyError
-from fly_llm.common.protocol import GenerateResult, TokenChunk
+from fly_llm.common.protocol import GenerateResult
 from fly_llm.common.tools import ToolCall
 
 from fly_daemon.http_common import Event, EventShaper
@@ -46,12 +46,6 @@ class ResponseShaper(EventShaper):
         return [self._event("response.created", response=self.response("in_progress")),
                 self._event("response.in_progress", response=self.response("in_progress"))]
 
-    def chunk(self, chunk: TokenChunk) -> list[Event]:
-        events = self._text(chunk.text) if chunk.text else []
-        for call in chunk.tool_calls:
-            events += self._call(call)
-        return events
-
     def final(self, result: GenerateResult) -> list[Event]:
         status = "incomplete" if result.finish_reason == "length" else "completed"
         return [*self._close_message(), self._event(f"response.{status}", response=self.response(status, result))]
@@ -63,9 +57,9 @@ class ResponseShaper(EventShaper):
 
     def whole(self, result: GenerateResult) -> dict[str, Any]:
         if result.text and (result.text.strip() or not result.tool_calls):  # no whitespace item beside calls
-            self._text(result.text)
+            self.text_events(result.text)
         for call in result.tool_calls:
-            self._call(call)
+            self.call_events(call)
         return self.final(result)[-1]["response"]
 
     def response(self, status: str, result: GenerateResult | None = None) -> dict[str, Any]:
@@ -99,7 +93,7 @@ class ResponseShaper(EventShaper):
 
     # ---- items ----
 
-    def _text(self, delta: str) -> list[Event]:
+    def text_events(self, delta: str) -> list[Event]:
         """Events adding `delta` to the open message item (opened first if there is none)."""
         events = []
         if self._message is None:
@@ -127,7 +121,7 @@ class ResponseShaper(EventShaper):
         self._message = None
         return events
 
-    def _call(self, call: ToolCall) -> list[Event]:
+    def call_events(self, call: ToolCall) -> list[Event]:
         """Events of one completed call: a function_call item, its arguments in one delta."""
         events = self._close_message()
         arguments = json.dumps(call.arguments)

@@ -54,7 +54,7 @@ from benchmarks.harness.environment import cpu_name, git_commit
 from benchmarks.serving.llama_server import LLAMA_SERVER, MODES, build_info, command
 from benchmarks.serving.processes import serve
 from benchmarks.serving.serve_bench import add_model_arguments
-from benchmarks.serving.server_side_by_side import fly_server, ratio, read_jsonl
+from benchmarks.serving.server_side_by_side import fly_server, parse_part_args, ratio, read_jsonl
 from benchmarks.serving.webui_check import free_port, get_json
 
 SERVERS = ("llamacpp", "llamacpp-python", "fly", "target")
@@ -362,12 +362,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--suffix-tokens", type=int, default=300)
     p.add_argument("--n-predict", type=int, default=64)
     p.add_argument("--max-requests", type=int, help="measure at most this many of the part's pending requests, in order")
-    p.set_defaults(dtype="auto", threads=2, concurrency=[1], exact=False)  # start_daemon's settings
-    args = p.parse_args(argv)
-    if not args.server and not args.report:
-        p.error("give --server NAME (a part) or --report")
-    args.embedded = args.target is None
-    return args
+    return parse_part_args(p, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

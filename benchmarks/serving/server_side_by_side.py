@@ -417,6 +417,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--n-ctx", type=int, default=4096, help="llama-cpp-python's context (llama-server keeps its default)")
     p.add_argument("--llama-server", type=Path, default=llama_server.LLAMA_SERVER, help="the llama-server binary")
+    return parse_part_args(p, argv)
+
+
+def parse_part_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """A benchmark of parts' command line, parsed: start_daemon's settings, a part (--server) or --report
+    required, the embedded pair unless --target names one."""
     p.set_defaults(dtype="auto", threads=2, concurrency=[1], exact=False)  # start_daemon's settings
     args = p.parse_args(argv)
     if not args.server and not args.report:

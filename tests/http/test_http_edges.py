@@ -17,6 +17,7 @@ import hypothesis
 import pytest
 
 from support.engine_double import CountingEngine, serving
+from support.http_double import started
 from support.forwarded_headers import forwarded_headers
 
 from fly_daemon.core import ServingCore
@@ -33,13 +34,8 @@ def front(tmp_path, engine: CountingEngine | None = None, limits: Limits = Limit
     """(server, httpx client) of a daemon's HTTP front on a free port, built from DaemonSettings(**settings), over
     a Server on `engine` (a fresh CountingEngine by default) under `limits`."""
     with serving(f"ipc://{tmp_path}/s.sock", engine or CountingEngine(), limits) as server:
-        http = server.core.http_front(DaemonSettings(**{"http": "127.0.0.1:0", **settings}))
-        http.start()
-        try:
-            with httpx.Client(base_url=http.url, timeout=30) as client:
-                yield server, client
-        finally:
-            http.stop()
+        with started(server.core.http_front(DaemonSettings(**{"http": "127.0.0.1:0", **settings}))) as client:
+            yield server, client
 
 
 def _error(response: httpx.Response, status: int, code: str) -> dict:

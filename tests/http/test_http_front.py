@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from support.engine_double import CountingEngine, serving
+from support.http_double import started
 from fly_llm.common.protocol import MAX_PROMPT_CHARS
 
 from fly_daemon.http import HttpFront, create_app
@@ -34,13 +35,8 @@ def front(tmp_path, engine: CountingEngine | None = None, limits: Limits = Limit
     """(server, httpx client on the front's URL): the daemon's Server on the double, its HTTP front on a free port."""
     with serving(f"ipc://{tmp_path}/s.sock", engine or CountingEngine(), limits, load=load) as server:
         app = create_app(server.core.inproc, api_key=api_key, max_body_bytes=max_body_bytes)
-        http = HttpFront(app, "127.0.0.1:0", api_key=api_key)
-        http.start()
-        try:
-            with httpx.Client(base_url=http.url, timeout=30) as client:
-                yield server, client
-        finally:
-            http.stop()
+        with started(HttpFront(app, "127.0.0.1:0", api_key=api_key)) as client:
+            yield server, client
 
 
 def _events(response: httpx.Response) -> list[dict | str]:

@@ -7,9 +7,9 @@ import json
 import time
 from contextlib import contextmanager
 
-import httpx
 
 from support.engine_double import CountingEngine, serving
+from support.http_double import started
 
 from fly_daemon.http import HttpFront, create_app
 
@@ -23,12 +23,8 @@ def front(tmp_path, engine: CountingEngine | None = None, *, api_key: str | None
     with serving(f"ipc://{tmp_path}/s.sock", engine or CountingEngine()) as server:
         http = HttpFront(create_app(server.core.inproc, api_key=api_key, max_body_bytes=max_body_bytes),
                          "127.0.0.1:0", api_key=api_key)
-        http.start()
-        try:
-            with httpx.Client(base_url=http.url, timeout=30) as client:
-                yield server, client
-        finally:
-            http.stop()
+        with started(http) as client:
+            yield server, client
 
 
 def test_generate_streams_ndjson_lines_then_one_done_line(tmp_path):

@@ -22,10 +22,16 @@ def double_front(tmp_path, engine: CountingEngine | None = None, *, api_key: str
     `embeddings` (default: none)."""
     with serving(f"ipc://{tmp_path}/s.sock", engine or CountingEngine()) as server:
         app = create_app(server.core.inproc, api_key=api_key, embeddings=embeddings or EmbeddingService())
-        http = HttpFront(app, "127.0.0.1:0", api_key=api_key)
-        http.start()
-        try:
-            with httpx.Client(base_url=http.url, timeout=30) as client:
-                yield server, client
-        finally:
-            http.stop()
+        with started(HttpFront(app, "127.0.0.1:0", api_key=api_key)) as client:
+            yield server, client
+
+
+@contextmanager
+def started(http: HttpFront) -> Iterator[httpx.Client]:
+    """An httpx client on `http`, started for the block and stopped after it."""
+    http.start()
+    try:
+        with httpx.Client(base_url=http.url, timeout=30) as client:
+            yield client
+    finally:
+        http.stop()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from fly_llm.common.config import FLyConfig
 from fly_llm.decoding.stages.base import Proposal, RowStart, Stage, continue_from
-from fly_llm.decoding.stages.recent_answers import PROMPT_TAIL, RecentAnswers
+from fly_llm.decoding.stages.recent_answers import PROMPT_TAIL, RecentAnswers, index_ngrams
 
 
 @dataclass
@@ -130,8 +130,5 @@ class NgramStage(Stage):
         return tokens
 
     def _index(self, state: _NgramRow, context: list[int]) -> None:
-        first_end = state.first_end
-        for end in range(state.indexed + 1, len(context) + 1):
-            for n in range(1, min(self.max_ngram, end) + 1):
-                first_end.setdefault(tuple(context[end - n:end]), end)
+        index_ngrams(state.first_end, context, state.indexed, self.max_ngram)
         state.indexed = len(context)

@@ -22,6 +22,14 @@ MIN_NGRAM = 2
 """Shortest suffix looked up among answers: a single token says too little about which answer goes on."""
 
 
+def index_ngrams(first_end: dict[tuple[int, ...], int], tokens: list[int], indexed: int, max_ngram: int) -> None:
+    """Add to `first_end` (n-gram -> end of its first occurrence) every n-gram of up to `max_ngram` tokens
+    ending after `tokens[:indexed]`, the part indexed before."""
+    for end in range(indexed + 1, len(tokens) + 1):
+        for n in range(1, min(max_ngram, end) + 1):
+            first_end.setdefault(tuple(tokens[end - n:end]), end)
+
+
 @dataclass
 class _Answer:
     scope: str
@@ -48,9 +56,7 @@ class RecentAnswers:
         if len(tokens) <= MIN_NGRAM:
             return
         answer = _Answer(scope, tokens)
-        for end in range(1, len(tokens) + 1):
-            for n in range(1, min(self.max_ngram, end) + 1):
-                answer.first_end.setdefault(tuple(tokens[end - n:end]), end)
+        index_ngrams(answer.first_end, tokens, 0, self.max_ngram)
         self._ids += 1
         self._answers[self._ids] = answer
         self._by_scope.setdefault(scope, {})[self._ids] = answer

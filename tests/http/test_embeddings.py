@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from support.daemon_process import free_port, start_daemon
+from support.daemon_process import serving_http
 from support.tiny_embedder import DIMENSIONS, MAX_SEQ_LENGTH, reference, save_tiny_embedder
 
 TEXTS = ["the quick brown fox", "lisp startup essay", "jumps over the lazy dog", "", "retrieval 42"]
@@ -28,12 +28,9 @@ def served(tiny_pair_dirs, tmp_path_factory):
     """(base URL, embedder directory) of a daemon serving the tiny pair and the tiny encoder over HTTP."""
     work = tmp_path_factory.mktemp("embeddings")
     encoder = save_tiny_embedder(work / NAME)
-    port = free_port()
-    daemon = start_daemon(*tiny_pair_dirs, work, "e", "--http", f"127.0.0.1:{port}", "--embedding-model",
-                          str(encoder), "--embedding-batch-size", "3")
-    yield f"http://127.0.0.1:{port}", encoder
-    assert daemon.stop() == 0
-    assert "Traceback" not in daemon.output()
+    flags = ("--embedding-model", str(encoder), "--embedding-batch-size", "3")
+    with serving_http(*tiny_pair_dirs, work, "e", *flags) as (_, url):
+        yield url, encoder
 
 
 def close(vectors, expected) -> None:

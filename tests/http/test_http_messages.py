@@ -12,7 +12,7 @@ from typing import Literal
 import openai
 import pytest
 
-from support.daemon_process import free_port, start_daemon
+from support.daemon_process import serving_http
 
 anthropic = pytest.importorskip("anthropic", reason="pip install anthropic (in [dev])")
 
@@ -27,11 +27,8 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": "lookup", "description":
 
 @pytest.fixture(scope="module")
 def root_url(tiny_pair_dirs, tmp_path_factory):
-    port = free_port()
-    daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("messages"), "m", "--http", f"127.0.0.1:{port}")
-    yield f"http://127.0.0.1:{port}"
-    assert daemon.stop() == 0
-    assert "Traceback" not in daemon.output()
+    with serving_http(*tiny_pair_dirs, tmp_path_factory.mktemp("messages"), "m") as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")

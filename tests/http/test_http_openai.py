@@ -12,7 +12,7 @@ import json
 import openai
 import pytest
 
-from support.daemon_process import free_port, start_daemon
+from support.daemon_process import serving_http
 from fly_llm.client import FLyClient, build_options
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
@@ -23,11 +23,8 @@ EXACT = {"loose": False}
 @pytest.fixture(scope="module")
 def http_daemon(tiny_pair_dirs, tmp_path_factory):
     """(ipc endpoint, base URL of the HTTP front) of a daemon serving the tiny pair in float32."""
-    port = free_port()
-    daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("http_daemon"), "h", "--http", f"127.0.0.1:{port}")
-    yield daemon.endpoint, f"http://127.0.0.1:{port}/v1"
-    assert daemon.stop() == 0
-    assert "Traceback" not in daemon.output()
+    with serving_http(*tiny_pair_dirs, tmp_path_factory.mktemp("http_daemon"), "h") as (daemon, url):
+        yield daemon.endpoint, f"{url}/v1"
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from support.daemon_process import free_port, start_daemon
+from support.daemon_process import serving_http
 from fly_llm.client import FLyClient
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
@@ -24,12 +24,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def daemon(tiny_pair_dirs, tmp_path_factory):
     """(ipc endpoint, base URL without /v1) of a daemon serving the tiny pair in float32, its HTTP front keyed."""
-    port = free_port()
-    process = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("fields"), "f", "--http", f"127.0.0.1:{port}",
-                           "--api-key", KEY)
-    yield process.endpoint, f"http://127.0.0.1:{port}"
-    assert process.stop() == 0
-    assert "Traceback" not in process.output()
+    with serving_http(*tiny_pair_dirs, tmp_path_factory.mktemp("fields"), "f", "--api-key", KEY) as (daemon, url):
+        yield daemon.endpoint, url
 
 
 @pytest.fixture(scope="module")

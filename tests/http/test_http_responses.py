@@ -13,7 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from support.daemon_process import free_port, start_daemon
+from support.daemon_process import serving_http
 
 SYSTEM, QUESTION = "Be brief.", "What is 2 + 3?"
 EXACT = {"loose": False}
@@ -28,11 +28,8 @@ class Verdict(BaseModel):
 
 @pytest.fixture(scope="module")
 def base_url(tiny_pair_dirs, tmp_path_factory):
-    port = free_port()
-    daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("responses"), "r", "--http", f"127.0.0.1:{port}")
-    yield f"http://127.0.0.1:{port}/v1"
-    assert daemon.stop() == 0
-    assert "Traceback" not in daemon.output()
+    with serving_http(*tiny_pair_dirs, tmp_path_factory.mktemp("responses"), "r") as (_, url):
+        yield f"{url}/v1"
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from fly_llm.client import FLyClient, build_options
-from support.daemon_process import free_port, start_daemon
+from support.daemon_process import serving_http
 
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 PROMPT = "The quick brown fox"
@@ -25,11 +25,8 @@ FILTERS = {"top_k": 3, "min_p": 0.1, "temperature": 1.5, "seed": 7}
 @pytest.fixture(scope="module")
 def daemon(tiny_pair_dirs, tmp_path_factory):
     """(ipc endpoint, base URL) of a daemon serving the tiny pair in float32 with its HTTP front."""
-    port = free_port()
-    process = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("samplers"), "s", "--http", f"127.0.0.1:{port}")
-    yield process.endpoint, f"http://127.0.0.1:{port}"
-    assert process.stop() == 0
-    assert "Traceback" not in process.output()
+    with serving_http(*tiny_pair_dirs, tmp_path_factory.mktemp("samplers"), "s") as (daemon, url):
+        yield daemon.endpoint, url
 
 
 @pytest.fixture(scope="module")

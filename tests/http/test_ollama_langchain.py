@@ -16,17 +16,14 @@ from langchain_ollama import ChatOllama
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from pydantic import BaseModel, Field
 
-from support.daemon_process import free_port, start_daemon
+from support.daemon_process import serving_http
 
 
 @pytest.fixture(scope="module")
 def ollama_url(tiny_pair_dirs, tmp_path_factory):
     """Base URL of a daemon serving the tiny pair in float32 (its HTTP front on a free loopback port)."""
-    port = free_port()
-    daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("ollama_lc"), "l", "--http", f"127.0.0.1:{port}")
-    yield f"http://127.0.0.1:{port}"
-    assert daemon.stop() == 0
-    assert "Traceback" not in daemon.output()
+    with serving_http(*tiny_pair_dirs, tmp_path_factory.mktemp("ollama_lc"), "l") as (_, url):
+        yield url
 
 
 def model_bound(reason: str) -> pytest.MarkDecorator:

@@ -19,7 +19,7 @@ from llama_index.core.tools import FunctionTool
 from llama_index.llms.ollama import Ollama
 from pydantic import BaseModel, Field
 
-from support.daemon_process import free_port, start_daemon
+from support.daemon_process import serving_http
 from fly_llm.client import FLyClient, build_options
 
 CHAT = [ChatMessage(role="user", content="What is 2 + 3?")]
@@ -43,11 +43,8 @@ class Pick(BaseModel):
 @pytest.fixture(scope="module")
 def served(tiny_pair_dirs, tmp_path_factory):
     """(ipc endpoint, base URL, model name) of a daemon serving the tiny pair in float32."""
-    port = free_port()
-    daemon = start_daemon(*tiny_pair_dirs, tmp_path_factory.mktemp("ollama_li"), "i", "--http", f"127.0.0.1:{port}")
-    yield daemon.endpoint, f"http://127.0.0.1:{port}", str(tiny_pair_dirs[0])
-    assert daemon.stop() == 0
-    assert "Traceback" not in daemon.output()
+    with serving_http(*tiny_pair_dirs, tmp_path_factory.mktemp("ollama_li"), "i") as (daemon, url):
+        yield daemon.endpoint, url, str(tiny_pair_dirs[0])
 
 
 def ollama(served, **options) -> Ollama:

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from support.device import TEST_DEVICE
@@ -90,3 +92,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def serving_http(target: Path | None, draft: Path | None, workdir: Path, name: str = "d",
+                *extra: str) -> Iterator[tuple[DaemonProcess, str]]:
+    """A daemon (`start_daemon`) with its HTTP front on a free loopback port: (the process, the front's root
+    URL); afterwards it must stop cleanly, with no traceback in its log."""
+    port = free_port()
+    daemon = start_daemon(target, draft, workdir, name, "--http", f"127.0.0.1:{port}", *extra)
+    yield daemon, f"http://127.0.0.1:{port}"
+    assert daemon.stop() == 0
+    assert "Traceback" not in daemon.output()

@@ -4,7 +4,9 @@ Both speak the wire protocol of fly_llm.common.protocol over a ZeroMQ DEALER soc
 - lazy connect, one socket per thread (sync) or per event loop (async); one socket carries many
   concurrent requests, replies are routed to their request by id (`core.Inbox`);
 - while requests are open, a background thread sends heartbeats so the daemon keeps them and the
-  client notices a dead daemon (`heartbeat`);
+  client notices a daemon that hangs (`heartbeat`); a daemon that went away (stopped, killed, crashed)
+  drops the connection, which a monitor of the socket reports (`sockets.watch`): the requests open on
+  it end with FLyUnavailable at once, whatever their timeout (Timeout is for a daemon that is there);
 - retries only where they are safe (`core`): info/health/status/tokenize are re-sent on a fresh
   socket, and a generate request is re-sent only when the daemon answered BUSY before admitting it.
 

@@ -35,7 +35,8 @@ def _context() -> zmq.asyncio.Context:
 
 
 class _AsyncConnection(Connection):
-    """One event loop's socket; a reader task delivers replies while any request is open."""
+    """One event loop's socket; a reader task delivers replies (and notes a dropped connection) while any
+    request is open."""
 
     def __init__(self, endpoint: str, heartbeat: Heartbeat) -> None:
         super().__init__(_context(), endpoint, heartbeat)
@@ -43,7 +44,8 @@ class _AsyncConnection(Connection):
         self._arrived = asyncio.Event()
 
     async def next_reply(self, rid: str, since: float, deadline: float) -> BaseModel:
-        """The next reply for request `rid`; Timeout at `deadline`, FLyUnavailable if the daemon is silent."""
+        """The next reply for request `rid`; Timeout at `deadline`, FLyUnavailable if the daemon went away or
+        is silent."""
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read())
         while True:
@@ -60,8 +62,8 @@ class _AsyncConnection(Connection):
 
     async def _read(self) -> None:
         while self.inbox and not self.socket.closed:
-            if await self.socket.poll(int(POLL_S * 1000)):
-                self.inbox.deliver(await self.socket.recv())
+            if await self.poller.poll(int(POLL_S * 1000)):
+                self.pump()
                 arrived, self._arrived = self._arrived, asyncio.Event()
                 arrived.set()  # wakes whoever waits now; later waiters wait for the next frame
 
@@ -147,7 +149,7 @@ class AsyncFLyClient(ClientBase):
         self._heartbeat.close()
         with self._lock:
             for conn in self._connections.values():
-                conn.socket.close(0)
+                conn.close()
             self._connections.clear()
 
     async def __aenter__(self) -> "AsyncFLyClient":
@@ -160,7 +162,7 @@ class AsyncFLyClient(ClientBase):
         loop = asyncio.get_running_loop()
         with self._lock:
             for old in [lp for lp in self._connections if lp.is_closed()]:
-                self._connections.pop(old).socket.close(0)
+                self._connections.pop(old).close()
             if loop not in self._connections:
                 self._connections[loop] = _AsyncConnection(self.endpoint, self._heartbeat)
             return self._connections[loop]
@@ -169,7 +171,7 @@ class AsyncFLyClient(ClientBase):
         with self._lock:
             conn = self._connections.pop(asyncio.get_running_loop(), None)
         if conn is not None:
-            conn.socket.close(0)
+            conn.close()
 
     async def _replies(self, conn: _AsyncConnection,
                        replies: GenerateReplies) -> AsyncIterator[TokenChunk | GenerateResult]:

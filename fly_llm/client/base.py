@@ -20,7 +20,7 @@ from fly_llm.client.core import (
     GenerateReplies, Inbox, Messages, Prompt, batch_requests, completion_source, generate_request, rpc_windows,
 )
 from fly_llm.client.heartbeat import Heartbeat
-from fly_llm.client.sockets import cancel, new_socket, send
+from fly_llm.client.sockets import arrived, cancel, close, dropped, new_socket, readable, send, watch
 from fly_llm.common.config import FLyOverrides, SamplingParams
 from fly_llm.common.endpoints import default_endpoint
 from fly_llm.common.errors import FLyUnavailable
@@ -28,16 +28,41 @@ from fly_llm.common.protocol import GenerateRequest
 
 
 class Connection:
-    """One DEALER socket and the replies that arrived on it for each open request."""
+    """One DEALER socket, its monitor, and the replies that arrived on it for each open request.
+
+    A subclass waits on `poller` until the socket or the monitor is readable, then `pump`s: a connection that
+    dropped (the daemon went away) loses the requests open on it, so they end with FLyUnavailable
+    at once instead of at their deadline.
+    """
 
     def __init__(self, context: zmq.Context, endpoint: str, heartbeat: Heartbeat) -> None:
         self.socket = new_socket(context, endpoint)
+        self.monitor = watch(self.socket)
+        self.poller = readable(self.socket, self.monitor)
         self.inbox = Inbox(heartbeat)
+
+    def pump(self) -> None:
+        """Route every frame that arrived; if the connection dropped meanwhile, lose the requests open now
+        (after the frames the daemon sent before it went, which arrived first)."""
+        gone = dropped(self.monitor)
+        for frame in arrived(self.socket):
+            self.inbox.deliver(frame)
+        if gone:
+            self.inbox.lose()
+
+    def open(self, ids: list[str]) -> None:
+        """Start collecting replies for `ids` (a drop seen before they are sent is not theirs)."""
+        self.pump()
+        self.inbox.open(ids)
+
+    def close(self) -> None:
+        """Close the socket and its monitor."""
+        close(self.socket, self.monitor)
 
     @contextmanager
     def asking(self, request: BaseModel) -> Iterator[float]:
         """Send one metadata request and collect its reply while open; yields when it was sent."""
-        self.inbox.open([request.id])
+        self.open([request.id])
         try:
             since = time.monotonic()
             send(self.socket, request)
@@ -90,7 +115,7 @@ class ClientBase(ABC):
         """
         conn = self._conn()
         ids = [r.id for r in requests]
-        conn.inbox.open(ids)
+        conn.open(ids)
         self._heartbeat.add(ids)
         finished = True
         try:

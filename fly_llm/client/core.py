@@ -146,15 +146,20 @@ def tokenize_request(text: str | None, messages: Messages | None, tools: Tools |
 # ---- replies ----
 
 class Liveness(Protocol):
-    def check(self, since: float, deadline: float) -> None: ...
+    def check(self, since: float, deadline: float, now: float) -> None: ...
     def heard(self) -> None: ...
 
 
 class Inbox:
-    """Replies that arrived, queued per open request id; frames for other ids are dropped."""
+    """Replies that arrived, queued per open request id; frames for other ids are dropped.
+
+    A request open when its connection dropped (`lose`: the daemon went away) is FLyUnavailable once the
+    replies that came before are taken, whatever its deadline: it is never answered.
+    """
 
     def __init__(self, liveness: Liveness) -> None:
         self._queues: dict[str, deque[BaseModel]] = {}
+        self._lost: set[str] = set()
         self._liveness = liveness
 
     def open(self, ids: Iterable[str]) -> None:
@@ -166,6 +171,11 @@ class Inbox:
         """Stop collecting replies for `ids` and forget what is queued for them."""
         for rid in ids:
             self._queues.pop(rid, None)
+            self._lost.discard(rid)
+
+    def lose(self) -> None:
+        """The connection to the daemon dropped: no request open now gets another reply."""
+        self._lost.update(self._queues)
 
     def __bool__(self) -> bool:
         return bool(self._queues)
@@ -183,13 +193,16 @@ class Inbox:
     def take(self, rid: str, since: float, deadline: float) -> tuple[BaseModel | None, float]:
         """(the next reply for `rid`, None) if one is queued, else (None, seconds to wait for frames).
 
-        Raises Timeout at `deadline` and FLyUnavailable when the daemon, asked at `since`, is silent.
+        Raises FLyUnavailable when the daemon went away or, asked at `since`, is silent, and Timeout at `deadline`.
         """
         queue = self._queues[rid]
         if queue:
             return queue.popleft(), 0.0
-        self._liveness.check(since, deadline)
-        left = deadline - time.monotonic()
+        if rid in self._lost:
+            raise FLyUnavailable(f"the fly-daemon went away (its connection dropped) before request {rid} finished")
+        now = time.monotonic()
+        self._liveness.check(since, deadline, now)
+        left = deadline - now
         if left <= 0:
             raise Timeout(f"request {rid} did not finish within its timeout")
         return None, min(POLL_S, left)

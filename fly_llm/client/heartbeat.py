@@ -1,8 +1,10 @@
 """Heartbeats: the client tells the daemon which requests it still waits for, and notices a dead daemon.
 
 While requests are open, a small background thread sends `HeartbeatRequest`s (once a second) so
-the daemon keeps them; the daemon answers each heartbeat, which is how a client notices a dead
-daemon: no answer at all for `min(timeout, LIVENESS_S)` seconds raises `FLyUnavailable`.
+the daemon keeps them; the daemon answers each heartbeat, which is how a client notices a daemon
+that hangs (or a peer gone without closing its connection): no answer at all for
+`min(timeout, LIVENESS_S)` seconds raises `FLyUnavailable`. A daemon that went away and closed the
+connection (its process ended) is noticed sooner, from the socket's monitor (`base.Connection.pump`).
 """
 
 from __future__ import annotations
@@ -64,10 +66,9 @@ class Heartbeat:
         """The daemon answered something just now."""
         self.last_heard = time.monotonic()
 
-    def check(self, since: float, deadline: float) -> None:
-        """Raise FLyUnavailable when the daemon, asked at `since`, has been silent for LIVENESS_S, or at
+    def check(self, since: float, deadline: float, now: float) -> None:
+        """Raise FLyUnavailable when the daemon, asked at `since`, has been silent for LIVENESS_S by `now`, or at
         the `deadline` when it never answered or its heartbeats went unanswered (gone, not slow)."""
-        now = time.monotonic()
         silent = now - max(self.last_heard, since)
         gone_at_deadline = now >= deadline and (self.last_heard < since or silent > 3 * HEARTBEAT_INTERVAL_S)
         if silent > LIVENESS_S or gone_at_deadline:

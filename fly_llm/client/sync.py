@@ -25,16 +25,17 @@ from fly_llm.common.protocol import (
 
 
 class _Connection(Connection):
-    """One thread's socket; the thread reads it while it waits."""
+    """One thread's socket; the thread reads it (and its monitor) while it waits."""
 
     def next_reply(self, rid: str, since: float, deadline: float) -> BaseModel:
-        """The next reply for request `rid`; Timeout at `deadline`, FLyUnavailable if the daemon is silent."""
+        """The next reply for request `rid`; Timeout at `deadline`, FLyUnavailable if the daemon went away or
+        is silent."""
         while True:
             reply, wait = self.inbox.take(rid, since, deadline)
             if reply is not None:
                 return reply
-            if self.socket.poll(int(wait * 1000) + 1):
-                self.inbox.deliver(self.socket.recv())
+            if self.poller.poll(int(wait * 1000) + 1):
+                self.pump()
 
     def ask(self, request: BaseModel, window: float) -> BaseModel:
         """Send a metadata request and wait up to `window` seconds for its reply."""
@@ -129,7 +130,7 @@ class FLyClient(ClientBase):
         self._heartbeat.close()
         with self._lock:
             for conn in self._connections:
-                conn.socket.close(0)
+                conn.close()
             self._connections.clear()
         self._local = threading.local()
 
@@ -155,7 +156,7 @@ class FLyClient(ClientBase):
             with self._lock:
                 if conn in self._connections:
                     self._connections.remove(conn)
-            conn.socket.close(0)
+            conn.close()
 
     def _replies(self, conn: _Connection, replies: GenerateReplies) -> Iterator[TokenChunk | GenerateResult]:
         """Replies to one open generate request up to its result, re-sent when the daemon was BUSY."""

@@ -106,7 +106,7 @@ def vnni_rate(ops, threads: int, reps: int, iterations: int = 20_000_000) -> flo
 def matmul_demand(model: torch.nn.Module) -> tuple[int, int]:
     """(packed weight bytes, vpdpbusd per input row) of one pass over `model`'s w4a8 Linear layers."""
     packed = [m.packed for m in model.modules() if isinstance(m, _LINEAR_TYPES) and hasattr(m, "packed")]
-    size = sum(p.one_level().streamed_bytes() for p in packed)
+    size = sum(p.streamed_bytes() for p in packed)
     return size, sum(p.weight_count() // 64 for p in packed)  # 64 products per vpdpbusd
 
 

@@ -5,7 +5,7 @@
 now; "Q4_K only": the Q4_K tensors as published and the others rounded again to 4 bits, as loading did
 before. Both models are loaded; their forwards alternate, one by one, after `--context` cached tokens
 (the machine's bandwidth drifts by the minute, so only side by side counts). Also reported: the bytes
-each streams per forward over up to 4 rows, and how often the two pick the same next token.
+each streams per forward, and how often the two pick the same next token.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def load_q4k_only(threads: int) -> pair.LoadedModels:
 
 
 def streamed_bytes(model: torch.nn.Module) -> int:
-    """Bytes of packed weights a forward over up to 4 rows streams."""
+    """Bytes of packed weights a forward streams."""
     return sum(m.packed.streamed_bytes() for m in model.modules() if isinstance(m, PackedW4A8))
 
 

@@ -1,8 +1,9 @@
 """The w4a8 kernel's two scale layouts side by side on the embedded pair (issue 34, "fewer bytes"):
 the published Q4_K weights packed with two levels (a float16 per 256 weights and an 8-bit multiplier
-per 32, as GGUF stores them) against the same weights with a float16 scale and minimum per 32.
+per 32, as GGUF stores them) against the same weights with a float32 scale and minimum per 32 (their
+products; before issue 44's last step a float16 rounding of them).
     python -m benchmarks.forward.scale_layout_bench --threads 2 --rounds 20 --out benchmarks/results/step/scale-layout.md
-Both layouts stand for the same float16 scales, so every forward's logits must be equal (checked on
+Both layouts stand for the same scales, so every forward's logits must be equal (checked on
 each pair of forwards). The two run alternately, forward by forward, on the same loaded models after
 `--context` cached tokens: the machine's bandwidth drifts by the minute, so only side by side counts.
 """
@@ -32,7 +33,7 @@ def layouts(model: nn.Module) -> tuple[dict[nn.Module, Packed], dict[nn.Module, 
 
 
 def streamed_bytes(packed: dict[nn.Module, Packed]) -> int:
-    """Bytes a forward over up to 4 rows streams: the levels and the scales (two levels where kept)."""
+    """Bytes a forward streams: the levels and the scales (two levels where kept)."""
     return sum(p.streamed_bytes() for p in packed.values())
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from support.tiny_models import make_pair
 
+from benchmarks.forward import scale_layout_bench
 from benchmarks.forward.scale_layout_bench import compare, layouts, streamed_bytes
 from fly_llm.decoding.cache import BatchKV
 from fly_llm.model.kernels import w4a8
@@ -33,7 +34,7 @@ def _published(target: torch.nn.Module) -> dict[str, w4a8.SuperBlockWeight]:
 
 
 @pytest.mark.skipif(not w4a8.available(), reason="the w4a8 kernel cannot be built or run here")
-def test_the_layouts_are_compared_side_by_side_and_must_agree():
+def test_the_layouts_are_compared_side_by_side_and_must_agree(monkeypatch):
     target, _, _ = make_pair("llama", device="cpu", **SIZE)
     quantize(target, "w4a8", CPU, published=_published(target))
     two, one = layouts(target)
@@ -45,8 +46,8 @@ def test_the_layouts_are_compared_side_by_side_and_must_agree():
         assert {name: len(t) for name, t in times.items()} == {"two levels": 2, "one level": 2}
         assert all(module.packed is packed for module, packed in two.items())  # left as loaded
         module = next(m for m, p in two.items() if p.levels is not None)
-        levels = module.packed.levels  # a two-level scale that no longer matches its per-block twin
-        module.packed = w4a8.PackedWeight(module.packed.q, module.packed.d, module.packed.m, module.packed.n,
-                                          w4a8.TwoLevelScales(levels.d * 2, levels.m, levels.sc, levels.mn))
+        plain = one[module]  # a per-block twin that no longer matches the two levels
+        one[module] = w4a8.PackedWeight(plain.q, plain.d * 2, plain.m, plain.n)
+        monkeypatch.setattr(scale_layout_bench, "layouts", lambda model: (two, one))
         with pytest.raises(AssertionError, match="different logits"):
             compare(target, kv, context=8, width=1, rounds=1)

@@ -180,13 +180,14 @@ def _two_level(n: int, k: int, seed: int) -> w4a8.SuperBlockWeight:
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize(("n", "k"), [(47, 512), (16, 256), (3, 768)])
 def test_two_level_scales_give_the_one_level_output_bit_for_bit(isa, n_threads, n, k, threads):
-    """Every row count (one tile of rows streams the two levels, more read d and m), both dtypes, and
-    the reference within its tolerance."""
+    """Every row count (the kernel rebuilds the float32 d and m from the two levels), both dtypes, the same
+    output as float32 d and m per block, and the reference within its tolerance."""
     threads(n_threads)
     weight = _two_level(n, k, seed=n + k)
     packed, plain = w4a8.pack(weight), w4a8.pack(weight.per_block())
-    assert packed.levels is not None and plain.levels is None
-    assert torch.equal(packed.d, plain.d) and torch.equal(packed.m, plain.m)
+    assert packed.levels is not None and packed.d is None and plain.levels is None
+    assert plain.d.dtype == torch.float32 and packed.streamed_bytes() < plain.streamed_bytes()
+    assert torch.equal(packed.one_level().d, plain.d) and torch.equal(packed.one_level().m, plain.m)
     bias = torch.randn(n)
     torch.manual_seed(5)
     for rows in range(1, 34):
@@ -199,21 +200,31 @@ def test_two_level_scales_give_the_one_level_output_bit_for_bit(isa, n_threads, 
     assert torch.equal(w4a8.linear(x, packed, bias, isa=isa), w4a8.linear(x, plain, bias, isa=isa))
 
 
-def test_the_rebuilt_scales_are_the_float16_rounding_of_the_product():
-    """float16(d * sc) rounds once, to nearest even: 1.5 * 2^-10 * 3 needs rounding, 2^-14 * 63 is subnormal."""
-    top = torch.tensor([[1.5 * 2**-10, 2**-14, 0.0]]).half()
-    sub = torch.tensor([[3] * 8 + [63] * 8 + [255] * 8], dtype=torch.uint8)
-    weight = w4a8.SuperBlockWeight(torch.zeros(1, 768, dtype=torch.uint8), top, top, sub, sub).per_block()
-    expected = (top.double().repeat_interleave(8, dim=1) * sub.double()).half()
-    assert torch.equal(weight.d, expected) and torch.equal(weight.m, expected)
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_rebuilt_scales_are_the_exact_products_as_ggml_computes_them(isa):
+    """d * sc in float32, not rounded again to float16 (as ggml's dequantization): 1.5 * 2^-10 * 3 and
+    (1 + 2^-10) * 63 are not float16 values, 2^-14 * 63 is subnormal there. The kernel computes with them too:
+    its output for a weight of such blocks is the reference's on the float32 products, not on their float16
+    roundings."""
+    top = torch.tensor([[1.5 * 2**-10, 2**-14, 1 + 2**-10]]).half()
+    sub = torch.tensor([[3] * 8 + [63] * 8 + [63] * 8], dtype=torch.uint8)
+    weight = w4a8.SuperBlockWeight(torch.full((1, 768), 15, dtype=torch.uint8), top, top, sub, sub)
+    expected = top.double().repeat_interleave(8, dim=1) * sub.double()
+    assert torch.equal(weight.per_block().d.double(), expected) and torch.equal(weight.per_block().m.double(), expected)
+    assert not torch.equal(expected.half().double(), expected)  # a float16 rounding would change them
+    x = torch.ones(1, 768)  # w = 15 d - d: the output is 14 * 32 * the sum of the blocks' d
+    exact = w4a8.reference_linear(x, weight)
+    rounded = w4a8.reference_linear(x, w4a8.QuantizedWeight(weight.q, expected.half(), expected.half()))
+    out = w4a8.linear(x, w4a8.pack(weight), isa=isa).double()
+    assert (out - exact).abs().item() < (out - rounded).abs().item()
 
 
 def test_fused_weights_keep_two_levels_only_where_every_part_has_them():
     two, other = w4a8.pack(_two_level(32, 256, seed=1)), w4a8.pack(_two_level(16, 256, seed=2))
     both = w4a8.concat([two, other])
     assert both.levels is not None and both.n == 48
-    mixed = w4a8.concat([two, other.one_level()])
-    assert mixed.levels is None and torch.equal(mixed.d, both.d) and torch.equal(mixed.m, both.m)
+    mixed = w4a8.concat([two, other.one_level()])  # scales of two forms: the parts side by side
+    assert isinstance(mixed, w4a8.PackedParts) and [p.levels is not None for p in mixed.parts] == [True, False]
     x = torch.randn(2, 256)
     assert torch.equal(w4a8.linear(x, both), torch.cat([w4a8.linear(x, two), w4a8.linear(x, other)], dim=1))
     assert torch.equal(w4a8.linear(x, mixed), w4a8.linear(x, both))
@@ -224,10 +235,15 @@ def test_two_level_scales_of_the_wrong_shape_are_refused():
     levels = packed.levels
     short = w4a8.TwoLevelScales(levels.d[:, :0], levels.m[:, :0], levels.sc, levels.mn)
     with pytest.raises(RuntimeError, match="top_d and top_m"):
-        w4a8.linear(torch.randn(1, 256), w4a8.PackedWeight(packed.q, packed.d, packed.m, 16, short))
+        w4a8.linear(torch.randn(1, 256), w4a8.PackedWeight(packed.q, None, None, 16, short))
     wide = w4a8.TwoLevelScales(levels.d, levels.m, levels.sc.half(), levels.mn)
     with pytest.raises(RuntimeError, match="sc and mn"):
-        w4a8.linear(torch.randn(1, 256), w4a8.PackedWeight(packed.q, packed.d, packed.m, 16, wide))
+        w4a8.linear(torch.randn(1, 256), w4a8.PackedWeight(packed.q, None, None, 16, wide))
+    plain = packed.one_level()
+    with pytest.raises(ValueError, match="not both"):
+        w4a8.PackedWeight(packed.q, plain.d, plain.m, 16, levels)
+    with pytest.raises(RuntimeError, match="both float16 or both"):
+        w4a8.linear(torch.randn(1, 256), w4a8.PackedWeight(packed.q, plain.d, plain.m.half(), 16))
 
 
 def test_published_weights_are_taken_as_they_are_not_rounded_again():

@@ -5,15 +5,15 @@ formulas of llama.cpp's `dequantize_row_*`, gguf-py's `quants`):
 
 - Q4_K: 256 weights in 144 bytes: float16 d and dmin, 12 bytes packing eight 6-bit scales and eight
   6-bit minimums, 128 bytes of 4-bit levels; sub-block s (32 weights) is w = d*sc[s]*q - dmin*mn[s].
-  Decoded to a SuperBlockWeight; the kernel computes with d' = f16(d*sc[s]) and m' = f16(dmin*mn[s]):
-  the levels are exact, the two products rounded to float16 (relative error <= 2^-11).
+  Decoded to a SuperBlockWeight; the kernel computes with d' = d*sc[s] and m' = dmin*mn[s] in float32, as
+  llama.cpp does: exact (11 x 6 bits), so every value is the file's.
 - Q6_K: 256 weights in 210 bytes: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales
   (one per 16 weights) and a float16 d; w = d*sc*(q - 32), q in 0..63.
 - Q8_0: 32 weights in 34 bytes: float16 d and 32 int8 levels; w = d*q (taken as q + 128 - 128).
 - Q5_0: 32 weights in 22 bytes: float16 d, 32 high bits, 16 bytes of nibbles; w = d*(q - 16).
 - Q4_0: 32 weights in 18 bytes: float16 d, 16 bytes of nibbles; w = d*(q - 8).
 
-The last four decode to a SymmetricWeight whose values are exactly the file's (d*sc*(q - zero) has at
+The last four decode to a SymmetricWeight whose values are exactly the file's too (d*sc*(q - zero) has at
 most 19 significant bits: exact in float32).
 
 `published_blocks` picks the tensors of those types that are weights of a model's Linear layers,

@@ -2,17 +2,16 @@
 //
 // Input float32 or bfloat16, output in the same dtype. Weights (packed by fly_llm/kernels/w4a8.py):
 // output columns in groups of 16, input features in blocks of 32. Weight w = d * q - m per (column,
-// block), q in 0..15, d and m float16.
+// block), q in 0..15.
 //   q: uint8 [groups, blocks, 4, 64]: chunk c holds k = 8c..8c+7 of the block; byte 4*col + j has
 //      k = 8c + j in its low nibble and k = 8c + 4 + j in its high nibble (col 0..15, j 0..3).
-//   d, m: float16 [groups, blocks, 16].
-// Optionally the same d and m in two levels too (GGUF Q4_K's): top_d, top_m float16 [groups, blocks / 8,
-// 16] per super-block of 8 blocks and sc, mn uint8 [groups, blocks, 16] per block, d being
-// float16(top_d * sc) and m float16(top_m * mn) (the float32 product rounded to nearest even, as
-// torch's .half()). On AVX-512 VNNI over up to 4 rows (memory-bound) the kernel streams these (296
-// bytes a block and group instead of 320) and rebuilds d and m; over more rows, and on the AVX2 path
-// (compute-bound: the rebuild cost more than the bytes saved, measured), it reads d and m. Same values
-// either way: the same output bit for bit.
+// d and m come in one of three forms (`Scales`):
+//   kHalf: float16 d, m [groups, blocks, 16] (weights rounded to 4 bits here);
+//   kFloat: float32 d, m [groups, blocks, 16];
+//   kTwoLevel: GGUF Q4_K's two levels, top_d, top_m float16 [groups, blocks / 8, 16] per super-block of 8
+//      blocks and sc, mn uint8 [groups, blocks, 16] per block: d = float(top_d) * sc and m = float(top_m) * mn,
+//      the float32 products (exact: 11 x 8 bits), as ggml's dequantization computes them. Both paths and
+//      every row count rebuild them (296 bytes a block and group, not 320 or 384).
 // Activations are quantized per row per block of 32 (as llama.cpp's Q8 blocks): s = max|x| / 127,
 // a = round(x / s) in -127..127. For a row and a block the integer sum of q * a is exact, then
 //   acc += (d * s) * sum(q * a) - m * (s * sum(a))
@@ -49,9 +48,9 @@ struct Activations {
 
 struct Weights {
   const uint8_t* q;
-  const uint16_t* d;
-  const uint16_t* m;
-  const uint16_t* top_d;  // two levels (null where the weight has none)
+  const void* d;  // kHalf: uint16_t (float16), kFloat: float; null for kTwoLevel
+  const void* m;
+  const uint16_t* top_d;  // kTwoLevel only
   const uint16_t* top_m;
   const uint8_t* sc;
   const uint8_t* mn;
@@ -59,29 +58,58 @@ struct Weights {
 };
 
 constexpr int kSuper = 8;  // blocks per super-block of the two-level layout
-constexpr int kTwoLevelRows = 4;  // the most rows for which the kernel streams two-level scales
-constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
-// float16(top * sub) for 16 columns: the float32 product (exact: 11 x 8 bits) rounded to float16.
+enum Scales : int { kHalf = 0, kFloat = 1, kTwoLevel = 2 };  // the forms of d and m (top of this file)
+
+// float(top) * sub for 16 columns: the float32 product (exact: 11 x 8 bits).
 __attribute__((target("avx512f,f16c")))
 __m512 rebuild16(const uint16_t* top, const uint8_t* sub) {
   const __m512 t = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top)));
   const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub))));
-  return _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(t, u), kNearest));
+  return _mm512_mul_ps(t, u);
+}
+
+// The same for 8 columns.
+__attribute__((target("avx2,f16c")))
+__m256 rebuild8(const uint16_t* top, const uint8_t* sub) {
+  const __m256 t = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(top)));
+  const __m256 u = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub))));
+  return _mm256_mul_ps(t, u);
 }
 
 // Block b of a group: its d and m for all 16 columns.
-template <bool kTwoLevel>
+template <Scales S>
 __attribute__((target("avx512f,f16c")))
 void scales16(const Weights& w, int64_t group, int64_t b, __m512& d, __m512& m) {
   const int64_t at = (group * w.blocks + b) * kCols;
-  if constexpr (kTwoLevel) {
+  if constexpr (S == kTwoLevel) {
     const int64_t top = (group * (w.blocks / kSuper) + b / kSuper) * kCols;
     d = rebuild16(w.top_d + top, w.sc + at);
     m = rebuild16(w.top_m + top, w.mn + at);
+  } else if constexpr (S == kFloat) {
+    d = _mm512_loadu_ps(static_cast<const float*>(w.d) + at);
+    m = _mm512_loadu_ps(static_cast<const float*>(w.m) + at);
   } else {
-    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + at)));
-    m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + at)));
+    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w.d) + at)));
+    m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w.m) + at)));
+  }
+}
+
+// Columns [h * 8, h * 8 + 8) of block b of a group: their d and m.
+template <Scales S>
+__attribute__((target("avx2,f16c")))
+void scales8(const Weights& w, int64_t group, int64_t b, int h, __m256& d, __m256& m) {
+  const int64_t at = (group * w.blocks + b) * kCols + h * 8;
+  if constexpr (S == kTwoLevel) {
+    const int64_t top = (group * (w.blocks / kSuper) + b / kSuper) * kCols + h * 8;
+    d = rebuild8(w.top_d + top, w.sc + at);
+    m = rebuild8(w.top_m + top, w.mn + at);
+  } else if constexpr (S == kFloat) {
+    d = _mm256_loadu_ps(static_cast<const float*>(w.d) + at);
+    m = _mm256_loadu_ps(static_cast<const float*>(w.m) + at);
+  } else {
+    d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w.d) + at)));
+    m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w.m) + at)));
   }
 }
 
@@ -92,7 +120,7 @@ int32_t load4(const int8_t* p) {
 }
 
 // Rows [row0, row0 + R) of one group over blocks [b0, b1): acc[r * 16 + col] updated in place.
-template <int R, bool kTwoLevel>
+template <int R, Scales S>
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c,fma")))
 void tile_vnni(const Weights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
                float* acc) {
@@ -103,7 +131,7 @@ void tile_vnni(const Weights& w, const Activations& a, int64_t group, int64_t ro
     const int64_t at = group * w.blocks + b;
     const uint8_t* q = w.q + at * kGroupBytes;
     __m512 d, m;
-    scales16<kTwoLevel>(w, group, b, d, m);
+    scales16<S>(w, group, b, d, m);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
@@ -127,7 +155,7 @@ void tile_vnni(const Weights& w, const Activations& a, int64_t group, int64_t ro
 
 // The same steps on 256-bit registers: each group as two halves of 8 columns; u8 x s8 pairs summed
 // to int16 (vpmaddubsw: at most 2 * 15 * 127 each, 8 of them per block fit int16), then to int32.
-template <int R>
+template <int R, Scales S>
 __attribute__((target("avx2,f16c,fma")))
 void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
                float* acc) {
@@ -152,8 +180,8 @@ void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t ro
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + at * kCols + h * 8)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.m + at * kCols + h * 8)));
+      __m256 d, m;
+      scales8<S>(w, group, b, h, d, m);
       for (int r = 0; r < R; ++r) {
         const int64_t i = (row0 + r) * a.blocks + b;
         float* out = acc + r * kCols + h * 8;
@@ -172,11 +200,12 @@ using TileOf = void (*)(const W&, const Activations&, int64_t, int64_t, int64_t,
 using Tile = TileOf<Weights>;
 constexpr int kVnniRows = 8;  // 8 int32 + 8 float accumulators + weights fit 32 zmm registers
 constexpr int kAvx2Rows = 4;  // 8 int16 accumulators + weights fit 16 ymm registers
-const Tile kVnniTiles[] = {tile_vnni<1, false>, tile_vnni<2, false>, tile_vnni<3, false>, tile_vnni<4, false>,
-                           tile_vnni<5, false>, tile_vnni<6, false>, tile_vnni<7, false>, tile_vnni<8, false>};
-const Tile kVnniTwoLevelTiles[] = {tile_vnni<1, true>, tile_vnni<2, true>, tile_vnni<3, true>, tile_vnni<4, true>};
-static_assert(sizeof(kVnniTwoLevelTiles) / sizeof(Tile) == kTwoLevelRows, "a two-level tile for each row count");
-const Tile kAvx2Tiles[] = {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
+template <Scales S>
+struct Tiles {
+  static constexpr Tile vnni[] = {tile_vnni<1, S>, tile_vnni<2, S>, tile_vnni<3, S>, tile_vnni<4, S>,
+                                  tile_vnni<5, S>, tile_vnni<6, S>, tile_vnni<7, S>, tile_vnni<8, S>};
+  static constexpr Tile avx2[] = {tile_avx2<1, S>, tile_avx2<2, S>, tile_avx2<3, S>, tile_avx2<4, S>};
+};
 
 // ---- Symmetric blocks: GGUF's Q8_0, Q5_0, Q4_0 and Q6_K as published ----
 //
@@ -436,9 +465,10 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* s, flo
 }
 
 // Quantize the rows of x, then out = x W^T (+ bias) in the panels and groups described above;
-// `tiles(panel_rows)` gives the tile table for a panel and `tile_rows` its widest tile.
-template <typename T, typename W, typename Pick>
-void run(const T* x, T* out, const W& w, int64_t rows, int64_t n, const float* bias, int tile_rows, Pick tiles) {
+// `table[r - 1]` is the tile over r rows, `tile_rows` its widest.
+template <typename T, typename W>
+void run(const T* x, T* out, const W& w, int64_t rows, int64_t n, const float* bias, int tile_rows,
+         const TileOf<W>* table) {
   const int64_t blocks = w.blocks, k = blocks * kBlock, groups = (n + kCols - 1) / kCols;
   const torch::Tensor q = torch::empty({rows, k}, torch::kInt8);
   const torch::Tensor s = torch::empty({rows, blocks}, torch::kFloat32);
@@ -450,7 +480,6 @@ void run(const T* x, T* out, const W& w, int64_t rows, int64_t n, const float* b
 
   for (int64_t panel = 0; panel < rows; panel += kPanel) {  // prefill: a panel's activations stay in cache
     const int64_t panel_rows = std::min<int64_t>(kPanel, rows - panel);
-    const TileOf<W>* table = tiles(panel_rows);
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       alignas(64) float acc[kPanel * kCols];
       for (int64_t g = g0; g < g1; ++g) {
@@ -474,14 +503,15 @@ void run(const T* x, T* out, const W& w, int64_t rows, int64_t n, const float* b
 }
 
 // out = x W^T (+ bias) in x's dtype.
-template <typename W, typename Pick>
-torch::Tensor run_any(const torch::Tensor& x, const W& w, int64_t n, const float* bias, int tile_rows, Pick tiles) {
+template <typename W>
+torch::Tensor run_any(const torch::Tensor& x, const W& w, int64_t n, const float* bias, int tile_rows,
+                      const TileOf<W>* table) {
   const torch::Tensor xc = x.contiguous();
   auto y = torch::empty({x.size(0), n}, x.options());
   if (x.scalar_type() == torch::kBFloat16)
-    run(xc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), w, x.size(0), n, bias, tile_rows, tiles);
+    run(xc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), w, x.size(0), n, bias, tile_rows, table);
   else
-    run(xc.data_ptr<float>(), y.data_ptr<float>(), w, x.size(0), n, bias, tile_rows, tiles);
+    run(xc.data_ptr<float>(), y.data_ptr<float>(), w, x.size(0), n, bias, tile_rows, table);
   return y;
 }
 
@@ -510,32 +540,40 @@ void check_common(const torch::Tensor& x, int64_t groups, int64_t blocks, int64_
 template <int HB, bool kSub>
 torch::Tensor run_sym(const torch::Tensor& x, const SymWeights& w, int64_t n, const float* bias, int64_t isa) {
   using Table = SymTiles<HB, kSub>;
-  if (isa == kAvx512Vnni) return run_any(x, w, n, bias, kVnniRows, [](int64_t) { return Table::vnni; });
-  return run_any(x, w, n, bias, kSymAvx2Rows, [](int64_t) { return Table::avx2; });
+  if (isa == kAvx512Vnni) return run_any(x, w, n, bias, kVnniRows, Table::vnni);
+  return run_any(x, w, n, bias, kSymAvx2Rows, Table::avx2);
 }
 
 }  // namespace
 
 int64_t cpu_isa() { return best_isa(); }
 
+// The tiles of weights whose d and m are in form S, for this path.
+template <Scales S>
+torch::Tensor run_scales(const torch::Tensor& x, const Weights& w, int64_t n, const float* bias, int64_t isa) {
+  if (isa == kAvx512Vnni) return run_any(x, w, n, bias, kVnniRows, Tiles<S>::vnni);
+  return run_any(x, w, n, bias, kAvx2Rows, Tiles<S>::avx2);
+}
+
 // y = x W^T (+ bias) for x [M, K] float32 or bfloat16 (y in the same dtype; the bias float32), W packed
-// as above with n output columns (top_d, top_m, sc, mn: its scales in two levels too, or none of them);
-// isa 0 = the best this CPU has.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const torch::Tensor& wd,
-                     const torch::Tensor& wm, const c10::optional<torch::Tensor>& top_d,
+// as above with n output columns: d and m (float16 or float32, both the same) or, instead of them, the
+// two levels top_d, top_m, sc, mn (all four); isa 0 = the best this CPU has.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const c10::optional<torch::Tensor>& wd,
+                     const c10::optional<torch::Tensor>& wm, const c10::optional<torch::Tensor>& top_d,
                      const c10::optional<torch::Tensor>& top_m, const c10::optional<torch::Tensor>& sc,
                      const c10::optional<torch::Tensor>& mn, const c10::optional<torch::Tensor>& bias, int64_t n,
                      int64_t isa) {
-  TORCH_CHECK(wq.scalar_type() == torch::kUInt8 && wq.dim() == 4 && wq.size(2) * wq.size(3) == kGroupBytes,
-              "w4a8: packed weights must be uint8 [groups, blocks, 4, 64]");
-  TORCH_CHECK(wd.scalar_type() == torch::kFloat16 && wm.scalar_type() == torch::kFloat16,
-              "w4a8: scales and minimums must be float16");
+  TORCH_CHECK(wq.scalar_type() == torch::kUInt8 && wq.dim() == 4 && wq.size(2) * wq.size(3) == kGroupBytes &&
+              wq.is_contiguous(), "w4a8: packed weights must be contiguous uint8 [groups, blocks, 4, 64]");
   const int64_t groups = wq.size(0), blocks = wq.size(1);
   check_common(x, groups, blocks, n, bias);
-  TORCH_CHECK(wd.numel() == groups * blocks * kCols && wm.numel() == wd.numel(), "w4a8: scale shapes");
   const bool two_level = sc.has_value();
   TORCH_CHECK(top_d.has_value() == two_level && top_m.has_value() == two_level && mn.has_value() == two_level,
               "w4a8: two-level scales need all of top_d, top_m, sc and mn");
+  TORCH_CHECK(wd.has_value() == !two_level && wm.has_value() == !two_level,
+              "w4a8: a weight has either d and m or two-level scales, not both");
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  isa = resolve_isa(isa);
   if (two_level) {
     TORCH_CHECK(blocks % kSuper == 0, "w4a8: two-level scales need whole super-blocks of ", kSuper, " blocks");
     for (const auto* t : {&*top_d, &*top_m})
@@ -545,18 +583,18 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const torc
     for (const auto* t : {&*sc, &*mn})
       TORCH_CHECK(t->scalar_type() == torch::kUInt8 && t->is_contiguous() && t->numel() == groups * blocks * kCols,
                   "w4a8: sc and mn must be contiguous uint8 [groups, blocks, 16]");
+    const auto half = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+    const Weights w{wq.data_ptr<uint8_t>(), nullptr, nullptr, half(*top_d), half(*top_m), sc->data_ptr<uint8_t>(),
+                    mn->data_ptr<uint8_t>(), blocks};
+    return run_scales<kTwoLevel>(x, w, n, b, isa);
   }
-  isa = resolve_isa(isa);
-  const torch::Tensor qc = wq.contiguous(), dc = wd.contiguous(), mc = wm.contiguous();
-  const auto half = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
-  const Weights w{qc.data_ptr<uint8_t>(), half(dc), half(mc), two_level ? half(*top_d) : nullptr,
-                  two_level ? half(*top_m) : nullptr, two_level ? sc->data_ptr<uint8_t>() : nullptr,
-                  two_level ? mn->data_ptr<uint8_t>() : nullptr, blocks};
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  if (isa != kAvx512Vnni) return run_any(x, w, n, b, kAvx2Rows, [](int64_t) { return kAvx2Tiles; });
-  return run_any(x, w, n, b, kVnniRows, [two_level](int64_t panel_rows) {  // see the top of this file
-    return two_level && panel_rows <= kTwoLevelRows ? kVnniTwoLevelTiles : kVnniTiles;
-  });
+  const auto dtype = wd->scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat16 || dtype == torch::kFloat32) && wm->scalar_type() == dtype &&
+              wd->is_contiguous() && wm->is_contiguous(), "w4a8: d and m must be contiguous, both float16 or both "
+              "float32");
+  TORCH_CHECK(wd->numel() == groups * blocks * kCols && wm->numel() == wd->numel(), "w4a8: scale shapes");
+  const Weights w{wq.data_ptr<uint8_t>(), wd->data_ptr(), wm->data_ptr(), nullptr, nullptr, nullptr, nullptr, blocks};
+  return dtype == torch::kFloat32 ? run_scales<kFloat>(x, w, n, b, isa) : run_scales<kHalf>(x, w, n, b, isa);
 }
 
 // y = x W^T (+ bias) for a weight of symmetric blocks (see SymWeights): `bits` high bits above the

@@ -1,11 +1,11 @@
 """4-bit weights × int8 activations: the layout, its quantization from float, and the native matmul.
 
-A weight is w = d * q - m with q in 0..15 and a float16 scale d and minimum m per output column
-and block of BLOCK input features (the shape of GGUF's Q4_K sub-blocks): `QuantizedWeight`. A GGUF's
-published Q4_K weight stores d and m in two levels (`SuperBlockWeight`: a float16 per SUPER blocks
-and an integer multiplier per block); packed, it keeps them (`TwoLevelScales`) beside d and m, and
-the kernel streams whichever is cheaper for the number of rows (the same values: the same output
-bit for bit). GGUF's other block types are taken as published too (`SymmetricWeight`: Q8_0, Q6_K,
+A weight is w = d * q - m with q in 0..15 and a scale d and minimum m per output column and block of
+BLOCK input features (the shape of GGUF's Q4_K sub-blocks): `QuantizedWeight`, float16 d and m where
+weights are rounded here. A GGUF's published Q4_K weight stores d and m in two levels
+(`SuperBlockWeight`: a float16 per SUPER blocks and an integer multiplier per block, d and m being
+their float32 products, as ggml computes them); packed, it keeps only those (`TwoLevelScales`), and
+the kernel rebuilds each block's d and m from them on both paths and for any number of rows. GGUF's other block types are taken as published too (`SymmetricWeight`: Q8_0, Q6_K,
 Q5_0, Q4_0; w = d * sc * (q - zero) with levels of 4 + `bits` bits), packed as `PackedSymmetric`:
 the same nibbles plus bit planes for the high bits, the same bytes per weight as the file.
 Weights of different layouts over one input run side by side (`PackedParts`). Activations are
@@ -42,7 +42,8 @@ _DTYPES = (torch.float32, torch.bfloat16)  # the kernel's input and output dtype
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A [n, k] weight as 4-bit levels `q` (uint8 [n, k]), scales `d` and minimums `m` (float16 [n, k/BLOCK])."""
+    """A [n, k] weight as 4-bit levels `q` (uint8 [n, k]), scales `d` and minimums `m` ([n, k/BLOCK]: float16
+    where rounded here, float32 where rebuilt from a published Q4_K's two levels)."""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -60,17 +61,17 @@ def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _rebuild(top: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
-    """float16(top * sub) per block: `top` float16 per super-block and `sub` uint8 per block (last
-    dimension; the float32 product is exact, then one rounding to float16, to nearest even)."""
-    return (top.float().repeat_interleave(SUPER, dim=-1) * sub.float()).half()
+def _rebuild(top: torch.Tensor, sub: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """top * sub per block in float32: `top` float16 per super-block and `sub` uint8 per block along `dim`
+    (the product is exact: 11 x 8 bits; ggml's dequantization of Q4_K computes the same)."""
+    return top.float().repeat_interleave(SUPER, dim=dim) * sub.float()
 
 
 @dataclass(frozen=True)
 class SuperBlockWeight:
     """A [n, k] weight as GGUF's Q4_K holds it: levels `q` (uint8 [n, k]), float16 `d` and `m` per
     super-block of SUPER blocks ([n, k/(SUPER*BLOCK)]) and uint8 multipliers `sc`, `mn` per block
-    ([n, k/BLOCK]): block j's scale is float16(d * sc[j]), its minimum float16(m * mn[j])."""
+    ([n, k/BLOCK]): block j's scale is d * sc[j], its minimum m * mn[j], in float32 (exact)."""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -79,7 +80,7 @@ class SuperBlockWeight:
     mn: torch.Tensor
 
     def per_block(self) -> QuantizedWeight:
-        """The same weight with its float16 scale and minimum per block."""
+        """The same weight with its float32 scale and minimum per block."""
         return QuantizedWeight(self.q, _rebuild(self.d, self.sc), _rebuild(self.m, self.mn))
 
     def dequantize(self) -> torch.Tensor:
@@ -114,7 +115,7 @@ class SymmetricWeight:
 class TwoLevelScales:
     """A packed weight's d and m as GGUF's Q4_K stores them: float16 `d`, `m` per super-block of SUPER
     blocks ([groups, blocks / SUPER, COLUMNS]) and uint8 multipliers `sc`, `mn` per block ([groups,
-    blocks, COLUMNS]); block j's d is float16(d * sc[j]), its m float16(m * mn[j])."""
+    blocks, COLUMNS]); block j's d is d * sc[j], its m m * mn[j], in float32 (exact)."""
 
     d: torch.Tensor
     m: torch.Tensor
@@ -125,33 +126,43 @@ class TwoLevelScales:
         """These scales with `place` applied to each tensor."""
         return TwoLevelScales(place(self.d), place(self.m), place(self.sc), place(self.mn))
 
+    def per_block(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each block's d and m, float32 [groups, blocks, COLUMNS]."""
+        return _rebuild(self.d, self.sc, dim=1), _rebuild(self.m, self.mn, dim=1)
+
 
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight in the kernel's layout (w4a8.cpp): groups of COLUMNS outputs, blocks of BLOCK inputs.
 
-    `levels` (a published Q4_K weight's): the same d and m in two levels, which the AVX-512 VNNI path
-    streams instead of d and m over up to 4 rows (memory-bound: 4.625 bits a weight instead of 5);
-    over more rows and on the AVX2 path (compute-bound) it reads d and m, saving the rebuild. Same
-    output either way."""
+    Its scales are either `d` and `m` per block (float16 where rounded here, float32 in `one_level`) or,
+    for a published Q4_K weight, only its two `levels` (4.625 bits a weight instead of 5 or 6), from
+    which the kernel rebuilds d and m in float32 on both paths and for any number of rows."""
 
     q: torch.Tensor  # uint8 [groups, blocks, 4, 64]
-    d: torch.Tensor  # float16 [groups, blocks, COLUMNS]
-    m: torch.Tensor  # float16 [groups, blocks, COLUMNS]
+    d: torch.Tensor | None  # float16 or float32 [groups, blocks, COLUMNS]; None with levels
+    m: torch.Tensor | None
     n: int  # output columns (the last group is padded with zero weights)
     levels: TwoLevelScales | None = None
 
+    def __post_init__(self) -> None:
+        if (self.levels is None) == (self.d is None or self.m is None):
+            raise ValueError("a packed 4-bit weight has either d and m or two-level scales, not both")
+
     def map(self, place: Callable[[torch.Tensor], torch.Tensor]) -> PackedWeight:
         """This weight with `place` applied to each of its tensors (e.g. to put them in other memory)."""
-        return PackedWeight(place(self.q), place(self.d), place(self.m), self.n,
-                            self.levels.map(place) if self.levels is not None else None)
+        if self.levels is not None:
+            return PackedWeight(place(self.q), None, None, self.n, self.levels.map(place))
+        return PackedWeight(place(self.q), place(self.d), place(self.m), self.n)
 
     def one_level(self) -> PackedWeight:
-        """The same weight without its two-level scales (the kernel then always reads d and m)."""
-        return PackedWeight(self.q, self.d, self.m, self.n)
+        """The same weight with d and m per block (float32 where rebuilt from two levels): the same output."""
+        if self.levels is None:
+            return self
+        return PackedWeight(self.q, *self.levels.per_block(), self.n)
 
     def streamed_bytes(self) -> int:
-        """Bytes a forward over up to 4 rows streams: the levels and the scales (two levels where kept)."""
+        """Bytes a forward streams: the levels and the scales (two levels where kept)."""
         scales = (self.d, self.m) if self.levels is None else (self.levels.d, self.levels.m, self.levels.sc,
                                                                  self.levels.mn)
         return _bytes(self.q, *scales)
@@ -161,8 +172,8 @@ class PackedWeight:
         return self.q.numel() * 2
 
     def layout(self) -> tuple:
-        """What two weights must share to be concatenated (any two of this kind may be)."""
-        return ("4-bit",)
+        """What two weights must share to be concatenated: the form of their scales."""
+        return ("4-bit", "two levels" if self.levels is not None else self.d.dtype)
 
 
 @dataclass(frozen=True)
@@ -218,7 +229,7 @@ class PackedParts:
         return PackedParts(tuple(part.one_level() for part in self.parts), self.n)
 
     def streamed_bytes(self) -> int:
-        """Bytes a forward over up to 4 rows streams, all parts together."""
+        """Bytes a forward streams, all parts together."""
         return sum(part.streamed_bytes() for part in self.parts)
 
     def weight_count(self) -> int:
@@ -237,18 +248,17 @@ def _concat_like(parts: list[PackedWeight] | list[PackedSymmetric]) -> PackedWei
         return PackedSymmetric(torch.cat([p.lo for p in parts]), torch.cat([p.planes for p in parts]), sc,
                                torch.cat([p.d for p in parts]), sum(p.n for p in parts), first.bits, first.zero,
                                first.span)
-    q, d, m = (torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m"))
-    levels = None
-    if all(p.levels is not None for p in parts):
-        levels = TwoLevelScales(*(torch.cat([getattr(p.levels, f) for p in parts]) for f in ("d", "m", "sc", "mn")))
-    return PackedWeight(q, d, m, sum(p.n for p in parts), levels)
+    q, n = torch.cat([p.q for p in parts]), sum(p.n for p in parts)
+    if parts[0].levels is not None:
+        return PackedWeight(q, None, None, n, TwoLevelScales(
+            *(torch.cat([getattr(p.levels, f) for p in parts]) for f in ("d", "m", "sc", "mn"))))
+    return PackedWeight(q, torch.cat([p.d for p in parts]), torch.cat([p.m for p in parts]), n)
 
 
 def concat(parts: list[Packed]) -> Packed:
     """Packed weights over the same input side by side: one weight whose outputs are the parts' in order
     (every part but the last a whole number of COLUMNS-wide groups). Neighbours of one layout are joined
-    into one weight (4-bit ones with two-level scales if every one has them); different layouts give
-    PackedParts."""
+    into one weight (4-bit ones whose scales have the same form); different layouts give PackedParts."""
     flat = [p for part in parts for p in (part.parts if isinstance(part, PackedParts) else (part,))]
     runs: list[list] = []
     for part in flat:
@@ -293,7 +303,7 @@ def _per_group(values: torch.Tensor, groups: int, pad: int) -> torch.Tensor:
 
 def pack(weight: QuantizedWeight | SuperBlockWeight) -> PackedWeight:
     """The kernel's layout: byte 4*col + j of chunk c holds k = 8c + j (low nibble) and 8c + 4 + j (high);
-    a SuperBlockWeight keeps its two levels."""
+    a SuperBlockWeight keeps its two levels only."""
     n, k = weight.q.shape
     pad = -n % COLUMNS
     groups = (n + pad) // COLUMNS
@@ -301,8 +311,7 @@ def pack(weight: QuantizedWeight | SuperBlockWeight) -> PackedWeight:
     q = (values[..., 0, :] | (values[..., 1, :] << 4)).reshape(groups, k // BLOCK, 4, 64).contiguous()
     if isinstance(weight, SuperBlockWeight):
         levels = TwoLevelScales(*(_per_group(getattr(weight, f), groups, pad) for f in ("d", "m", "sc", "mn")))
-        per_block = weight.per_block()
-        return PackedWeight(q, _per_group(per_block.d, groups, pad), _per_group(per_block.m, groups, pad), n, levels)
+        return PackedWeight(q, None, None, n, levels)
     return PackedWeight(q, _per_group(weight.d, groups, pad), _per_group(weight.m, groups, pad), n)
 
 

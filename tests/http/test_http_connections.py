@@ -187,6 +187,35 @@ def test_idle_connections_from_many_addresses_cannot_shut_the_front_for_others(t
         assert [_still_open(sock) for sock in held] == [False] * 4 + [True] * 4  # each address's older one
 
 
+def _health_on(sock: socket.socket) -> bytes:
+    """GET /health on `sock`, kept alive: the answer's head and body."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+            data.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0] or 0):
+        data += sock.recv(65536)
+    return data
+
+
+def test_a_kept_alive_connection_is_reclaimed_too_the_one_idle_longest_first(tmp_path):
+    """Idle also means kept alive after a response, idle since its response: connection 0, opened first but
+    answered last, goes last (1 and 2 are idle since they opened, 3 since its answer), and stays: its client
+    is down to one connection, as many as the next newcomer would hold, so that one is refused."""
+    limits = HttpLimits(http_max_connections=4, http_max_connections_per_client=4, http_header_timeout=60,
+                        http_keep_alive_timeout=60)
+    with front(tmp_path, limits) as (_, address), ExitStack() as stack:
+        url = f"http://{address[0]}:{address[1]}/health"
+        held = [stack.enter_context(_connect(address, "127.0.1.1")) for _ in range(4)]
+        assert _health_on(held[3]).startswith(b"HTTP/1.1 200")  # so all four are admitted (in the order they came)
+        assert _health_on(held[0]).startswith(b"HTTP/1.1 200")
+        clients = [stack.enter_context(_client_from(f"127.0.0.{2 + i}")) for i in range(4)]
+        assert [client.get(url).status_code for client in clients] == [200] * 3 + [503]
+        deadline = time.monotonic() + WAIT_S
+        while sum(not _still_open(sock) for sock in held) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [_still_open(sock) for sock in held] == [True, False, False, False]
+
+
 @pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="sets a running daemon's descriptor limit (Linux)")
 def test_a_connection_flood_cannot_take_the_zeromq_door(tiny_pair_dirs, tmp_path):
     """Issue 45 finding 3: idle HTTP connections up to the daemon's descriptor limit cut off HTTP *and* ZeroMQ

@@ -15,7 +15,17 @@ uvicorn picks) with:
   from one client address (a trusted proxy's, `trusted_proxies`, count only in all: its connections
   carry many clients, fly_daemon.client_identity); one more is answered 503 BUSY naming the cap, at
   once, before anything is read, and closed, so a flood of connections holds its file descriptors for
-  a moment only.
+  a moment only;
+- a fair share of the cap in all: when it is full, a new connection is admitted in place of an *idle*
+  one of the client holding the most connections, if that client holds more than the newcomer would
+  after admission (so each swap moves the counts towards equal and none undoes another); only when there
+  is no such connection is the newcomer answered 503. Idle: admitted with nothing of a request read yet,
+  or kept alive after a response with nothing of the next one read. A connection in the middle of a
+  request (from its first head byte to its response's end) is never closed for another. Of the client's
+  idle connections the one idle longest goes, closed without an answer, as a timeout closes one. So
+  addresses holding idle connections (issue 45, benchmarks/results/attacks) cannot shut the front for a
+  client on another address: it is refused only while every client holds at most two connections, or
+  all of those holding more are mid-request.
 
 A head over `MAX_HEAD_BYTES` is answered 431 and closed (httptools, which uvicorn prefers, has no
 such limit of its own); bodies are bounded by `max_frame_bytes` (`http._BodyLimit`). All of it runs on
@@ -25,9 +35,15 @@ the front's event loop thread.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import json
 import logging
 import resource
+from collections import Counter, OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -48,39 +64,131 @@ MAX_LINGERING = 64
 """Refused connections that may linger at once (within FD_RESERVE); past it one is closed as soon as answered."""
 REFUSED_LINGER_S = 1.0
 """How long a refused connection (503, 431) may stay to read its answer (until the client closes, at most this)."""
+REBUILD_SLACK = 64
+"""Stale entries ConnectionGate's ranking may hold beyond one per live one before it is rebuilt."""
 
 
-class ConnectionGate:
-    """Counts the open connections, in all and per client address, against the caps."""
+C = TypeVar("C", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class Admitted(Generic[C]):
+    """A connection was admitted; `reclaimed`: the idle one it replaces (no longer counted), to close now."""
+
+    reclaimed: C | None = None
+
+
+class ConnectionGate(Generic[C]):
+    """The admitted open connections (any hashable handle `C`) in all and per client address against the
+    caps, which of them are idle, and which one a full front reclaims for a newcomer (the module docstring).
+
+    O(log clients) a step: the clients holding idle connections are in a max-heap by connections held; an
+    entry goes stale when its client's count changes or it has no idle connection left, is dropped when it
+    surfaces, and the heap is rebuilt when the stale ones outnumber the live ones."""
 
     def __init__(self, limits: HttpLimits, max_connections: int) -> None:
         self.limits = limits
         self.max_connections = max_connections
-        self.open: dict[str, int] = {}
-        self.total = 0
+        self.client_of: dict[C, str] = {}  # every admitted open connection's client
+        self.open: dict[str, int] = {}  # connections held per client (clients holding none are absent)
+        self.idle_of: dict[str, OrderedDict[C, None]] = {}  # the idle ones, longest idle first (none: absent)
+        self._ranked: list[tuple[int, int, str]] = []  # (-connections held, push order, client)
+        self._pushes = itertools.count()
         self.lingering = 0  # refused connections still reading their answer
 
-    def admit(self, client: str) -> Busy | None:
-        """Count a new connection from `client`, or the reason it is refused (then it is not counted)."""
-        if self.total >= self.max_connections:
-            return Busy(f"the HTTP front has {self.max_connections} connections open (its http_max_connections); "
-                        f"try again later")
-        if (self.open.get(client, 0) >= self.limits.http_max_connections_per_client
+    @property
+    def total(self) -> int:
+        """Admitted connections open."""
+        return len(self.client_of)
+
+    def admit(self, client: str, conn: C) -> Busy | Admitted[C]:
+        """Count `conn`, a new connection from `client`, as open and idle, or the reason it is refused
+        (then it is not counted)."""
+        held = self.open.get(client, 0)
+        if (held >= self.limits.http_max_connections_per_client
                 and not is_trusted(client, self.limits.trusted_proxies)):
             return Busy(f"this client has {self.limits.http_max_connections_per_client} HTTP connections open "
                         f"(the daemon's http_max_connections_per_client); close some or reuse them")
-        self.open[client] = self.open.get(client, 0) + 1
-        self.total += 1
-        return None
+        reclaimed = None
+        if self.total >= self.max_connections:
+            reclaimed = self._reclaimable(held + 1)
+            if reclaimed is None:
+                return Busy(f"the HTTP front has {self.max_connections} connections open (its "
+                            f"http_max_connections); try again later")
+            self.release(reclaimed)
+        self.client_of[conn] = client
+        self.open[client] = held + 1
+        self.idle_of.setdefault(client, OrderedDict())[conn] = None
+        self._rank(client)
+        return Admitted(reclaimed)
 
-    def release(self, client: str) -> None:
-        """An admitted connection from `client` closed."""
-        self.total -= 1
-        left = self.open[client] - 1
-        if left:
-            self.open[client] = left
-        else:
+    def idle(self, conn: C) -> None:
+        """`conn` waits for a request with nothing of it read (again: after a response)."""
+        client = self.client_of[conn]
+        first = client not in self.idle_of
+        self.idle_of.setdefault(client, OrderedDict())[conn] = None
+        if first:
+            self._rank(client)
+
+    def busy(self, conn: C) -> None:
+        """`conn` has begun a request (something of it was read): it is not reclaimed until idle again."""
+        client = self.client_of[conn]
+        idle = self.idle_of.get(client)
+        if idle is not None and conn in idle:
+            del idle[conn]
+            if not idle:
+                del self.idle_of[client]
+                self._bound()
+
+    def release(self, conn: C) -> None:
+        """An admitted connection closed (or was reclaimed)."""
+        self.busy(conn)
+        client = self.client_of.pop(conn)
+        if self.open[client] == 1:
             del self.open[client]
+        else:
+            self.open[client] -= 1
+            self._rank(client)
+
+    def check(self) -> None:
+        """AssertionError unless the books agree: the per-client counts are the open connections' and sum to
+        the total, which is within the cap; no client is over its cap (but a trusted proxy); the idle
+        connections are open ones of their client; every client with idle ones is ranked by its count now;
+        the stale ranks are bounded."""
+        assert self.total <= self.max_connections
+        assert self.open == dict(Counter(self.client_of.values())) and sum(self.open.values()) == self.total
+        cap = self.limits.http_max_connections_per_client
+        assert all(n <= cap or is_trusted(c, self.limits.trusted_proxies) for c, n in self.open.items())
+        for client, idle in self.idle_of.items():
+            assert idle and all(self.client_of.get(conn) == client for conn in idle)
+        assert {client for negative, _, client in self._ranked if self._live(negative, client)} == set(self.idle_of)
+        assert len(self._ranked) <= 2 * len(self.idle_of) + REBUILD_SLACK
+        assert self.lingering >= 0
+
+    def _reclaimable(self, wanted: int) -> C | None:
+        """The longest idle connection of the client holding the most connections of those with idle ones,
+        if it holds more than `wanted` (what the newcomer would hold); else None."""
+        while self._ranked and not self._live(self._ranked[0][0], self._ranked[0][2]):
+            heapq.heappop(self._ranked)
+        if not self._ranked or -self._ranked[0][0] <= wanted:
+            return None
+        return next(iter(self.idle_of[self._ranked[0][2]]))
+
+    def _rank(self, client: str) -> None:
+        """Rank `client` by its count now, if it has idle connections (its entries before go stale)."""
+        if client in self.idle_of:
+            heapq.heappush(self._ranked, (-self.open[client], next(self._pushes), client))
+            self._bound()
+
+    def _bound(self) -> None:
+        """Rebuild the ranking from the live clients once stale entries outnumber them (amortized O(1))."""
+        if len(self._ranked) > 2 * len(self.idle_of) + REBUILD_SLACK:
+            self._ranked = [(-self.open[c], next(self._pushes), c) for c in self.idle_of]
+            heapq.heapify(self._ranked)
+
+    def _live(self, negative_held: int, client: str) -> bool:
+        """Whether a ranking entry is current: its client has idle connections and holds -`negative_held`."""
+        return client in self.idle_of and self.open[client] == -negative_held
 
 
 def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
@@ -95,22 +203,31 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
         _timed_cycle: object | None = None  # the last request whose head was complete
         _reading_body = False  # its body is still coming
         _awaiting_head = True  # no request's head is complete since the connection's start or the last response
-        _head_bytes = 0  # bytes received while awaiting a head
+        _head_bytes = 0  # bytes received since the last complete head that were not its body (the next head's)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._client_key = self.client[0] if self.client else "unknown"
-            refusal = gate.admit(self._client_key)
-            if refusal is not None:
-                self._refuse(refusal)
+            admission = gate.admit(self._client_key, self)
+            if isinstance(admission, Busy):
+                self._refuse(admission)
                 return
             self._admitted = True
+            if admission.reclaimed is not None:
+                admission.reclaimed.reclaim()
             self._arm(limits.http_header_timeout)
+
+        def reclaim(self) -> None:
+            """Close this idle connection, which the gate no longer counts, for another client's."""
+            self._admitted = False
+            self._disarm()
+            self.transport.close()
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return  # what a refused client sends is read and dropped, so its close is clean
-            if self._awaiting_head:
+            gate.busy(self)
+            if self._awaiting_head or not self._reading_body:  # a pipelined head comes while a request runs
                 self._head_bytes += len(data)
             super().data_received(data)
             self._follow()
@@ -122,14 +239,22 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
             super().on_response_complete()  # may start a pipelined request already read
             if not self.transport.is_closing():
                 self._arm(limits.http_header_timeout)  # for the next head (idle: the keep-alive timeout ends it first)
-                self._awaiting_head, self._head_bytes = True, 0
+                self._awaiting_head = True
                 self._follow()
+                if self._between_requests():
+                    gate.idle(self)
+
+        def _between_requests(self) -> bool:
+            """Whether every request read is answered, with nothing of the next one read (reclaimable)."""
+            answered = self.cycle.response_complete  # a pipelined request already read is the cycle (httptools, h11)
+            return answered and not self._reading_body and not self._head_bytes
 
         def _follow(self) -> None:
             """Move the deadline on when a request's head, or its body, is complete."""
             cycle = self.cycle
             if cycle is not None and cycle is not self._timed_cycle:  # a new request's head is complete
                 self._timed_cycle, self._reading_body, self._awaiting_head = cycle, cycle.more_body, False
+                self._head_bytes = 0
                 if cycle.more_body:
                     self._arm(limits.http_body_timeout)
                 else:
@@ -142,7 +267,7 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
             self._disarm()
             if self._admitted:
                 self._admitted = False
-                gate.release(self._client_key)
+                gate.release(self)
             if self._refused:
                 self._refused = False
                 gate.lingering -= 1

@@ -21,7 +21,7 @@ from support.daemon_process import free_port, start_daemon
 from support.engine_double import CountingEngine, serving
 
 from fly_daemon.http import HttpFront, create_app
-from fly_daemon.http_connections import ConnectionGate
+from fly_daemon.http_connections import Admitted, ConnectionGate
 from fly_daemon.settings import HttpLimits
 
 SHORT = HttpLimits(http_header_timeout=0.5, http_body_timeout=0.5, http_keep_alive_timeout=0.5)
@@ -120,13 +120,15 @@ def test_a_trusted_proxy_counts_only_against_the_overall_cap():
     """A trusted proxy's connections carry many clients (fly_daemon.client_identity): the per-client cap is not
     for it, the overall one is."""
     gate = ConnectionGate(HttpLimits(http_max_connections_per_client=2, trusted_proxies="10.0.0.1"), 8)
-    assert [gate.admit("10.0.0.1") for _ in range(4)] == [None] * 4
-    assert [gate.admit("10.0.0.2") for _ in range(2)] == [None] * 2
-    assert "http_max_connections_per_client" in gate.admit("10.0.0.2").message
-    assert [gate.admit("10.0.0.1") for _ in range(2)] == [None] * 2
-    assert "http_max_connections)" in gate.admit("10.0.0.1").message
-    gate.release("10.0.0.1")
-    assert gate.admit("::ffff:10.0.0.1") is None  # as an IPv4-mapped peer too
+    conns = iter(range(100))
+    assert [gate.admit("10.0.0.1", next(conns)) for _ in range(4)] == [Admitted()] * 4
+    assert [gate.admit("10.0.0.2", next(conns)) for _ in range(2)] == [Admitted()] * 2
+    assert "http_max_connections_per_client" in gate.admit("10.0.0.2", next(conns)).message
+    assert [gate.admit("10.0.0.1", next(conns)) for _ in range(2)] == [Admitted()] * 2
+    assert "http_max_connections)" in gate.admit("10.0.0.1", next(conns)).message  # 10.0.0.2 holds fewer
+    gate.release(0)
+    assert gate.admit("::ffff:10.0.0.1", next(conns)) == Admitted()  # as an IPv4-mapped peer too
+    gate.check()
 
 
 def test_a_connection_flood_past_the_caps_is_refused_while_others_are_served(tmp_path):
@@ -146,6 +148,10 @@ def test_a_connection_flood_past_the_caps_is_refused_while_others_are_served(tmp
             assert client.generate("a b c", *build_options(max_tokens=3)).usage.completion_tokens == 3
 
         held += [flood.enter_context(_connect(address, "127.0.0.3")) for _ in range(4)]  # 8 open: the cap
+        for sock in held:  # each mid-request (its body awaited), so none is closed for another client
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\nExpect: 100-continue\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 100")  # the route reads its body
         refused_all = httpx.get(f"{url}/health", timeout=WAIT_S)
         assert refused_all.status_code == 503 and refused_all.headers["retry-after"] == "1"
         assert refused_all.json()["error"]["code"] == "BUSY" and "http_max_connections" in refused_all.text
@@ -155,6 +161,59 @@ def test_a_connection_flood_past_the_caps_is_refused_while_others_are_served(tmp
         while (status := httpx.get(f"{url}/health", timeout=WAIT_S).status_code) == 503 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert status == 200
+
+
+def _client_from(source: str) -> httpx.Client:
+    """An httpx client whose connections come from `source` (another client to the front)."""
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=WAIT_S)
+
+
+def test_idle_connections_from_many_addresses_cannot_shut_the_front_for_others(tmp_path):
+    """Issue 45 (benchmarks/results/attacks): idle connections from many addresses, each under the per-client cap,
+    fill the cap in all, and a client on another address was refused until they timed out. Now a newcomer is
+    admitted in place of the longest idle connection of a client holding more than it would: one per flood
+    address here (2 each; a newcomer would hold 1), down to a fair share, when the next one is refused."""
+    limits = HttpLimits(http_max_connections=8, http_max_connections_per_client=4, http_header_timeout=60,
+                        http_keep_alive_timeout=60)
+    with front(tmp_path, limits) as (_, address), ExitStack() as stack:
+        url = f"http://{address[0]}:{address[1]}/health"
+        held = [stack.enter_context(_connect(address, f"127.0.1.{1 + i % 4}")) for i in range(8)]  # the cap
+        clients = [stack.enter_context(_client_from(f"127.0.0.{2 + i}")) for i in range(5)]
+        assert [client.get(url).status_code for client in clients] == [200] * 4 + [503]  # kept alive, idle
+        assert clients[0].get(url).status_code == 200  # again on its connection
+        deadline = time.monotonic() + WAIT_S  # the front closed them before answering; their close is on its way
+        while sum(not _still_open(sock) for sock in held) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [_still_open(sock) for sock in held] == [False] * 4 + [True] * 4  # each address's older one
+
+
+def _health_on(sock: socket.socket) -> bytes:
+    """GET /health on `sock`, kept alive: the answer's head and body."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+            data.lower().partition(b"content-length: ")[2].partition(b"\r\n")[0] or 0):
+        data += sock.recv(65536)
+    return data
+
+
+def test_a_kept_alive_connection_is_reclaimed_too_the_one_idle_longest_first(tmp_path):
+    """Idle also means kept alive after a response, idle since its response: connection 0, opened first but
+    answered last, goes last (1 and 2 are idle since they opened, 3 since its answer), and stays: its client
+    is down to one connection, as many as the next newcomer would hold, so that one is refused."""
+    limits = HttpLimits(http_max_connections=4, http_max_connections_per_client=4, http_header_timeout=60,
+                        http_keep_alive_timeout=60)
+    with front(tmp_path, limits) as (_, address), ExitStack() as stack:
+        url = f"http://{address[0]}:{address[1]}/health"
+        held = [stack.enter_context(_connect(address, "127.0.1.1")) for _ in range(4)]
+        assert _health_on(held[3]).startswith(b"HTTP/1.1 200")  # so all four are admitted (in the order they came)
+        assert _health_on(held[0]).startswith(b"HTTP/1.1 200")
+        clients = [stack.enter_context(_client_from(f"127.0.0.{2 + i}")) for i in range(4)]
+        assert [client.get(url).status_code for client in clients] == [200] * 3 + [503]
+        deadline = time.monotonic() + WAIT_S
+        while sum(not _still_open(sock) for sock in held) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [_still_open(sock) for sock in held] == [True, False, False, False]
 
 
 @pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="sets a running daemon's descriptor limit (Linux)")

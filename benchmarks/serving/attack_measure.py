@@ -22,6 +22,9 @@ Phases:
 - extreme_sampling: requests with temperatures, top_p and min_p at float32's edges from `--attackers` threads,
   batched beside the victim.
 
+A phase named twice or more in `--phases` runs again each time (labelled `amplification_2`, …): its RSS after
+each run tells a bounded high-water mark from growth.
+
 Per phase: the victim's gaps between streamed chunks (longest, median, 99th percentile) while the attack
 ran, its time to first chunk, whether its text stayed the baseline's, the normal and ZeroMQ clients'
 counts, the attack's own counts, and the daemon's RSS. Writes results.json and results.md to `--out`.
@@ -79,6 +82,20 @@ PHASES = ("baseline", "grammar_flood", "idle_flood", "idle_flood_spread", "slow_
 
 
 # ---- pure parts ----
+
+def phase_labels(chosen: list[str]) -> list[tuple[str, str]]:
+    """(label, phase) of each phase to run: the baseline first, then `chosen` in order (its first baseline dropped);
+    a phase chosen again is labelled `<phase>_2`, `<phase>_3`, … (to see whether its RSS growth repeats)."""
+    rest = list(chosen)
+    if "baseline" in rest:
+        rest.remove("baseline")
+    seen: Counter = Counter()
+    labels = []
+    for name in ("baseline", *rest):
+        seen[name] += 1
+        labels.append((name if seen[name] == 1 else f"{name}_{seen[name]}", name))
+    return labels
+
 
 def gap_stats(streams: list[list[float]], start: float, end: float) -> dict[str, Any]:
     """The gaps between consecutive chunks of each stream (arrival times) that fall within [start, end]:
@@ -495,10 +512,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "extreme_sampling": (extreme_sampling, (url, model, args.phase_s, args.attackers))}
             phases: dict[str, Any] = {}
             reference = None
-            for name in ("baseline", *[p for p in args.phases if p != "baseline"]):
-                phases[name] = run_phase(name, *attacks[name], pool, daemon, url, model, args, reference)
-                text = phases[name].pop("victim_text")
-                reference = text if name == "baseline" else reference
+            for label, name in phase_labels(args.phases):
+                phases[label] = run_phase(label, *attacks[name], pool, daemon, url, model, args, reference)
+                text = phases[label].pop("victim_text")
+                reference = text if reference is None else reference
         finally:
             pool.terminate()
             exit_status = daemon.stop()

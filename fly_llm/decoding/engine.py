@@ -507,7 +507,7 @@ class FLyEngine:
 
     @staticmethod
     def _scored_key(req: _Request) -> tuple[str, tuple[int, ...], int]:
-        """What a prompt's log-probabilities are kept under: its scope (tenant), its tokens, the alternatives asked."""
+        """What a prompt's log-probabilities are kept under: its scope (tenant), tokens and alternatives asked."""
         return req.scope, tuple(req.prompt), req.logprobs or 0
 
     def _join(self, req: _Request) -> None:

@@ -94,6 +94,7 @@ def test_choices_given_the_same_prompt_scores_share_one_named_list_with_each_tok
         return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
     assert shared(named[0], named[1]) and not shared(named[0], named[2]) and named[2] == named[0]
-    assert [(e.token_id, e.token, e.logprob) for e in named[0]] == [(7, "<7>", None), (8, "<8>", -1.0), (9, "<9>", -0.5)]
+    assert [(e.token_id, e.token, e.logprob) for e in named[0]] == [(7, "<7>", None), (8, "<8>", -1.0),
+                                                                     (9, "<9>", -0.5)]
     assert [[(t.token, t.logprob) for t in e.top] for e in named[0]] == [[], [("<8>", -1.0), ("<3>", -2.0)],
                                                                          [("<9>", -0.5), ("<8>", -3.0)]]

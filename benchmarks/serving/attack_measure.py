@@ -27,7 +27,8 @@ each run tells a bounded high-water mark from growth.
 
 Per phase: the victim's gaps between streamed chunks (longest, median, 99th percentile) while the attack
 ran, its time to first chunk, whether its text stayed the baseline's, the normal and ZeroMQ clients'
-counts, the attack's own counts, and the daemon's RSS. Writes results.json and results.md to `--out`.
+counts, the attack's own counts, and the daemon's RSS and prefix cache (results.json only). Writes
+results.json and results.md to `--out`.
 """
 
 from __future__ import annotations
@@ -453,7 +454,17 @@ def run_phase(name: str, attack: Callable[..., dict[str, Any]] | None, attack_ar
     return {"seconds": round(end - start, 1), "victim": victim.report(start, end + args.after_s, reference),
             "victim_text": reference or (victim.texts or [None])[0], "normal_client": dict(normal),
             "zmq_client": dict(zmq),
-            "attack": outcome, "rss_mb_after": rss_mb(daemon.pid), "alive": daemon.proc.poll() is None}
+            "attack": outcome, "rss_mb_after": rss_mb(daemon.pid), "prefix_cache_mb_after": prefix_cache_mb(daemon),
+            "alive": daemon.proc.poll() is None}
+
+
+def prefix_cache_mb(daemon: Any) -> float | None:
+    """The daemon's prefix cache now (MiB of KV it keeps, within --prefix-cache-mb); None if it cannot say."""
+    try:
+        with FLyClient(daemon.endpoint, timeout=30, max_retries=0) as client:
+            return round(client.status().prompt.cache_bytes / 2**20, 1)
+    except FLyError:
+        return None
 
 
 def daemon_flags(args: argparse.Namespace, port: int) -> list[str]:

@@ -22,9 +22,13 @@ Phases:
 - extreme_sampling: requests with temperatures, top_p and min_p at float32's edges from `--attackers` threads,
   batched beside the victim.
 
+A phase named twice or more in `--phases` runs again each time (labelled `amplification_2`, …): its RSS after
+each run tells a bounded high-water mark from growth.
+
 Per phase: the victim's gaps between streamed chunks (longest, median, 99th percentile) while the attack
 ran, its time to first chunk, whether its text stayed the baseline's, the normal and ZeroMQ clients'
-counts, the attack's own counts, and the daemon's RSS. Writes results.json and results.md to `--out`.
+counts, the attack's own counts, and the daemon's RSS and prefix cache (results.json only). Writes
+results.json and results.md to `--out`.
 """
 
 from __future__ import annotations
@@ -79,6 +83,20 @@ PHASES = ("baseline", "grammar_flood", "idle_flood", "idle_flood_spread", "slow_
 
 
 # ---- pure parts ----
+
+def phase_labels(chosen: list[str]) -> list[tuple[str, str]]:
+    """(label, phase) of each phase to run: the baseline first, then `chosen` in order (its first baseline dropped);
+    a phase chosen again is labelled `<phase>_2`, `<phase>_3`, … (to see whether its RSS growth repeats)."""
+    rest = list(chosen)
+    if "baseline" in rest:
+        rest.remove("baseline")
+    seen: Counter = Counter()
+    labels = []
+    for name in ("baseline", *rest):
+        seen[name] += 1
+        labels.append((name if seen[name] == 1 else f"{name}_{seen[name]}", name))
+    return labels
+
 
 def gap_stats(streams: list[list[float]], start: float, end: float) -> dict[str, Any]:
     """The gaps between consecutive chunks of each stream (arrival times) that fall within [start, end]:
@@ -436,7 +454,17 @@ def run_phase(name: str, attack: Callable[..., dict[str, Any]] | None, attack_ar
     return {"seconds": round(end - start, 1), "victim": victim.report(start, end + args.after_s, reference),
             "victim_text": reference or (victim.texts or [None])[0], "normal_client": dict(normal),
             "zmq_client": dict(zmq),
-            "attack": outcome, "rss_mb_after": rss_mb(daemon.pid), "alive": daemon.proc.poll() is None}
+            "attack": outcome, "rss_mb_after": rss_mb(daemon.pid), "prefix_cache_mb_after": prefix_cache_mb(daemon),
+            "alive": daemon.proc.poll() is None}
+
+
+def prefix_cache_mb(daemon: Any) -> float | None:
+    """The daemon's prefix cache now (MiB of KV it keeps, within --prefix-cache-mb); None if it cannot say."""
+    try:
+        with FLyClient(daemon.endpoint, timeout=30, max_retries=0) as client:
+            return round(client.status().prompt.cache_bytes / 2**20, 1)
+    except FLyError:
+        return None
 
 
 def daemon_flags(args: argparse.Namespace, port: int) -> list[str]:
@@ -495,10 +523,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "extreme_sampling": (extreme_sampling, (url, model, args.phase_s, args.attackers))}
             phases: dict[str, Any] = {}
             reference = None
-            for name in ("baseline", *[p for p in args.phases if p != "baseline"]):
-                phases[name] = run_phase(name, *attacks[name], pool, daemon, url, model, args, reference)
-                text = phases[name].pop("victim_text")
-                reference = text if name == "baseline" else reference
+            for label, name in phase_labels(args.phases):
+                phases[label] = run_phase(label, *attacks[name], pool, daemon, url, model, args, reference)
+                text = phases[label].pop("victim_text")
+                reference = text if reference is None else reference
         finally:
             pool.terminate()
             exit_status = daemon.stop()

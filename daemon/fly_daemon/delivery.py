@@ -88,6 +88,8 @@ class Delivery:
         self._counting = threading.Lock()
         self._engine: FLyEngine | None = None
         self._tool_format: ToolFormat | None = None
+        self._texts: dict[int, str] = {}  # token id -> its text, at most the vocabulary
+        self._last_prompt: tuple[list, list[TokenLogprob]] | None = None  # the engine's list, named
 
     @property
     def requests_total(self) -> int:
@@ -101,6 +103,7 @@ class Delivery:
     def start(self, engine: "FLyEngine", tool_format: ToolFormat) -> None:
         """The models are loaded: name tokens with `engine`'s tokenizer, split calls in `tool_format`."""
         self._engine, self._tool_format = engine, tool_format
+        self._texts, self._last_prompt = {}, None
 
     def open(self, envelope: Envelope, request: GenerateRequest, submitted: float,
              prompt_ids: list[int]) -> OutputState:
@@ -118,9 +121,7 @@ class Delivery:
         if out.logprobs is not None:
             state.logprobs += self._named(out.new_token_ids, out.logprobs)
         if out.prompt_logprobs is not None:
-            ids = state.prompt_ids
-            first = TokenLogprob(token_id=ids[0], token=self._engine.decode(ids[:1]), logprob=None)
-            state.prompt_logprobs = [first, *self._named(ids[1:], out.prompt_logprobs)]
+            state.prompt_logprobs = self._named_prompt(state.prompt_ids, out.prompt_logprobs)
         text, calls = out.new_text, []
         if state.call_text is not None:
             text, calls = state.call_text.feed(text, out.finished)
@@ -170,10 +171,26 @@ class Delivery:
             self._tokens_generated += new
         self.metrics.completion_tokens.inc(new)
 
+    def _token_text(self, token_id: int) -> str:
+        """One token's text, decoded once per vocabulary id (a log-probability reply names every alternative)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._engine.decode([token_id])
+        return text
+
     def _named(self, token_ids: list[int], logprobs: list) -> list[TokenLogprob]:
         """The engine's log-probabilities of `token_ids` (fly_llm.decoding.logprobs) with each token's text."""
-        def top(token_id: int, logprob: float) -> TopLogprob:
-            return TopLogprob(token_id=token_id, token=self._engine.decode([token_id]), logprob=logprob)
-
-        return [TokenLogprob(**top(t, lp).model_dump(), top=[top(i, v) for i, v in alternatives])
+        text = self._token_text
+        return [TokenLogprob(token_id=t, token=text(t), logprob=lp,
+                             top=[TopLogprob(token_id=i, token=text(i), logprob=v) for i, v in alternatives])
                 for t, (lp, alternatives) in zip(token_ids, logprobs)]
+
+    def _named_prompt(self, prompt_ids: list[int], logprobs: list) -> list[TokenLogprob]:
+        """The prompt's log-probabilities with each token's text (the first token's is None). The engine gives
+        the choices of one prompt the same list (FLyEngine's scored prompts), so they share one named list."""
+        if self._last_prompt is not None and self._last_prompt[0] is logprobs:
+            return self._last_prompt[1]
+        first = TokenLogprob(token_id=prompt_ids[0], token=self._token_text(prompt_ids[0]), logprob=None)
+        named = [first, *self._named(prompt_ids[1:], logprobs)]
+        self._last_prompt = (logprobs, named)
+        return named

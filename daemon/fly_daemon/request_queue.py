@@ -14,7 +14,11 @@ free of compiles.
 Fair batch slots: a free slot goes to the prepared request of the client with the fewest rows in the
 engine, then of the client whose last request joined longest ago (one never served first), then the
 oldest; so one client's many rows (`n` choices, a burst of requests) keep another client's request out
-of the batch only until a row ends, not until everything submitted before it ran.
+of the batch only until a row ends, not until everything submitted before it ran. And while a client
+below its fair share (`fair_share`: the batch over the clients with rows or requests) has a request on
+its way (queued, preparing or prepared), no client at or above its share takes a slot: the slot waits
+for that request, so one client's backlog cannot take every slot that frees while another's request is
+still being prepared (its grammar compiling). Alone, a client may fill the batch; no row is preempted.
 
 Not thread-safe on its own: the scheduler (fly_daemon.scheduler) holds its lock around every call.
 """
@@ -212,16 +216,26 @@ class RequestQueue:
         insort(self._prepared, entry, key=lambda e: e.seq)
         return True
 
+    def fair_share(self) -> int:
+        """Batch slots per client with rows in the engine or requests on their way to it (rounded up)."""
+        return -(-self.limits.max_batch_size // max(1, len(self._per_client)))
+
     def take_joinable(self) -> Entry | None:
         """Move the next prepared entry into the engine if the batch has room for it (always for one): the
-        oldest of the client with the fewest rows in the engine, of those the one served longest ago."""
+        oldest of the client with the fewest rows in the engine, of those the one served longest ago; none
+        of a client at or above its fair share while another client below it has a request on its way."""
         if not self._prepared:
             return None
         active = self.in_engine()
         if len(active) >= self.limits.max_batch_size:
             return None
         rows = Counter(e.client for e in active)
-        entry = min(self._prepared, key=lambda e: (rows[e.client], self._last_joined.get(e.client, -1), e.seq))
+        share = self.fair_share()
+        below = {e.client for e in self.entries.values() if e.place != "engine" and rows[e.client] < share}
+        allowed = [e for e in self._prepared if rows[e.client] < share or not below - {e.client}]
+        if not allowed:
+            return None
+        entry = min(allowed, key=lambda e: (rows[e.client], self._last_joined.get(e.client, -1), e.seq))
         if active and sum(e.budget for e in active) + entry.budget > self.limits.max_batch_tokens:
             return None
         self._prepared.remove(entry)

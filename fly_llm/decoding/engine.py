@@ -45,8 +45,19 @@ from fly_llm.decoding.text import Detokenizer, StopChecker
 from fly_llm.decoding.verify import PAD_TOKEN, RowRules, RowSampling, Verdict, verify
 from fly_llm.common.errors import BadRequest, FimUnsupported, FLyError, TooLong, contained, error_from_code
 from fly_llm.common.fim import Infill, fim_tokens, infill_ids
+from fly_llm.common.lru import LruCache
 from fly_llm.model.quantization import quantization_of
 from fly_llm.common.stats import FinishReason, PromptStats, RequestStats
+
+SCORED_PROMPT_BYTES = 16 << 20
+"""Budget of the scored prompts kept (their log-probabilities), so the choices of one prompt (OpenAI's `n`) score it
+once: a 4096-token prompt with 20 alternatives is about 7 MiB."""
+
+
+def _scored_bytes(key: tuple[str, tuple[int, ...], int], logprobs: list[Logprob]) -> int:
+    """About what a scored prompt's log-probabilities hold: a tuple, a float and a list per position, a tuple,
+    an int and a float per alternative (the ints of the vocabulary are mostly shared)."""
+    return len(key[1]) * 8 + len(logprobs) * (150 + 90 * key[2])
 
 
 @dataclass
@@ -210,7 +221,9 @@ class FLyEngine:
 
         `logprobs`: its outputs carry the target's log-probability of each emitted token and of this
         many top alternatives (`fly_llm.decoding.logprobs`); `prompt_logprobs` (with `logprobs`): its
-        first output carries those of its prompt tokens (prefilled in full, past the prefix cache).
+        first output carries those of its prompt tokens (prefilled in full, past the prefix cache,
+        unless its scope scored the same prompt with as many alternatives lately: the `n` choices of a prompt score
+        it once).
         `constraint` (a grammar, regex or JSON Schema) constrains its output through a grammar
         compiled here, so a bad one raises BadRequest before the request is queued; a `matcher` from
         `compile_constraint` is used as it is instead. `cache_scope`: the prefix-cache scope (tenant)
@@ -260,6 +273,7 @@ class FLyEngine:
         """
         dropped = [r.id for r in self._rows + self._waiting]
         self._prefix.clear()
+        self._scored = LruCache(SCORED_PROMPT_BYTES, _scored_bytes)
         self._kv = BatchKV(self.device)
         self._cascade.reset()
         self._rows, self._waiting = [], []
@@ -274,8 +288,8 @@ class FLyEngine:
         (`Stage.check`: each grammar matcher at its row's context, the draft cache a prefix of the
         context plus drafts); the cached per-row settings (if any) have one
         row per running request; a waiting request's prompt caches hold no more than its prompt minus
-        the last token; the prefix cache keeps its budget and index (`PrefixStore.check`), the grammar
-        caches theirs (`GrammarCompiler.check`).
+        the last token; the prefix cache keeps its budget and index (`PrefixStore.check`), the scored
+        prompts and the grammar caches theirs (`GrammarCompiler.check`).
         """
         rows = len(self._rows)
         self._kv.check()
@@ -287,6 +301,7 @@ class FLyEngine:
             if req.fill is not None:
                 req.fill.check()
         self._prefix.check()
+        self._scored.check()
         self.grammars.check()
 
     @property
@@ -480,14 +495,20 @@ class FLyEngine:
         the draft stage catches up in the row's first draft-model round — a cost the policy weighs, so
         a long prompt with a short answer never pays the draft model's prefill."""
         draft_kv = self._cascade.kv
-        scored = req.prompt if req.prompt_logprobs else None  # its caches start empty: every position is scored
+        known = self._scored.get(self._scored_key(req)) if req.prompt_logprobs else None
+        scored = req.prompt if req.prompt_logprobs and known is None else None  # its caches start empty: all scored
         target, draft = self._prefix.seed(req.prompt[:1] if scored else req.prompt, self.device,
                                           draft_kv.device if draft_kv is not None else None, scope=req.scope)
         block = self._prefix.store.block_size
         req.cached_tokens = target.lengths[0] // block * block  # reported in whole blocks; reused in full
         self._prompt.prompt_tokens += len(req.prompt)
         self._prompt.cached_tokens += req.cached_tokens
-        return PromptFill(req.prompt[:-1], target, draft, scored=scored, top=req.logprobs or 0)
+        return PromptFill(req.prompt[:-1], target, draft, scored=scored, top=req.logprobs or 0, logprobs=known or [])
+
+    @staticmethod
+    def _scored_key(req: _Request) -> tuple[str, tuple[int, ...], int]:
+        """What a prompt's log-probabilities are kept under: its scope (tenant), tokens and alternatives asked."""
+        return req.scope, tuple(req.prompt), req.logprobs or 0
 
     def _join(self, req: _Request) -> None:
         """Splice the first waiting request's complete prompt caches into the batch; keep its prompt's KV."""
@@ -500,6 +521,8 @@ class FLyEngine:
         self._waiting.pop(0)
         if req.prompt_logprobs:
             req.prompt_logprobs = fill.logprobs
+            if fill.scored is not None:  # the other choices of the prompt (OpenAI's n) take these, unscored
+                self._scored.get_or_make(self._scored_key(req), lambda: fill.logprobs)
         req.fill = None
         self._row_settings = None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.serving.attack_measure import PHASES, gap_stats, main, render
+from benchmarks.serving.attack_measure import PHASES, gap_stats, main, phase_labels, render
 
 
 def test_gap_stats_count_only_the_gaps_within_the_window_and_never_across_streams():
@@ -14,6 +14,14 @@ def test_gap_stats_count_only_the_gaps_within_the_window_and_never_across_stream
     assert stats["gaps"] == 4 and stats["max_gap_s"] == 2.5 and stats["p99_gap_s"] == 2.5
     assert stats["p50_gap_s"] == round((0.2 + 0.5) / 2, 4)
     assert gap_stats(streams, 30.0, 40.0) == {"max_gap_s": None, "p50_gap_s": None, "p99_gap_s": None, "gaps": 0}
+
+
+def test_phases_run_baseline_first_and_a_repeated_phase_again_under_a_numbered_label():
+    assert phase_labels(["amplification"]) == [("baseline", "baseline"), ("amplification", "amplification")]
+    assert phase_labels(["amplification", "baseline", "amplification", "amplification", "baseline"]) == [
+        ("baseline", "baseline"), ("amplification", "amplification"), ("amplification_2", "amplification"),
+        ("amplification_3", "amplification"), ("baseline_2", "baseline")]
+    assert [label for label, _ in phase_labels(list(PHASES))] == list(PHASES)
 
 
 def canned_phase(max_gap: float | None, **attack: object) -> dict:

@@ -6,11 +6,20 @@ the batch in submission order, so a victim waited for every row submitted before
 goes to the client with the fewest rows in the engine, then the one served longest ago. Seeded random
 batches and backlogs of one to three clients: a newcomer's prepared request joins before any other client
 is served twice (at the first slot that frees, beside one client's backlog).
+
+Fair share (fly_daemon.request_queue, `RequestQueue.fair_share`): while a client below its share of the batch
+has a request on its way (queued, preparing or prepared), a client at or above its share takes no slot, so
+one client's backlog cannot take every slot that frees while another client's request is still being prepared.
+A seeded random walk over submit, preparation, joins, ended rows and cancels checks each join against a
+reference written from that rule, and the rule's promise (no client over its share while another below it
+waits; no slot left free unless such a client's request is still on its way).
 """
 
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter
 
 import pytest
 
@@ -62,3 +71,66 @@ def test_a_newcomer_joins_before_any_client_is_served_twice_whatever_the_backlog
     assert len(set(joined)) == len(joined), joined  # no client is served twice while the victim waits
     if len(attackers) == 1:
         assert joined == ["victim"]
+
+
+def _reference_join(books: RequestQueue) -> Entry | None:
+    """The entry the rule lets join next, from the books' entries alone (None: the slot stays free)."""
+    entries = list(books.entries.values())
+    in_engine = [e for e in entries if e.place == "engine"]
+    prepared = [e for e in entries if e.place == "prepared"]
+    if not prepared or len(in_engine) >= books.limits.max_batch_size:
+        return None
+    rows = Counter(e.client for e in in_engine)
+    share = math.ceil(books.limits.max_batch_size / len({e.client for e in entries}))
+    waiting_below = {e.client for e in entries if e.place != "engine" and rows[e.client] < share}
+
+    def may_join(entry: Entry) -> bool:
+        return rows[entry.client] < share or waiting_below <= {entry.client}
+
+    turn = {client: books._last_joined.get(client, -1) for client in rows | Counter(e.client for e in entries)}
+    ranked = sorted(filter(may_join, prepared), key=lambda e: (rows[e.client], turn[e.client], e.seq))
+    return ranked[0] if ranked else None
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_walk_joins_as_the_fair_share_reference_and_keeps_its_promise(seed):
+    rng = random.Random(seed)
+    batch = rng.randint(1, 8)
+    books = RequestQueue(Limits(heartbeat_timeout=0, max_batch_size=batch, max_requests_per_client=3 * batch,
+                                queue_size=256))
+    clients = ["A", "B", "C", "D"][:rng.randint(2, 4)]
+    preparing: list[Entry] = []
+    seq = 0
+    for _ in range(400):
+        op = rng.choice(["add", "add", "prepare", "prepared", "join", "join", "end", "cancel"])
+        if op == "add":
+            client = rng.choice(clients)
+            if books._per_client.get(client, 0) < books.limits.max_requests_per_client:
+                books.add(_entry(seq, client))
+                seq += 1
+        elif op == "prepare" and (entry := books.take_to_prepare()) is not None:
+            preparing.append(entry)
+        elif op == "prepared" and preparing:
+            entry = preparing.pop(rng.randrange(len(preparing)))
+            entry.prepared = PreparedInput([1], None, None)
+            books.mark_prepared(entry)
+        elif op == "join":
+            rows = Counter(e.client for e in books.in_engine())
+            share = math.ceil(batch / len({e.client for e in books.entries.values()} or {None}))
+            waiting_below = {e.client for e in books.entries.values() if e.place != "engine" and rows[e.client] < share}
+            expected = _reference_join(books)
+            entry = books.take_joinable()
+            assert entry is expected, (entry and entry.request.id, expected and expected.request.id)
+            if entry is not None and waiting_below - {entry.client}:  # someone below its share waited
+                assert rows[entry.client] + 1 <= share, (entry.client, rows, share)
+            room = len(books.in_engine()) < batch
+            if entry is None and room and any(e.place == "prepared" for e in books.entries.values()):
+                unprepared_below = {e.client for e in books.entries.values()
+                                    if e.place in ("queued", "preparing") and rows[e.client] < share}
+                assert unprepared_below, "a slot left free with no request on its way to claim it"
+        elif op == "end" and (running := books.in_engine()):
+            books.detach(rng.choice(running))
+        elif op == "cancel" and (waiting := [e for e in books.entries.values() if e.place in ("queued", "prepared")]):
+            books.detach(rng.choice(waiting))
+        preparing = [e for e in preparing if e.place == "preparing"]
+        books.check()

@@ -75,3 +75,26 @@ def test_model_info_is_read_from_the_engine():
     info = ModelInfo.of(CountingEngine())
     assert (info.name, info.context_window, info.chat_template, info.device, info.on_gpu) == \
         ("counting", 64, "", "cpu", False)
+
+
+def test_choices_given_the_same_prompt_scores_share_one_named_list_with_each_tokens_text():
+    """The engine gives the `n` choices of a prompt one list of its log-probabilities (FLyEngine's scored prompts):
+    delivery names it once for all of them (issue 45's amplification: n=16 × echo × 20 alternatives)."""
+    delivery = Delivery(Replies(), Metrics())
+    delivery.start(_Decoding(), HERMES)
+    prompt, scores = [7, 8, 9], [(-1.0, [(8, -1.0), (3, -2.0)]), (-0.5, [(9, -0.5), (8, -3.0)])]
+    request = GenerateRequest(id="r", prompt="a b c", logprobs=2, prompt_logprobs=True, choices=3)
+    named = []
+    for raw in (scores, scores, list(scores)):  # the last: another prompt's list, equal by chance
+        state = delivery.open((b"c",), request, 0.0, prompt)
+        out = _Output("r0", [4], "4", True, "length", 3, logprobs=[(-0.1, [(4, -0.1), (7, -4.0)])],
+                      prompt_logprobs=raw)
+        named.append(delivery.update(state, out, 1.0).prompt_logprobs)
+    def shared(a: list, b: list) -> bool:  # the same entries (a result holds a copy of the list)
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+    assert shared(named[0], named[1]) and not shared(named[0], named[2]) and named[2] == named[0]
+    assert [(e.token_id, e.token, e.logprob) for e in named[0]] == [(7, "<7>", None), (8, "<8>", -1.0),
+                                                                     (9, "<9>", -0.5)]
+    assert [[(t.token, t.logprob) for t in e.top] for e in named[0]] == [[], [("<8>", -1.0), ("<3>", -2.0)],
+                                                                         [("<9>", -0.5), ("<8>", -3.0)]]

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 from collections import Counter
 
 import pytest
-from support.engine_double import CountingEngine, running
+from support.engine_double import BlockingGrammars, running
 
 from fly_llm.common.config import SamplingParams
 from fly_llm.common.errors import FLyError
@@ -143,41 +142,6 @@ def test_random_walk_over_the_books_keeps_turns_and_compile_slots(seed):
 
 
 # ---- the scheduler, on threads, with compiles that block ----
-
-class BlockingGrammars(CountingEngine):
-    """A compile blocks until the test releases its schema; compiles in flight are counted per scope
-    (each client its own tenant here) and in all, their peaks kept. Decoding is the ids as text."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cond = threading.Condition()
-        self.released: set[str] = set()  # schema texts
-        self.done: set[tuple[str, str]] = set()  # (scope, schema text) compiled
-        self.in_flight: Counter[str] = Counter()
-        self.peak_per_client = self.peak = 0
-
-    def decode(self, ids: list[int]) -> str:
-        return " ".join(map(str, ids))
-
-    def compiled_matcher(self, constraint, scope=""):
-        with self.cond:
-            return "matcher" if (scope, constraint.text) in self.done else None
-
-    def compile_constraint(self, constraint, scope=""):
-        with self.cond:
-            self.in_flight[scope] += 1
-            self.peak_per_client = max(self.peak_per_client, self.in_flight[scope])
-            self.peak = max(self.peak, sum(self.in_flight.values()))
-            self.cond.wait_for(lambda: constraint.text in self.released)
-            self.in_flight[scope] -= 1
-            self.done.add((scope, constraint.text))
-        return "matcher"
-
-    def release(self, texts: set[str]) -> None:
-        with self.cond:
-            self.released |= texts
-            self.cond.notify_all()
-
 
 def _schema(n: int) -> dict:
     return {"type": "object", "properties": {f"field{n}": {"type": "integer"}}}

@@ -57,3 +57,24 @@ def test_logprobs_are_the_targets_log_softmax_at_each_position(engine):
 def test_no_logprobs_unless_asked(engine):
     tokens, logprobs, prompt_logprobs = _run(engine, [engine.encode(PROMPTS[0])])
     assert tokens["r0"] and logprobs["r0"] == [] and prompt_logprobs == {}
+
+
+def test_the_choices_of_one_prompt_score_it_once_and_share_its_log_probabilities(engine):
+    """OpenAI's `n` choices of an echoed prompt (issue 45's amplification): the first choice scores the prompt, the
+    others take its log-probabilities (the same list) and its cached prefix; another scope, or other alternatives,
+    score it again, with the same values."""
+    prompt = engine.encode("The quick brown fox " * 6)
+    before = engine.prompt_stats.prefilled_tokens
+    tokens, logprobs, prompt_logprobs = _run(engine, [prompt] * 4, logprobs=3, prompt_logprobs=True)
+    scored = [prompt_logprobs[f"r{i}"] for i in range(4)]
+    assert all(s is scored[0] for s in scored) and len(scored[0]) == len(prompt) - 1
+    assert engine.prompt_stats.prefilled_tokens - before < 2 * len(prompt)  # not 4 × the prompt
+    with torch.no_grad():
+        reference = engine.target(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    want = [reference[j - 1, t].item() for j, t in enumerate(prompt) if j > 0]
+    assert max(abs(lp - w) for (lp, _), w in zip(scored[0], want)) < 1e-4
+    for asks in ({"cache_scope": "other"}, {"logprobs": 2}):
+        _, _, again = _run(engine, [prompt], **{"logprobs": 3, "prompt_logprobs": True} | asks)
+        assert again["r0"] is not scored[0] and len(again["r0"]) == len(want)
+        assert max(abs(lp - w) for (lp, _), w in zip(again["r0"], want)) < 1e-4
+    engine.check()

@@ -1,5 +1,5 @@
-"""A test double of FLyEngine (no torch), an in-process Server on a serving core running it, and a
-collector of a Scheduler's replies.
+"""A test double of FLyEngine (no torch) and one whose grammar compiles block until released, an in-process
+Server on a serving core running it, and a collector of a Scheduler's replies.
 
 The double emits one token per step per request, so deadlines, heartbeats, cancellation, batch
 limits, loading state, step failures and admission can be shown quickly and exactly
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -155,6 +156,41 @@ class Replies:
             assert self._cond.wait_for(lambda: any(isinstance(m, self.ENDS) for m in self.by_id.get(rid, ())),
                                        timeout), f"no final reply to {rid}"
             return self.by_id[rid][-1]
+
+
+class BlockingGrammars(CountingEngine):
+    """A compile blocks until the test releases its schema; compiles in flight are counted per scope
+    (each client its own tenant here) and in all, their peaks kept. Decoding is the ids as text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cond = threading.Condition()
+        self.released: set[str] = set()  # schema texts
+        self.done: set[tuple[str, str]] = set()  # (scope, schema text) compiled
+        self.in_flight: Counter[str] = Counter()
+        self.peak_per_client = self.peak = 0
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+    def compiled_matcher(self, constraint, scope=""):
+        with self.cond:
+            return "matcher" if (scope, constraint.text) in self.done else None
+
+    def compile_constraint(self, constraint, scope=""):
+        with self.cond:
+            self.in_flight[scope] += 1
+            self.peak_per_client = max(self.peak_per_client, self.in_flight[scope])
+            self.peak = max(self.peak, sum(self.in_flight.values()))
+            self.cond.wait_for(lambda: constraint.text in self.released)
+            self.in_flight[scope] -= 1
+            self.done.add((scope, constraint.text))
+        return "matcher"
+
+    def release(self, texts: set[str]) -> None:
+        with self.cond:
+            self.released |= texts
+            self.cond.notify_all()
 
 
 MODEL_THREAD = "fly-model-under-test"

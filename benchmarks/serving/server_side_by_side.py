@@ -29,7 +29,8 @@ there, so parts resume. A part runs minutes after the one it is compared with, a
 drifts ±15-30 % from minute to minute, so a ratio between parts is partly drift. `--interleave SERVER ...`
 instead starts the servers named at once (each on its own port, the others idle meanwhile), warms each with
 one unmeasured request, then for each of `--rounds` rounds and each prompt asks every server in turn, one
-request at a time, in an order rotated per prompt and round (`rotation`: no server always goes first); each
+request at a time (each round its own 8 prompts, `round_prompts`: a repeated prompt is nearly free to a server
+that stays up), in an order rotated per prompt and round (`rotation`: no server always goes first); each
 row records its round, its `position` in that order and the CPU seconds the idle servers used meanwhile
 (`others_cpu_s`, which should be ~0). The report then adds paired ratios (benchmarks/serving/paired_ratios.py):
 per (prompt, round), each server's decode tok/s, TTFT and e2e over `--reference`'s (default the first named),
@@ -127,6 +128,19 @@ def load_prompts() -> list[Prompt]:
     """The 8 prompts: code, chat and RAG items from fly-bench's pinned datasets."""
     return [Prompt(item.item_id, kind, item.messages)
             for kind, dataset, n in KINDS for item in load(dataset, n)]
+
+
+def round_prompts(rounds: int) -> list[list[Prompt]]:
+    """An interleaved run's prompts, distinct in every round: per kind, rounds × its count spread evenly over
+    its dataset and dealt out in turn (round r takes every rounds-th from the r-th). A server that stays up
+    answers a repeated prompt nearly for free (its prompt cache skips the prefill; fly-daemon's recent-answer
+    drafting and llama.cpp's n-gram pool replay the answer), so no server is asked a prompt twice."""
+    dealt: list[list[Prompt]] = [[] for _ in range(rounds)]
+    for kind, dataset, n in KINDS:
+        items = load(dataset, n * rounds)
+        for r in range(rounds):
+            dealt[r] += [Prompt(item.item_id, kind, item.messages) for item in items[r::rounds]]
+    return dealt
 
 
 def decode_rate(tokens: int, ttft_s: float, e2e_s: float) -> float | None:
@@ -506,13 +520,15 @@ Schedule = list[tuple[int, Prompt, list[tuple[int, str]]]]
 """An interleaved run's requests: (round, prompt, [(position, server), ...] in the order asked)."""
 
 
-def schedule(servers: list[str], rounds: int, prompts: list[Prompt], rows: list[dict[str, Any]]) -> Schedule:
-    """The interleaved run's requests still to measure, in order: per round, per prompt, its servers in their
-    rotation, less those rows.jsonl already has (`pending`); a server keeps its position when another is skipped."""
-    left = {(s, r): {p.prompt_id for p in pending(rows, s, r, prompts)} for s in servers for r in range(1, rounds + 1)}
+def schedule(servers: list[str], prompts: list[list[Prompt]], rows: list[dict[str, Any]]) -> Schedule:
+    """The interleaved run's requests still to measure, in order: per round (its prompts: `prompts[round - 1]`),
+    per prompt, its servers in their rotation, less those rows.jsonl already has (`pending`); a server keeps
+    its position when another is skipped."""
+    rounds = range(1, len(prompts) + 1)
+    left = {(s, r): {p.prompt_id for p in pending(rows, s, r, prompts[r - 1])} for s in servers for r in rounds}
     todo = []
-    for round_ in range(1, rounds + 1):
-        for i, prompt in enumerate(prompts):
+    for round_ in rounds:
+        for i, prompt in enumerate(prompts[round_ - 1]):
             order = [(position, s) for position, s in enumerate(rotation(servers, round_, i))
                      if prompt.prompt_id in left[s, round_]]
             if order:
@@ -624,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = read_jsonl(args.out / "rows.jsonl")
     if args.interleave:
-        todo = schedule(args.interleave, args.rounds, load_prompts(), rows)
+        todo = schedule(args.interleave, round_prompts(args.rounds), rows)
         if todo:
             with model_files(args, args.interleave) as (gguf, draft, tmp):
                 run_interleaved(args, todo, gguf, draft, tmp)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import argparse
 from pathlib import Path
@@ -178,13 +179,22 @@ def test_the_rotation_puts_every_server_in_every_position_evenly():
 
 def test_the_schedule_skips_what_rows_hold_and_keeps_the_others_positions():
     prompts = [Prompt(p, "code", []) for p in ("p", "q")]
-    full = schedule(["a", "b"], 2, prompts, [])
+    full = schedule(["a", "b"], [prompts, prompts], [])
     assert [(r, p.prompt_id, order) for r, p, order in full] == [
         (1, "p", [(0, "a"), (1, "b")]), (1, "q", [(0, "b"), (1, "a")]),
         (2, "p", [(0, "b"), (1, "a")]), (2, "q", [(0, "a"), (1, "b")])]
     rows = [row("b", "p", "code", 1, 2, round_=2), row("a", "q", "code", 1, 2), row("b", "q", "code", 1, 2)]
-    assert [(r, p.prompt_id, order) for r, p, order in schedule(["a", "b"], 2, prompts, rows)] == [
+    assert [(r, p.prompt_id, order) for r, p, order in schedule(["a", "b"], [prompts, prompts], rows)] == [
         (1, "p", [(0, "a"), (1, "b")]), (2, "p", [(1, "a")]), (2, "q", [(0, "a"), (1, "b")])]
+
+
+def test_each_round_gets_its_own_prompts_of_every_kind(monkeypatch):
+    monkeypatch.setattr(sbs, "load", lambda dataset, n: [SimpleNamespace(item_id=f"{dataset}{k}", messages=[])
+                                                         for k in range(n)])
+    rounds = sbs.round_prompts(3)
+    assert [[p.kind for p in r] for r in rounds] == [["code"] * 3 + ["chat"] * 3 + ["rag"] * 2] * 3
+    ids = [p.prompt_id for r in rounds for p in r]
+    assert len(set(ids)) == 24 and [p.prompt_id for p in rounds[1]][:3] == ["humaneval1", "humaneval4", "humaneval7"]
 
 
 def test_paired_ratios_divide_by_the_reference_on_the_same_prompt_and_round():
@@ -247,7 +257,7 @@ def test_an_interleaved_run_on_fake_servers_pairs_out_the_drift_and_resumes(tmp_
     def fake_files(args, servers):
         yield tmp_path / "t.gguf", None, tmp_path
 
-    monkeypatch.setattr(sbs, "load_prompts", lambda: prompts)
+    monkeypatch.setattr(sbs, "round_prompts", lambda rounds: [prompts] * rounds)
     monkeypatch.setattr(sbs, "started", fake_started)
     monkeypatch.setattr(sbs, "stream_chat", fake_stream_chat)
     monkeypatch.setattr(sbs, "model_files", fake_files)

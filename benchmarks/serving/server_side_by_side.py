@@ -294,8 +294,9 @@ def _ratios(mine: dict[str, Any], ref: dict[str, Any], parts: list[str]) -> dict
 
 
 def _same_texts(rows: list[dict[str, Any]], servers: list[str], reference: str) -> dict[str, str]:
-    """Per server: how many of its answers are the reference's (first round's) answer to the same prompt, exactly."""
-    first = {r["prompt_id"]: r["text"] for r in rows if r["server"] == reference and r["round"] == 1}
+    """Per server: how many of its answers are the reference's (earliest round's) answer to the same prompt,
+    exactly (an interleaved run asks each prompt in one round only)."""
+    first = {r["prompt_id"]: r["text"] for r in sorted(rows, key=lambda r: -r["round"]) if r["server"] == reference}
     counts = {}
     for s in servers:
         mine = [r for r in rows if r["server"] == s and r["prompt_id"] in first]

@@ -25,11 +25,21 @@ chunk's counters are kept (llama-server's `timings`: tokens predicted, drafted a
 `fly_stats`: rounds, drafted, emitted), and from them the weight bytes each token read (`bytes_per_token`).
 
 Each part (`--server`, `--round`) appends its rows to `--out`/rows.jsonl and skips the prompts it already has
-there, so parts resume; it appends to `--out`/parts.jsonl how it ran: the command, llama-server's `--version`,
+there, so parts resume. A part runs minutes after the one it is compared with, and this VM's memory bandwidth
+drifts ±15-30 % from minute to minute, so a ratio between parts is partly drift. `--interleave SERVER ...`
+instead starts the servers named at once (each on its own port, the others idle meanwhile), warms each with
+one unmeasured request, then for each of `--rounds` rounds and each prompt asks every server in turn, one
+request at a time (each round its own 8 prompts, `round_prompts`: a repeated prompt is nearly free to a server
+that stays up), in an order rotated per prompt and round (`rotation`: no server always goes first); each
+row records its round, its `position` in that order and the CPU seconds the idle servers used meanwhile
+(`others_cpu_s`, which should be ~0). The report then adds paired ratios (benchmarks/serving/paired_ratios.py):
+per (prompt, round), each server's decode tok/s, TTFT and e2e over `--reference`'s (default the first named),
+with their median and interval. An interleaved run resumes too: it skips the (server, round, prompt) rows
+already there. Each part it appends to `--out`/parts.jsonl how it ran: the command, llama-server's `--version`,
 build flags (build-info.txt) and `system_info` line, what its log says of flash attention, slots and threads, the weight
 bytes of a forward of each model and the activation precision. `--report` writes results.json and results.md:
-medians per server and prompt kind, ratios to llama-server (else llama-cpp-python), the best llama.cpp mode
-by decode tok/s and FLy against it. Commands: docs/benchmarks.md.
+medians per server and prompt kind, ratios to `--reference` (default llama-server, else llama-cpp-python),
+the best llama.cpp mode by decode tok/s and FLy against it; an interleaved run writes it at its end. Commands: docs/benchmarks.md.
 
 Needs the `llama-server` binary for its parts, llama-cpp-python (the vocabulary; with its server's dependencies,
 `pip install 'llama-cpp-python[server]'`, for the llamacpp parts), the embedded pair (`fly-llm[models]`) or
@@ -44,8 +54,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +64,7 @@ from benchmarks.harness.cli import model_gguf
 from benchmarks.harness.datasets import load
 from benchmarks.harness.environment import cpu_name, git_commit
 from benchmarks.serving import llama_server
+from benchmarks.serving.paired_ratios import cell, paired
 from benchmarks.serving.processes import serve, stop, wait_for_models
 from benchmarks.serving.serve_bench import add_model_arguments, resolve_models, start_daemon
 from benchmarks.serving.webui_check import free_port
@@ -95,12 +106,41 @@ class Row:
     commit: str
     details: dict[str, Any] | None = None
     """The last chunk's counters: llama-server's `timings` or fly-daemon's `fly_stats`, where given."""
+    position: int | None = None
+    """Its place (0: first) in the order the servers answered this prompt in an interleaved run; None in a part."""
+    others_cpu_s: float | None = None
+    """In an interleaved run, the CPU seconds the other (idle) servers' processes used while it ran."""
+
+
+@dataclass
+class Live:
+    """A started and warmed server, ready to be asked."""
+
+    server: str
+    client: Any
+    model: str
+    extra_body: dict[str, Any]
+    processes: list[Any]
+    """Its process tree (psutil.Process), for the CPU it uses while others are measured."""
 
 
 def load_prompts() -> list[Prompt]:
     """The 8 prompts: code, chat and RAG items from fly-bench's pinned datasets."""
     return [Prompt(item.item_id, kind, item.messages)
             for kind, dataset, n in KINDS for item in load(dataset, n)]
+
+
+def round_prompts(rounds: int) -> list[list[Prompt]]:
+    """An interleaved run's prompts, distinct in every round: per kind, rounds × its count spread evenly over
+    its dataset and dealt out in turn (round r takes every rounds-th from the r-th). A server that stays up
+    answers a repeated prompt nearly for free (its prompt cache skips the prefill; fly-daemon's recent-answer
+    drafting and llama.cpp's n-gram pool replay the answer), so no server is asked a prompt twice."""
+    dealt: list[list[Prompt]] = [[] for _ in range(rounds)]
+    for kind, dataset, n in KINDS:
+        items = load(dataset, n * rounds)
+        for r in range(rounds):
+            dealt[r] += [Prompt(item.item_id, kind, item.messages) for item in items[r::rounds]]
+    return dealt
 
 
 def decode_rate(tokens: int, ttft_s: float, e2e_s: float) -> float | None:
@@ -182,13 +222,16 @@ def _median(values: list[float | None]) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
+def rated(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with its decode rate taken again from its tokens and times by decode_rate (unrounded)."""
+    return row | {"decode_tokens_per_s": decode_rate(row["completion_tokens"], row["ttft_s"], row["e2e_s"])}
+
+
 def _medians(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Per metric: the median over prompts of each prompt's median over rounds (decode rates taken again
-    from each row's tokens and times by decode_rate)."""
+    """Per metric: the median over prompts of each prompt's median over rounds (decode rates `rated`)."""
     by_prompt: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        rate = decode_rate(r["completion_tokens"], r["ttft_s"], r["e2e_s"])
-        by_prompt.setdefault(r["prompt_id"], []).append(r | {"decode_tokens_per_s": rate})
+    for r in map(rated, rows):
+        by_prompt.setdefault(r["prompt_id"], []).append(r)
     return {m: _median([_median([r[m] for r in group]) for group in by_prompt.values()]) for m in METRICS}
 
 
@@ -202,10 +245,12 @@ def latest_parts(parts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {p["server"]: p for p in parts}
 
 
-def summarize(rows: list[dict[str, Any]], parts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], parts: list[dict[str, Any]] | None = None,
+              reference: str | None = None) -> dict[str, Any]:
     """Medians per server (all prompts and per kind), tokens/s end to end, weight bytes per token and
-    activation precision, ratios to the reference (llama-server, else llama-cpp-python) and the best llama.cpp
-    mode by decode tok/s with FLy's ratios to it."""
+    activation precision, ratios of medians to `reference` (default llama-server, else llama-cpp-python), the
+    best llama.cpp mode by decode tok/s with FLy's ratios to it; where rows come from an interleaved run, the
+    paired ratios to the reference (paired_ratios.paired) and the CPU the idle servers used."""
     servers = [s for s in SERVERS if any(r["server"] == s for r in rows)]
     kinds = sorted({r["kind"] for r in rows}, key=[k for k, _, _ in KINDS].index)
     how = latest_parts(parts or [])
@@ -222,12 +267,19 @@ def summarize(rows: list[dict[str, Any]], parts: list[dict[str, Any]] | None = N
             "all": _medians(mine),
             **{k: _medians([r for r in mine if r["kind"] == k]) for k in kinds},
         }
-    reference = next((s for s in REFERENCES if s in summary), None)
+        idle = [r["others_cpu_s"] for r in mine if r.get("others_cpu_s") is not None]
+        if idle:
+            summary[s]["others_cpu_s"] = {"median": _median(idle), "max": round(max(idle), 3)}
+    if reference is not None and reference not in summary:
+        raise SystemExit(f"--reference {reference} has no rows in this run")
+    reference = reference or next((s for s in REFERENCES if s in summary), None)
     if reference is not None:
         summary["reference"] = reference
         for s in servers:
             summary[s]["vs_reference"] = _ratios(summary[s], summary[reference], ["all", *kinds])
         summary["same_text_as_reference"] = _same_texts(rows, servers, reference)
+        if any(r.get("position") is not None for r in rows):
+            summary["paired"] = paired([rated(r) for r in rows], servers, reference, kinds, METRICS)
     llamacpp = [s for s in servers if s in LLAMACPP and summary[s]["all"]["decode_tokens_per_s"] is not None]
     if llamacpp:
         best = max(llamacpp, key=lambda s: summary[s]["all"]["decode_tokens_per_s"])
@@ -242,13 +294,30 @@ def _ratios(mine: dict[str, Any], ref: dict[str, Any], parts: list[str]) -> dict
 
 
 def _same_texts(rows: list[dict[str, Any]], servers: list[str], reference: str) -> dict[str, str]:
-    """Per server: how many of its answers are the reference's (first round's) answer to the same prompt, exactly."""
-    first = {r["prompt_id"]: r["text"] for r in rows if r["server"] == reference and r["round"] == 1}
+    """Per server: how many of its answers are the reference's (earliest round's) answer to the same prompt,
+    exactly (an interleaved run asks each prompt in one round only)."""
+    first = {r["prompt_id"]: r["text"] for r in sorted(rows, key=lambda r: -r["round"]) if r["server"] == reference}
     counts = {}
     for s in servers:
         mine = [r for r in rows if r["server"] == s and r["prompt_id"] in first]
         counts[s] = f"{sum(first[r['prompt_id']] == r['text'] for r in mine)}/{len(mine)}"
     return counts
+
+
+def _paired_lines(summary: dict[str, Any], servers: list[str], parts: list[str], ref: str) -> list[str]:
+    """The paired ratios' table and what the idle servers used, for results.md."""
+    lines = ["", f"## Paired ratios to {ref} (same prompt and round, asked back to back)", "",
+             "Each cell: the median of the per-pair ratios (a bootstrap 95 % interval of that median; the smallest "
+             "and largest ratio; pairs). Decode above 1 is faster than the reference; TTFT and e2e below 1 are.", "",
+             "| server | metric | " + " | ".join(parts) + " |", "|---|---|" + "---|" * len(parts)]
+    for s, by_part in summary["paired"].items():
+        for m in METRICS:
+            lines.append(f"| {s} | {m} | " + " | ".join(cell(by_part[p][m]) for p in parts) + " |")
+    idle = [f"{s} {summary[s]['others_cpu_s']['median']} (max {summary[s]['others_cpu_s']['max']})"
+            for s in servers if "others_cpu_s" in summary[s]]
+    if idle:
+        lines += ["", "CPU seconds the idle servers used during each server's request, median (max): " + ", ".join(idle)]
+    return lines
 
 
 def _megabytes(n: float | None) -> str:
@@ -289,6 +358,8 @@ def markdown(summary: dict[str, Any], settings: dict[str, Any]) -> str:
     if "same_text_as_reference" in summary:
         lines += ["", f"Answers identical to {ref}'s: " + ", ".join(
             f"{s} {n}" for s, n in summary["same_text_as_reference"].items())]
+    if "paired" in summary:
+        lines += _paired_lines(summary, servers, parts, ref)
     lines += ["", "How each server ran (parts.jsonl):", ""]
     for s in servers:
         run = settings["parts"].get(s)
@@ -329,8 +400,9 @@ def part_record(args: argparse.Namespace, command: list[str], gguf: Path, draft_
     reads (the GGUFs' own; FLy packs its weights itself, so its figures are the published file's, an
     estimate), whether it speculates, its activation precision; llama-server's build (`probe`)."""
     server = args.server
-    draft_bytes = (llama_server.weight_bytes(draft_gguf) if draft_gguf else None) if draft_wanted(args) else 0
-    return {"server": server, "round": args.round, "command": " ".join(command),
+    draft_bytes = (llama_server.weight_bytes(draft_gguf) if draft_gguf else None) if draft_wanted(server) else 0
+    return {"server": server, "round": None if args.interleave else args.round, "interleaved_with": args.interleave,
+            "rounds": args.rounds if args.interleave else None, "command": " ".join(command),
             "target_weight_bytes": llama_server.weight_bytes(gguf), "draft_weight_bytes": draft_bytes,
             "speculates": server not in ("llamacpp", "llama-server", "target"),
             "activations": f"int8 matmul inputs (w4a8), --dtype {args.dtype} otherwise" if server in ("fly", "target")
@@ -354,35 +426,129 @@ def start(args: argparse.Namespace, gguf: Path, draft_gguf: Path | None,
     return fly_server(args, workdir, args.server == "fly"), cmd, workdir / "daemon.log"
 
 
-def run_part(args: argparse.Namespace, prompts: list[Prompt], gguf: Path, draft_gguf: Path | None,
-             workdir: Path) -> None:
-    """Start `args.server`, warm it, append how it runs to parts.jsonl, measure the prompts given; append each
-    row to rows.jsonl."""
-    import openai
-    from llama_cpp import Llama
+def for_server(args: argparse.Namespace, server: str) -> argparse.Namespace:
+    """`args` for running `server` (start and part_record read `args.server`)."""
+    return argparse.Namespace(**{**vars(args), "server": server})
 
-    args.commit = git_commit() or "unknown"
-    vocab = Llama(str(gguf), vocab_only=True, verbose=False)
+
+def cpu_seconds(live: Live) -> float:
+    """The CPU seconds `live`'s processes have used so far (those that ended count no more)."""
+    import psutil
+
+    total = 0.0
+    for proc in live.processes:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+@contextmanager
+def started(args: argparse.Namespace, gguf: Path, draft_gguf: Path | None, workdir: Path) -> Iterator[Live]:
+    """`args.server` started in `workdir`, warmed with one unmeasured request, how it runs appended to
+    parts.jsonl; stopped on exit."""
+    import openai
+    import psutil
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
     server, cmd, log = start(args, gguf, draft_gguf, workdir)
     record = part_record(args, cmd, gguf, draft_gguf)
     extra_body = {} if args.server in ("fly", "target") else {"repeat_penalty": 1.0}  # llama-cpp-python's is 1.1
     with server as (url, model):
+        processes = [p for p in me.children(recursive=True) if p.pid not in before]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=1800)
         stream_chat(client, model, WARMUP, 8, extra_body)
         if args.server in llama_server.MODES:
             record["log"] = llama_server.log_facts(log.read_text(errors="replace"))
         with open(args.out / "parts.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+        rss = sum(p.memory_info().rss for p in processes) / 2**20
+        print(f"{args.server} started and warmed: {rss:.0f} MiB resident", flush=True)
+        yield Live(args.server, client, model, extra_body, processes)
+
+
+def token_counter(gguf: Path) -> Callable[[str], int]:
+    """Counts an answer's tokens with the GGUF's own vocabulary (llama.cpp's tokenizer, vocab only)."""
+    from llama_cpp import Llama
+
+    vocab = Llama(str(gguf), vocab_only=True, verbose=False)
+    return lambda text: len(vocab.tokenize(text.encode(), add_bos=False, special=True))
+
+
+def measure(live: Live, prompt: Prompt, round_: int, count: Callable[[str], int], args: argparse.Namespace,
+            position: int | None = None, others: list[Live] | None = None) -> Row:
+    """Ask `live` `prompt`; the row, appended to rows.jsonl and printed. `others`: the servers that idle
+    meanwhile (an interleaved run), whose CPU seconds the row records."""
+    idle = sum(map(cpu_seconds, others)) if others else None
+    text, ttft, e2e, details = stream_chat(live.client, live.model, prompt.messages, args.max_tokens, live.extra_body)
+    idle = None if idle is None else round(sum(map(cpu_seconds, others)) - idle, 3)
+    tokens = count(text)
+    rate = decode_rate(tokens, ttft, e2e)
+    row = Row(round_, live.server, prompt.prompt_id, prompt.kind, round(ttft, 3), None if rate is None else round(rate, 2),
+              round(e2e, 3), tokens, text, args.commit, details, position, idle)
+    with open(args.out / "rows.jsonl", "a") as f:
+        f.write(json.dumps(asdict(row)) + "\n")
+    print(f"{live.server} round {round_}{'' if position is None else f' position {position}'} {prompt.prompt_id}: "
+          f"TTFT {ttft:.2f} s, {rate or 0:.1f} tok/s after it, {e2e:.2f} s, {tokens} tokens"
+          + ("" if idle is None else f", others {idle:.2f} CPU s"), flush=True)
+    return row
+
+
+def run_part(args: argparse.Namespace, prompts: list[Prompt], gguf: Path, draft_gguf: Path | None,
+             workdir: Path) -> None:
+    """Start `args.server`, warm it, append how it runs to parts.jsonl, measure the prompts given; append each
+    row to rows.jsonl."""
+    args.commit = git_commit() or "unknown"
+    count = token_counter(gguf)
+    with started(args, gguf, draft_gguf, workdir) as live:
         for prompt in prompts:
-            text, ttft, e2e, details = stream_chat(client, model, prompt.messages, args.max_tokens, extra_body)
-            tokens = len(vocab.tokenize(text.encode(), add_bos=False, special=True))
-            rate = decode_rate(tokens, ttft, e2e)
-            row = Row(args.round, args.server, prompt.prompt_id, prompt.kind, round(ttft, 3),
-                      None if rate is None else round(rate, 2), round(e2e, 3), tokens, text, args.commit, details)
-            with open(args.out / "rows.jsonl", "a") as f:
-                f.write(json.dumps(asdict(row)) + "\n")
-            print(f"{args.server} round {args.round} {prompt.prompt_id}: TTFT {ttft:.2f} s, "
-                  f"{rate or 0:.1f} tok/s after it, {e2e:.2f} s, {tokens} tokens", flush=True)
+            measure(live, prompt, args.round, count, args)
+
+
+def rotation(servers: list[str], round_: int, index: int) -> list[str]:
+    """The order the servers answer prompt `index` (0-based) of round `round_` (1-based) in: `servers` rotated
+    left by index + round - 1. Within a round each server takes each position equally often when the prompts
+    are a multiple of the servers; over len(servers) rounds each prompt has each server in each position once."""
+    k = (index + round_ - 1) % len(servers)
+    return servers[k:] + servers[:k]
+
+
+Schedule = list[tuple[int, Prompt, list[tuple[int, str]]]]
+"""An interleaved run's requests: (round, prompt, [(position, server), ...] in the order asked)."""
+
+
+def schedule(servers: list[str], prompts: list[list[Prompt]], rows: list[dict[str, Any]]) -> Schedule:
+    """The interleaved run's requests still to measure, in order: per round (its prompts: `prompts[round - 1]`),
+    per prompt, its servers in their rotation, less those rows.jsonl already has (`pending`); a server keeps
+    its position when another is skipped."""
+    rounds = range(1, len(prompts) + 1)
+    left = {(s, r): {p.prompt_id for p in pending(rows, s, r, prompts[r - 1])} for s in servers for r in rounds}
+    todo = []
+    for round_ in rounds:
+        for i, prompt in enumerate(prompts[round_ - 1]):
+            order = [(position, s) for position, s in enumerate(rotation(servers, round_, i))
+                     if prompt.prompt_id in left[s, round_]]
+            if order:
+                todo.append((round_, prompt, order))
+    return todo
+
+
+def run_interleaved(args: argparse.Namespace, todo: Schedule, gguf: Path, draft_gguf: Path | None,
+                    workdir: Path) -> None:
+    """Start every server `todo` asks (each in its own directory under `workdir`, warmed, all left running),
+    then ask them in `todo`'s order, one request at a time; append each row to rows.jsonl."""
+    args.commit = git_commit() or "unknown"
+    count = token_counter(gguf)
+    servers = [s for s in args.interleave if any(s == name for _, _, order in todo for _, name in order)]
+    with ExitStack() as stack:
+        live = {s: stack.enter_context(started(for_server(args, s), gguf, draft_gguf, workdir / s)) for s in servers}
+        for round_, prompt, order in todo:
+            for position, s in order:
+                measure(live[s], prompt, round_, count, args, position, [live[o] for o in servers if o != s])
 
 
 def settings(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[str, Any]],
@@ -400,7 +566,7 @@ def write_report(out: Path, argv: list[str] | None, args: argparse.Namespace) ->
     if not rows:
         raise SystemExit(f"no rows in {out / 'rows.jsonl'}: run a --server part first")
     parts = read_jsonl(out / "parts.jsonl")
-    report = {"settings": settings(args, argv, rows, parts), "summary": summarize(rows, parts)}
+    report = {"settings": settings(args, argv, rows, parts), "summary": summarize(rows, parts, args.reference)}
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "results.md").write_text(markdown(report["summary"], report["settings"]))
     return report
@@ -412,12 +578,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_model_arguments(p)
     p.add_argument("--server", choices=SERVERS, help="the part to run: one server, started, measured, stopped")
     p.add_argument("--round", type=int, default=1, help="the part's round (a later round measures the prompts again)")
+    p.add_argument("--interleave", nargs="+", choices=SERVERS, metavar="SERVER",
+                   help="start these servers at once and ask each prompt of each round of each in turn (rotated "
+                        "order), then write the report with paired ratios")
+    p.add_argument("--rounds", type=int, default=3, help="with --interleave: the rounds")
+    p.add_argument("--reference", choices=SERVERS,
+                   help="the server ratios are taken to (default: the first of --interleave, else llama-server, "
+                        "else llamacpp)")
     p.add_argument("--report", action="store_true", help="write results.json and results.md from the rows")
     p.add_argument("--out", type=Path, default=Path("server-side-by-side"))
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--n-ctx", type=int, default=4096, help="llama-cpp-python's context (llama-server keeps its default)")
     p.add_argument("--llama-server", type=Path, default=llama_server.LLAMA_SERVER, help="the llama-server binary")
-    return parse_part_args(p, argv)
+    args = parse_part_args(p, argv)
+    if args.interleave:
+        if args.server:
+            p.error("give --server (a part) or --interleave, not both")
+        if len(set(args.interleave)) < len(args.interleave):
+            p.error("--interleave names a server twice")
+        if args.rounds < 1:
+            p.error("--rounds must be at least 1")
+        args.reference = args.reference or args.interleave[0]
+        if args.reference not in args.interleave:
+            p.error(f"--reference {args.reference} is not one of --interleave's servers")
+    return args
 
 
 def parse_part_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -425,35 +609,48 @@ def parse_part_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     required, the embedded pair unless --target names one."""
     p.set_defaults(dtype="auto", threads=2, concurrency=[1], exact=False)  # start_daemon's settings
     args = p.parse_args(argv)
-    if not args.server and not args.report:
-        p.error("give --server NAME (a part) or --report")
+    if not args.server and not args.report and not getattr(args, "interleave", None):
+        p.error("give --server NAME (a part), --interleave NAME ... or --report")
     args.embedded = args.target is None
     return args
 
 
-def draft_wanted(args: argparse.Namespace) -> bool:
-    """Whether the part reads the draft's GGUF: to draft with it, or for FLy's weight bytes per token."""
-    mode = llama_server.MODES.get(args.server)
-    return args.server == "fly" or (mode is not None and mode.draft)
+def draft_wanted(server: str) -> bool:
+    """Whether `server` reads the draft's GGUF: to draft with it, or for FLy's weight bytes per token."""
+    mode = llama_server.MODES.get(server)
+    return server == "fly" or (mode is not None and mode.draft)
+
+
+@contextmanager
+def model_files(args: argparse.Namespace, servers: list[str]) -> Iterator[tuple[Path, Path | None, Path]]:
+    """(the target's GGUF, the draft's where one of `servers` reads it, a scratch directory) for the run."""
+    drafting = [s for s in servers if (mode := llama_server.MODES.get(s)) is not None and mode.draft]
+    if drafting and args.target and not (args.draft or "").endswith(".gguf"):
+        raise SystemExit(f"{drafting[0]} drafts with the draft model: give --draft FILE.gguf with --target")
+    with model_gguf(args.target, True) as gguf, \
+            model_gguf(args.draft if args.target else None, any(map(draft_wanted, servers)), "draft") as draft, \
+            tempfile.TemporaryDirectory(prefix="fly-side-by-side-") as tmp:
+        if gguf is None:
+            raise SystemExit("llama.cpp needs the target as a .gguf file (--target FILE.gguf)")
+        yield gguf, draft, Path(tmp)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one part and/or write the report."""
+    """Run one part or an interleaved run, and/or write the report (an interleaved run writes it)."""
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.server:
-        prompts = pending(read_jsonl(args.out / "rows.jsonl"), args.server, args.round, load_prompts())
-        mode = llama_server.MODES.get(args.server)
-        if prompts and mode is not None and mode.draft and args.target and not (args.draft or "").endswith(".gguf"):
-            raise SystemExit(f"{args.server} drafts with the draft model: give --draft FILE.gguf with --target")
-        with model_gguf(args.target, bool(prompts)) as gguf, \
-                model_gguf(args.draft if args.target else None, bool(prompts) and draft_wanted(args), "draft") as draft, \
-                tempfile.TemporaryDirectory(prefix="fly-side-by-side-") as tmp:
-            if prompts and gguf is None:
-                raise SystemExit("llama.cpp needs the target as a .gguf file (--target FILE.gguf)")
-            if prompts:
-                run_part(args, prompts, gguf, draft, Path(tmp))
-    if args.report:
+    rows = read_jsonl(args.out / "rows.jsonl")
+    if args.interleave:
+        todo = schedule(args.interleave, round_prompts(args.rounds), rows)
+        if todo:
+            with model_files(args, args.interleave) as (gguf, draft, tmp):
+                run_interleaved(args, todo, gguf, draft, tmp)
+    elif args.server:
+        prompts = pending(rows, args.server, args.round, load_prompts())
+        if prompts:
+            with model_files(args, [args.server]) as (gguf, draft, tmp):
+                run_part(args, prompts, gguf, draft, tmp)
+    if args.report or args.interleave:
         write_report(args.out, argv, args)
         print((args.out / "results.md").read_text())
     return 0

@@ -1,16 +1,24 @@
 """benchmarks/serving/server_side_by_side.py's pure parts: the decode rate, resuming parts, medians and ratios,
-weight bytes per token from the servers' counters, each part's command line and the report's columns."""
+weight bytes per token from the servers' counters, each part's command line and the report's columns; the
+interleaved run's rotation, schedule and paired ratios (benchmarks/serving/paired_ratios.py), and an
+interleaved run end to end on fake servers."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import argparse
 from pathlib import Path
 
 import pytest
 
+from benchmarks.serving import server_side_by_side as sbs
+from benchmarks.serving.paired_ratios import pair_ratios, spread
 from benchmarks.serving.server_side_by_side import (
+    Live,
     Prompt,
     bytes_per_token,
     decode_rate,
@@ -19,16 +27,18 @@ from benchmarks.serving.server_side_by_side import (
     parse_args,
     pending,
     read_jsonl,
+    rotation,
+    schedule,
     start,
     summarize,
 )
 
 
 def row(server: str, prompt_id: str, kind: str, ttft: float, e2e: float, tokens: int = 31, text: str = "a",
-        round_: int = 1, details: dict | None = None) -> dict:
+        round_: int = 1, details: dict | None = None, position: int | None = None) -> dict:
     return {"round": round_, "server": server, "prompt_id": prompt_id, "kind": kind, "ttft_s": ttft,
             "decode_tokens_per_s": 0.0, "e2e_s": e2e, "completion_tokens": tokens, "text": text, "commit": "abc",
-            "details": details}
+            "details": details, "position": position}
 
 
 def part(server: str, target: int | None = 1000, draft: int | None = 0, speculates: bool = True, **more) -> dict:
@@ -152,3 +162,121 @@ def test_each_part_starts_its_own_command(tmp_path):
     args.server = "target"
     _, cmd, log = start(args, Path("t.gguf"), None, tmp_path)
     assert cmd[-2:] == ["--stages", "''"] and log == tmp_path / "daemon.log"
+
+
+def test_the_rotation_puts_every_server_in_every_position_evenly():
+    servers = ["a", "b", "c", "d"]
+    prompts = range(8)
+    per_round = [Counter((s, rotation(servers, r, i).index(s)) for i in prompts for s in servers) for r in (1, 2, 3)]
+    assert all(set(c.values()) == {2} and len(c) == 16 for c in per_round)  # each server twice in each position
+    for i in prompts:  # over len(servers) rounds a prompt has each server in each position once
+        assert {(s, rotation(servers, r, i).index(s)) for r in (1, 2, 3, 4) for s in servers} == \
+            {(s, k) for s in servers for k in range(4)}
+    assert sorted(rotation(servers, 2, 5)) == servers and rotation(servers, 1, 0) == servers
+    firsts = Counter(rotation(["a", "b", "c"], r, i)[0] for r in (1, 2, 3) for i in range(3))  # 3 code prompts
+    assert set(firsts.values()) == {3}
+
+
+def test_the_schedule_skips_what_rows_hold_and_keeps_the_others_positions():
+    prompts = [Prompt(p, "code", []) for p in ("p", "q")]
+    full = schedule(["a", "b"], [prompts, prompts], [])
+    assert [(r, p.prompt_id, order) for r, p, order in full] == [
+        (1, "p", [(0, "a"), (1, "b")]), (1, "q", [(0, "b"), (1, "a")]),
+        (2, "p", [(0, "b"), (1, "a")]), (2, "q", [(0, "a"), (1, "b")])]
+    rows = [row("b", "p", "code", 1, 2, round_=2), row("a", "q", "code", 1, 2), row("b", "q", "code", 1, 2)]
+    assert [(r, p.prompt_id, order) for r, p, order in schedule(["a", "b"], [prompts, prompts], rows)] == [
+        (1, "p", [(0, "a"), (1, "b")]), (2, "p", [(1, "a")]), (2, "q", [(0, "a"), (1, "b")])]
+
+
+def test_each_round_gets_its_own_prompts_of_every_kind(monkeypatch):
+    monkeypatch.setattr(sbs, "load", lambda dataset, n: [SimpleNamespace(item_id=f"{dataset}{k}", messages=[])
+                                                         for k in range(n)])
+    rounds = sbs.round_prompts(3)
+    assert [[p.kind for p in r] for r in rounds] == [["code"] * 3 + ["chat"] * 3 + ["rag"] * 2] * 3
+    ids = [p.prompt_id for r in rounds for p in r]
+    assert len(set(ids)) == 24 and [p.prompt_id for p in rounds[1]][:3] == ["humaneval1", "humaneval4", "humaneval7"]
+
+
+def test_paired_ratios_divide_by_the_reference_on_the_same_prompt_and_round():
+    rows = [row("llama-server", "a", "code", 1.0, 4.0, position=0), row("fly", "a", "code", 2.0, 3.5, position=1),
+            row("llama-server", "a", "code", 3.0, 9.0, round_=2, position=1), row("fly", "a", "code", 3.0, 6.0, round_=2, position=0),
+            row("llama-server", "b", "chat", 1.0, 4.0, position=0), row("fly", "b", "chat", 0.5, 1.0, position=1),
+            row("llama-server", "c", "rag", 2.0, 2.5, tokens=2, position=0), row("fly", "c", "rag", 1.0, 1.5, tokens=2, position=1),
+            row("fly", "d", "chat", 1.0, 2.0, position=1),  # the reference never answered d
+            row("llama-server", "b", "chat", 9.0, 99.0, round_=3), row("fly", "b", "chat", 1.0, 2.0, round_=3)]  # parts: no pairs
+    rated = [sbs.rated(r) for r in rows]
+    assert pair_ratios(rated, "fly", "llama-server", "ttft_s") == [2.0, 1.0, 0.5, 0.5]
+    assert pair_ratios(rated, "fly", "llama-server", "decode_tokens_per_s") == [2.0, 2.0, 6.0]  # rag: too short to time
+    assert pair_ratios(rated, "fly", "llama-server", "ttft_s", "rag") == [0.5]
+    assert spread([1.0, 2.0, 4.0]) | {"low": 0, "high": 0} == {"median": 2.0, "low": 0, "high": 0, "min": 1.0,
+                                                             "max": 4.0, "pairs": 3}
+    wide = spread([1.0, 2.0, 4.0])
+    assert 1.0 <= wide["low"] <= 2.0 <= wide["high"] <= 4.0 and spread([1.3] * 5)["low"] == spread([1.3] * 5)["high"] == 1.3
+    assert spread([]) is None
+    summary = summarize(rows, reference="llama-server")
+    assert summary["reference"] == "llama-server" and "llama-server" not in summary["paired"]
+    assert summary["paired"]["fly"]["all"]["decode_tokens_per_s"]["median"] == 2.0
+    assert summary["paired"]["fly"]["code"]["ttft_s"]["pairs"] == 2 and summary["paired"]["fly"]["rag"]["decode_tokens_per_s"] is None
+    text = markdown(summary, {"cpu": "cpu", "commits_measured": ["abc"], "command": "cmd", "parts": {}})
+    assert "## Paired ratios to llama-server" in text and "| fly | decode_tokens_per_s | 2.00 (" in text
+    with pytest.raises(SystemExit, match="--reference target has no rows"):
+        summarize(rows, reference="target")
+
+
+def test_the_command_line_of_an_interleaved_run():
+    args = parse_args(["--interleave", "llama-server", "fly", "--rounds", "2"])
+    assert args.interleave == ["llama-server", "fly"] and args.reference == "llama-server" and args.rounds == 2
+    assert parse_args(["--interleave", "llama-server", "fly", "--reference", "fly"]).reference == "fly"
+    for bad in (["--interleave", "fly", "--server", "fly"], ["--interleave", "fly", "fly"],
+                ["--interleave", "fly", "--reference", "target"], ["--interleave", "fly", "--rounds", "0"],
+                ["--interleave", "nothing"], []):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_an_interleaved_run_on_fake_servers_pairs_out_the_drift_and_resumes(tmp_path, monkeypatch):
+    """Three fake servers whose speeds all drift together from one prompt to the next; fly decodes twice as
+    fast as llama-server on every request. Each is started and warmed once, asked in rotation, and the paired
+    decode ratio is exactly 2 while the drift spreads the per-server rates; a second run finds nothing to do."""
+    prompts = [Prompt(f"p{i}", kind, [{"role": "user", "content": f"p{i}"}])
+               for i, kind in enumerate(["code", "code", "chat", "rag"])]
+    speed = {"llama-server": 1.0, "fly": 2.0, "target": 0.8}
+    started, asked = [], []
+
+    @contextmanager
+    def fake_started(args, gguf, draft_gguf, workdir):
+        started.append((args.server, workdir.name))
+        yield Live(args.server, None, args.server, {}, [])
+
+    def fake_stream_chat(client, model, messages, max_tokens, extra_body):
+        drift = 1 + len(asked) // 3 % 4 / 4  # the same for the three answers to one prompt
+        asked.append(model)
+        return "answer", 0.5 * drift, 0.5 * drift + 3.0 * drift / speed[model], None
+
+    @contextmanager
+    def fake_files(args, servers):
+        yield tmp_path / "t.gguf", None, tmp_path
+
+    monkeypatch.setattr(sbs, "round_prompts", lambda rounds: [prompts] * rounds)
+    monkeypatch.setattr(sbs, "started", fake_started)
+    monkeypatch.setattr(sbs, "stream_chat", fake_stream_chat)
+    monkeypatch.setattr(sbs, "model_files", fake_files)
+    monkeypatch.setattr(sbs, "token_counter", lambda gguf: lambda text: 31)
+    out = tmp_path / "out"
+    argv = ["--interleave", "llama-server", "fly", "target", "--rounds", "3", "--out", str(out)]
+    assert sbs.main(argv) == 0
+    assert started == [("llama-server", "llama-server"), ("fly", "fly"), ("target", "target")]
+    rows = read_jsonl(out / "rows.jsonl")
+    assert len(rows) == 3 * 4 * 3 and all(r["others_cpu_s"] == 0.0 for r in rows)
+    assert Counter((r["server"], r["position"]) for r in rows) == {(s, k): 4 for s in speed for k in range(3)}
+    for i in range(0, len(rows), 3):  # each prompt of each round asked of every server back to back
+        assert len({(r["prompt_id"], r["round"]) for r in rows[i:i + 3]}) == 1
+        assert [r["position"] for r in rows[i:i + 3]] == [0, 1, 2]
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    fly = summary["paired"]["fly"]["all"]["decode_tokens_per_s"]
+    assert fly == {"median": 2.0, "low": 2.0, "high": 2.0, "min": 2.0, "max": 2.0, "pairs": 12}
+    assert summary["paired"]["target"]["code"]["decode_tokens_per_s"]["median"] == 0.8
+    assert summary["paired"]["fly"]["rag"]["ttft_s"]["median"] == 1.0
+    rates = [r["decode_tokens_per_s"] for r in rows if r["server"] == "fly"]
+    assert max(rates) / min(rates) > 1.5  # the drift, which the pairs cancel
+    assert sbs.main(argv) == 0 and len(started) == 3 and len(read_jsonl(out / "rows.jsonl")) == 36

@@ -27,6 +27,7 @@ from fly_llm.common.fim import MAX_INFILL_CHARS, MAX_INFILL_FILES
 from fly_llm.common.protocol import GenerateResult, TokenChunk
 from fly_llm.decoding.engine import FLyEngine
 from support.engine_double import serving
+from support.http_double import started
 from support.tiny_models import greedy_tokens, make_pair
 
 from fly_daemon.http import HttpFront, create_app
@@ -62,13 +63,8 @@ def endpoint(path) -> str:
 @contextmanager
 def front(path, engine: FLyEngine):
     with serving(endpoint(path), engine) as server:
-        http = HttpFront(create_app(server.core.inproc), "127.0.0.1:0")
-        http.start()
-        try:
-            with httpx.Client(base_url=http.url, timeout=60) as client:
-                yield client
-        finally:
-            http.stop()
+        with started(HttpFront(create_app(server.core.inproc), "127.0.0.1:0"), timeout=60) as client:
+            yield client
 
 
 @pytest.fixture(scope="module")

@@ -27,11 +27,11 @@ def double_front(tmp_path, engine: CountingEngine | None = None, *, api_key: str
 
 
 @contextmanager
-def started(http: HttpFront) -> Iterator[httpx.Client]:
-    """An httpx client on `http`, started for the block and stopped after it."""
+def started(http: HttpFront, timeout: float = 30) -> Iterator[httpx.Client]:
+    """An httpx client on `http` (`timeout` seconds a request), started for the block and stopped after it."""
     http.start()
     try:
-        with httpx.Client(base_url=http.url, timeout=30) as client:
+        with httpx.Client(base_url=http.url, timeout=timeout) as client:
             yield client
     finally:
         http.stop()

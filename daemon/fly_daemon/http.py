@@ -51,7 +51,7 @@ from fly_llm.common.protocol import MAX_FRAME_BYTES, GenerateRequest, GenerateRe
 from fly_daemon.client_identity import LOCAL_TENANT, HttpClients, Network
 from fly_daemon.embeddings import EmbeddingService
 from fly_daemon.embeddings_http import openai_embeddings
-from fly_daemon.http_connections import HttpLimits, guarded_protocol
+from fly_daemon.http_connections import CloseWhenBodyUnread, HttpLimits, guarded_protocol
 from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Event, EventShaper, Replies, Translated, UnknownModel,
                                     error_headers, http_status, internal, refusal, unless_disconnected)
 from fly_daemon.inproc import InProcessClient
@@ -95,6 +95,7 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if allowed_hosts is not None:
         app.add_middleware(_TrustedHosts, hosts=allowed_hosts)
+    app.add_middleware(CloseWhenBodyUnread)  # outermost: it sees every answer
     v1 = APIRouter(prefix="/v1", dependencies=guard)
     clients = HttpClients(request_tenant(api_key), tuple(trusted_proxies))
 

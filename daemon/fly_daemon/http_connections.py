@@ -27,6 +27,11 @@ uvicorn picks) with:
   client on another address: it is refused only while every client holds at most two connections, or
   all of those holding more are mid-request.
 
+An answer begun before its request's body was read whole (a 413 on the Content-Length, a refusal before the
+route reads) ends its connection: `CloseWhenBodyUnread` marks it `connection: close`, so a kept-alive client
+does not send its next request there, and the protocol closes it lingering (what still comes is that body,
+read and dropped), never taking the rest of the body for a next request's head.
+
 A head over `MAX_HEAD_BYTES` is answered 431 and closed (httptools, which uvicorn prefers, has no
 such limit of its own); bodies are bounded by `max_frame_bytes` (`http._BodyLimit`). All of it runs on
 the front's event loop thread.
@@ -41,10 +46,12 @@ import json
 import logging
 import resource
 from collections import Counter, OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from fly_llm.common.errors import Busy
@@ -207,6 +214,7 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self.transport = _LingeringClose(transport, self._body_left_behind, self._linger)  # what uvicorn closes
             self._client_key = self.client[0] if self.client else "unknown"
             admission = gate.admit(self._client_key, self)
             if isinstance(admission, Busy):
@@ -233,16 +241,24 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
             self._follow()
             if self._awaiting_head and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self._disarm()
-                self._answer_and_close(b"431 Request Header Fields Too Large", {})
+                self._answer_and_close(b"431 Request Header Fields Too Large", {"error": {
+                    "message": f"request head over the limit of {MAX_HEAD_BYTES} bytes",
+                    "type": "invalid_request_error", "param": None, "code": "TOO_LONG"}})
 
         def on_response_complete(self) -> None:
             super().on_response_complete()  # may start a pipelined request already read
-            if not self.transport.is_closing():
+            if self._body_left_behind():  # its answer said connection: close (CloseWhenBodyUnread)
+                self._linger()
+            elif not self.transport.is_closing():
                 self._arm(limits.http_header_timeout)  # for the next head (idle: the keep-alive timeout ends it first)
                 self._awaiting_head = True
                 self._follow()
                 if self._between_requests():
                     gate.idle(self)
+
+        def _body_left_behind(self) -> bool:
+            """Whether the request's answer is complete and its body is not: what comes is the rest of the body."""
+            return self._reading_body and self.cycle is not None and self.cycle.response_complete
 
         def _between_requests(self) -> bool:
             """Whether every request read is answered, with nothing of the next one read (reclaimable)."""
@@ -294,13 +310,20 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
                 b"retry-after: 1\r\n")
 
         def _answer_and_close(self, status: bytes, body: dict, headers: bytes = b"") -> None:
-            """Send one answer and close: half-close and drop what the client still sends until it closes
-            (so the answer is not lost to a reset), at most REFUSED_LINGER_S; at once past MAX_LINGERING."""
-            self._refused = True
-            gate.lingering += 1
-            content = json.dumps(body).encode() if body else b""
+            """Send one answer and close (`_linger`)."""
+            content = json.dumps(body).encode()
             self.transport.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n%sconnection: close\r\n"
                                  b"content-length: %d\r\n\r\n%s" % (status, headers, len(content), content))
+            self._linger()
+
+        def _linger(self) -> None:
+            """Close after the answer written: half-close and drop what the client still sends until it closes
+            (so the answer is not lost to a reset), at most REFUSED_LINGER_S; at once past MAX_LINGERING."""
+            if self._refused:
+                return
+            self._disarm()
+            self._refused = True
+            gate.lingering += 1
             if gate.lingering > MAX_LINGERING or not self.transport.can_write_eof():
                 self.transport.close()
                 return
@@ -308,6 +331,56 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
             self._deadline = self.loop.call_later(REFUSED_LINGER_S, self.transport.abort)
 
     return GuardedProtocol
+
+
+class _LingeringClose:
+    """A connection's transport as uvicorn holds it: its close() lingers (`linger`) while `body_left_behind()`
+    (a closing answer sent before its request's body was read: closing at once would reset the connection,
+    and the client could lose the answer); everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, body_left_behind: Callable[[], bool],
+                 linger: Callable[[], None]) -> None:
+        self._transport = transport
+        self._body_left_behind = body_left_behind
+        self._linger = linger
+
+    def close(self) -> None:
+        if self._body_left_behind():
+            self._linger()
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class CloseWhenBodyUnread:
+    """ASGI middleware: an answer begun before its request's body was read whole says `connection: close`, so a
+    kept-alive client sends its next request on a new connection (guarded_protocol then closes this one
+    lingering); an answer to a request without a body, or after reading it, is left as it is."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        body_read = headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers
+
+        async def reading() -> Message:
+            nonlocal body_read
+            message = await receive()
+            body_read = body_read or not message.get("more_body", False)
+            return message
+
+        async def answering(message: Message) -> None:
+            if message["type"] == "http.response.start" and not body_read:
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, reading, answering)
 
 
 def connection_budget(wanted: int) -> int:

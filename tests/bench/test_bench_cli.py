@@ -15,6 +15,10 @@ SUMMARY_FIELDS = {
     "mat", "loose_rate", "acceptance_by_position", "engine_stats", "metric_name", "metric", "retention",
     "flipped", "agreement", "prefix_agreement", "vs_best_hf", "per_item", "seconds_per_answer", "decode_tokens_per_s",
 }
+_EACH_TOKEN_ONE_FORWARD = (
+    "a token costs at most one target forward, and an item one more: the engine prefills the prompt but its last "
+    "token, which goes with the first drafts, so with every draft rejected (random weights: CI's CPU rounds "
+    "differently and got MAT 16/17) MAT is just under 1")
 ENVIRONMENT_FIELDS = {"target", "draft", "dtype", "device", "threads", "cpu", "versions", "git_commit", "python"}
 
 
@@ -47,7 +51,8 @@ def test_every_method_and_dataset_has_every_field(report):
         assert SUMMARY_FIELDS <= summary.keys(), summary["method"]
         assert summary["items"] == 2 and len(summary["per_item"]) == 2
         assert 0 < summary["tokens"] <= 2 * 16
-        assert summary["tokens_per_s"] > 0 and summary["speedup"] > 0 and summary["mat"] >= 1.0
+        assert summary["tokens_per_s"] > 0 and summary["speedup"] > 0 and summary["mat"] > 0
+        assert summary["target_forwards"] <= summary["tokens"] + summary["items"], _EACH_TOKEN_ONE_FORWARD
         if summary["method"] in ("spd", "fly"):
             assert summary["engine_stats"]["rounds"] > 0 and summary["acceptance_by_position"] is not None
     for name in ("results.md", "speedup.png", "mat.png", "acceptance.png", "retention.png"):
@@ -128,7 +133,8 @@ def test_your_own_prompts_get_speed_and_agreement_unscored(tiny_pair_dirs, tmp_p
     assert set(by_method) == {"target", "spd", "fly"}
     for s in by_method.values():
         assert s["items"] == 2 and s["metric"] is None and s["metric_name"] == "unscored"
-        assert s["tokens_per_s"] > 0 and s["mat"] >= 1.0 and s["agreement"] is not None
+        assert s["tokens_per_s"] > 0 and s["agreement"] is not None
+        assert 0 < s["target_forwards"] <= s["tokens"] + s["items"], _EACH_TOKEN_ONE_FORWARD
     assert by_method["spd"]["agreement"] == 1.0
     assert "## prompts:mine (2 items, unscored)" in (tmp_path / "out" / "results.md").read_text()
 

@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from fly_llm.common.errors import BadRequest
 
 from fly_daemon.embeddings import Embedded, Embedder, EmbeddingService
-from fly_daemon.http_common import CLIENT_CLOSED, ClientGone, UnknownModel, parsed_body, unless_disconnected
+from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, StrictJsonRoute, UnknownModel, parsed_body,
+                                    unless_disconnected)
 
 TokenIds = Annotated[list[StrictInt], Field(max_length=1 << 16)]
 """One input as token ids of the embedding model's vocabulary (no special tokens: they are added)."""
@@ -77,7 +78,7 @@ class OllamaEmbeddingsBody(_Strict):
 
 def openai_embeddings(service: EmbeddingService) -> APIRouter:
     """POST /embeddings in OpenAI's shape, for the /v1 router."""
-    router = APIRouter()
+    router = APIRouter(route_class=StrictJsonRoute)
 
     @router.post("/embeddings")
     async def embeddings(body: OpenAIEmbeddingBody, request: Request) -> Any:
@@ -99,7 +100,7 @@ def openai_embeddings(service: EmbeddingService) -> APIRouter:
 
 def ollama_embeddings(service: EmbeddingService) -> APIRouter:
     """POST /embed and /embeddings in Ollama's shape, for the /api app."""
-    router = APIRouter()
+    router = APIRouter(route_class=StrictJsonRoute)
 
     @router.post("/embed")
     async def embed(request: Request) -> Any:

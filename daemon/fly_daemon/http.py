@@ -52,8 +52,8 @@ from fly_daemon.client_identity import LOCAL_TENANT, HttpClients, Network
 from fly_daemon.embeddings import EmbeddingService
 from fly_daemon.embeddings_http import openai_embeddings
 from fly_daemon.http_connections import CloseWhenBodyUnread, HttpLimits, guarded_protocol
-from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Event, EventShaper, Replies, Translated, UnknownModel,
-                                    error_headers, http_status, internal, refusal, unless_disconnected)
+from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Event, EventShaper, Replies, StrictJsonRoute, Translated,
+                                    UnknownModel, error_headers, http_status, internal, refusal, unless_disconnected)
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.llamacpp_api import InfillBody, infill_answer, infill_chunk
 from fly_daemon.messages_api import CountTokensRequest, MessagesRequest
@@ -92,11 +92,12 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if api_key else {}
     app = FastAPI(title="fly-llm", version=fly_llm.__version__,
                   description="OpenAI-compatible HTTP front of fly-daemon (FLy speculative decoding).", **docs)
+    app.router.route_class = StrictJsonRoute
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if allowed_hosts is not None:
         app.add_middleware(_TrustedHosts, hosts=allowed_hosts)
     app.add_middleware(CloseWhenBodyUnread)  # outermost: it sees every answer
-    v1 = APIRouter(prefix="/v1", dependencies=guard)
+    v1 = APIRouter(prefix="/v1", dependencies=guard, route_class=StrictJsonRoute)
     clients = HttpClients(request_tenant(api_key), tuple(trusted_proxies))
 
     @v1.post("/chat/completions")

@@ -1,8 +1,8 @@
 """What the HTTP front's two APIs (OpenAI's, fly_daemon.http; Ollama's, fly_daemon.ollama_http) share, shape aside.
 
 Each error code's HTTP status and headers, an HTTP-level refusal as our error, the INTERNAL answer that
-hides an unexpected failure behind a request id, a body parsed whatever its Content-Type, and a client's
-disconnect cancelling its request. Each API writes these in its own error shape. `Translated` and
+hides an unexpected failure behind a request id, a body parsed whatever its Content-Type, JSON bodies read
+as strictly as the ZeroMQ frames (`StrictJsonRoute`), and a client's disconnect cancelling its request. Each API writes these in its own error shape. `Translated` and
 `EventShaper` are what an API served as one chat request (the Responses API, fly_daemon.responses_api;
 Anthropic's Messages API, fly_daemon.messages_api) gives the front: its wire request, and its answer whole
 or as server-sent events.
@@ -11,17 +11,20 @@ or as server-sent events.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from fly_llm.common.errors import BadRequest, FLyError, Internal, TooLong
+from fly_llm.common.json_text import loads
 from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk, invalid
 from fly_llm.common.tools import ToolCall
 
@@ -63,6 +66,33 @@ def internal(exc: BaseException) -> Internal:
     request_id = uuid.uuid4().hex[:12]
     log.error("the HTTP front failed on a request (request id %s)", request_id, exc_info=exc)
     return Internal(f"internal error (request id {request_id}); the server's log has the details")
+
+
+class StrictJsonRequest(Request):
+    """A request whose JSON body is read by fly_llm.common.json_text, as the ZeroMQ frames are: a lone surrogate,
+    NaN or Infinity, or nesting past MAX_DEPTH is not valid JSON. (FastAPI's reader, the standard library's,
+    takes all three; a lone surrogate then failed in a tokenizer, HTTP 500.)"""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = loads(body)
+            except ValueError as exc:  # FastAPI answers json.JSONDecodeError as invalid JSON, with its message
+                raise json.JSONDecodeError(str(exc), body.decode(errors="replace"), 0) from None
+        return self._json
+
+
+class StrictJsonRoute(APIRoute):
+    """A route whose typed body is read by StrictJsonRequest (every router of the front is built with it)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictJsonRequest(request.scope, request.receive))
+
+        return strict
 
 
 async def parsed_body(request: Request, model: type[B]) -> B:

@@ -31,8 +31,8 @@ from fly_llm.common.protocol import GenerateResult, TokenChunk
 from fly_daemon.client_identity import HttpClients
 from fly_daemon.embeddings import EmbeddingService
 from fly_daemon.embeddings_http import ollama_embeddings
-from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, UnknownModel, error_headers, http_status,
-                                    internal, parsed_body, refusal, unless_disconnected)
+from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, StrictJsonRoute, UnknownModel, error_headers,
+                                    http_status, internal, parsed_body, refusal, unless_disconnected)
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.model_info import ModelInfo
 from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaBody, Served, ShowBody, capabilities,
@@ -49,6 +49,7 @@ def ollama_app(client: InProcessClient, guard: list[Depends], clients: HttpClien
     """The /api app serving `client`'s scheduler, each request for the tenant and client `clients` names, and
     `embeddings`; `guard`: the front's API-key dependency, if any."""
     app = FastAPI(dependencies=guard, docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = StrictJsonRoute
     app.include_router(ollama_embeddings(embeddings))
 
     @app.post("/chat")

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
-from fly_llm.common.errors import ModelError, TooLong
+from fly_llm.common.errors import BadRequest, ModelError, TooLong
 from fly_llm.model.embedding_source import MINILM, local_dir, served_names, wheel_model_dir
 
 Pooling = Literal["mean", "cls", "lasttoken"]
@@ -68,9 +68,16 @@ class SentenceEmbedder:
                    aliases=aliases)
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        """Each text's token ids, without the special tokens (`sequence` adds them)."""
+        """Each text's token ids, without the special tokens (`sequence` adds them); BadRequest for a text that
+        is not valid Unicode (a lone surrogate: the tokenizer would fail on it)."""
         if not texts:
             return []
+        for number, text in enumerate(texts):
+            try:
+                text.encode()
+            except UnicodeEncodeError as exc:
+                raise BadRequest(f"input {number} is not valid Unicode text (a lone surrogate at character "
+                                 f"{exc.start})") from None
         return self.tokenizer(list(texts), add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
 
     def sequence(self, ids: Sequence[int], truncate: bool) -> list[int]:

@@ -46,6 +46,8 @@ def test_the_embedder_is_the_models_own_output_with_its_length_rules(encoder, lo
     with pytest.raises(TooLong, match=f"over the embedding model's {MAX_SEQ_LENGTH}"):
         loaded.sequence(loaded.tokenize([texts[2]])[0], truncate=False)
     assert (loaded.name, loaded.dimensions, loaded.pooling) == ("enc", 32, "mean")
+    with pytest.raises(BadRequest, match="input 1 is not valid Unicode text"):  # the tokenizer raised TypeError
+        loaded.tokenize(["ok", "a\ud83dz"])
 
 
 def test_random_concurrent_traffic_matches_the_reference(encoder, loaded):

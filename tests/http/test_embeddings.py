@@ -161,3 +161,18 @@ def test_not_json_is_refused_in_each_shape(served):
     ollama = httpx.post(f"{served[0]}/api/embed", content=b"{")
     assert (openai.status_code, openai.json()["error"]["code"]) == (400, "BAD_REQUEST")
     assert (ollama.status_code, ollama.json()["code"]) == (400, "BAD_REQUEST")
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/api/embed", "/api/embeddings"])
+@pytest.mark.parametrize("text", ["a\\ud83dz", "\\udc00", "\\ufffd\\u0301\\u0000\\ud83d"])
+def test_a_lone_surrogate_is_not_json_text(served, path, text):
+    """The hostile fuzzer's finding (benchmarks/results/hostile-fuzz/issue45): a lone surrogate escape passed
+    the OpenAI route's JSON reader and failed in the tokenizer, HTTP 500. Every route reads bodies as the
+    ZeroMQ frames do (fly_llm.common.json_text): it is not valid JSON text, 400 BAD_REQUEST."""
+    field = "prompt" if path == "/api/embeddings" else "input"
+    body = f'{{"model": "{NAME}", "{field}": ["{text}"]}}' if path == "/v1/embeddings" else \
+        f'{{"model": "{NAME}", "{field}": "{text}"}}'
+    answer = httpx.post(f"{served[0]}{path}", content=body.encode(), headers={"content-type": "application/json"})
+    error = answer.json()["error"] if path.startswith("/v1") else answer.json()
+    assert (answer.status_code, error["code"]) == (400, "BAD_REQUEST"), answer.text
+    assert "not valid JSON" in error.get("message", error.get("error"))

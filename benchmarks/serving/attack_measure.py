@@ -472,7 +472,7 @@ def daemon_flags(args: argparse.Namespace, port: int) -> list[str]:
     return ["--http", f"127.0.0.1:{port}", "--heartbeat-timeout", "0",
             "--grammar-cache-mb", str(args.grammar_cache_mb), "--max-grammar-mb", str(args.max_grammar_mb),
             *[flag for name in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout",
-                                "http_max_connections", "http_max_connections_per_client")
+                                "http_max_connections", "http_max_connections_per_client", "newcomer_rows")
               if getattr(args, name) is not None
               for flag in ("--" + name.replace("_", "-"), str(getattr(args, name)))]]
 
@@ -499,6 +499,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.add_argument(f"--http-{name}", type=float, help="the daemon's (its default if not given)")
     for name in ("max-connections", "max-connections-per-client"):
         parser.add_argument(f"--http-{name}", type=int, help="the daemon's (its default if not given)")
+    parser.add_argument("--newcomer-rows", type=int, help="the daemon's (its default if not given)")
     args = parser.parse_args(argv)
     began = time.monotonic()
     port = free_port()

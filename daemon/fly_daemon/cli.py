@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, help="requests in one engine step")
     serve.add_argument("--max-batch-tokens", type=int,
                        help="cap on the sum of prompt + max_tokens over the running batch")
+    serve.add_argument("--newcomer-rows", type=int,
+                       help="rows a client with none running may add to a full batch, so it starts at once (0: none)")
     serve.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
     serve.add_argument("--max-prompt-tokens", type=int, help="default: the context window - 1")
     serve.add_argument("--max-prompt-chars", type=int,

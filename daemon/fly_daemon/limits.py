@@ -17,6 +17,10 @@ class Limits(BaseModel):
     queue_size: int = Field(256, ge=1, le=100_000, description="Requests waiting beyond the batch; more get BUSY.")
     max_batch_size: int = Field(16, ge=1, le=4096, description="Requests in one engine step.")
     max_batch_tokens: int = Field(65_536, ge=1, description="Cap on prompt + max_tokens over the running batch.")
+    newcomer_rows: int = Field(2, ge=0, le=64, description="Rows a client with none running may add to a full "
+                               "batch, beyond max_batch_size (and max_batch_tokens by as many rows' share of "
+                               "it), so its first request starts at once however full one client keeps the "
+                               "batch; 0 = a newcomer waits for a row to end.")
     max_tokens_limit: int = Field(4096, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
     max_prompt_tokens: int | None = Field(None, ge=1, description="None = the context window - 1.")
     max_prompt_chars: int | None = Field(None, ge=1, description="Longest prompt in characters (messages and "

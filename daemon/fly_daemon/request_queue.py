@@ -223,21 +223,43 @@ class RequestQueue:
     def take_joinable(self) -> Entry | None:
         """Move the next prepared entry into the engine if the batch has room for it (always for one): the
         oldest of the client with the fewest rows in the engine, of those the one served longest ago; none
-        of a client at or above its fair share while another client below it has a request on its way."""
+        of a client at or above its fair share while another client below it has a request on its way.
+
+        A full batch still takes a client with no rows in it, up to `newcomer_rows` beyond max_batch_size
+        (and max_batch_tokens by as many rows' share of it): its first request starts at once, not when one
+        of another client's rows ends (issue 45)."""
         if not self._prepared:
             return None
+        limits = self.limits
         active = self.in_engine()
-        if len(active) >= self.limits.max_batch_size:
-            return None
         rows = Counter(e.client for e in active)
+        if len(active) >= limits.max_batch_size:
+            return self._join_newcomer(active, rows)
         share = self.fair_share()
         below = {e.client for e in self.entries.values() if e.place != "engine" and rows[e.client] < share}
         allowed = [e for e in self._prepared if rows[e.client] < share or not below - {e.client}]
         if not allowed:
             return None
         entry = min(allowed, key=lambda e: (rows[e.client], self._last_joined.get(e.client, -1), e.seq))
-        if active and sum(e.budget for e in active) + entry.budget > self.limits.max_batch_tokens:
+        if active and sum(e.budget for e in active) + entry.budget > limits.max_batch_tokens:
+            return self._join_newcomer(active, rows)
+        return self._join(entry)
+
+    def _join_newcomer(self, active: list[Entry], rows: Counter[str]) -> Entry | None:
+        """Into a batch full of rows or tokens: the oldest prepared entry of a client with no rows, served
+        longest ago, if the newcomer rows have room for it."""
+        limits = self.limits
+        newcomers = [e for e in self._prepared if not rows[e.client]]
+        if not newcomers or len(active) >= limits.max_batch_size + limits.newcomer_rows:
             return None
+        entry = min(newcomers, key=lambda e: (self._last_joined.get(e.client, -1), e.seq))
+        row_share = limits.max_batch_tokens // limits.max_batch_size
+        if sum(e.budget for e in active) + entry.budget > limits.max_batch_tokens + limits.newcomer_rows * row_share:
+            return None
+        return self._join(entry)
+
+    def _join(self, entry: Entry) -> Entry:
+        """Move prepared `entry` into the engine; its client is now the one served last."""
         self._prepared.remove(entry)
         entry.place = "engine"
         self._joins += 1
@@ -317,5 +339,5 @@ class RequestQueue:
         assert self._last_joined.keys() <= clients.keys(), "a client without entries keeps its turn"
         assert max(clients.values(), default=0) <= self.limits.max_requests_per_client
         assert len(held) - len(places["engine"]) <= self.limits.queue_size
-        assert len(places["engine"]) <= self.limits.max_batch_size
+        assert len(places["engine"]) <= self.limits.max_batch_size + self.limits.newcomer_rows
         assert len(self.tokenize_waiting) <= self.tokenize_pending <= self.limits.queue_size

@@ -94,7 +94,8 @@ def test_crash_restart_busy_and_graceful_stop(slow_pair_dirs, tmp_path, long_pro
 
     env = dict(os.environ, FLY_RUNTIME_DIR=str(tmp_path))
     start = _cli("start", "--endpoint", endpoint, "--target", target, "--draft", draft, "--dtype", "float32",
-                 "--device", TEST_DEVICE, "--queue-size", "2", "--max-batch-size", "2", "--drain-timeout", "120", env=env)
+                 "--device", TEST_DEVICE, "--queue-size", "2", "--max-batch-size", "2", "--newcomer-rows", "0", "--drain-timeout", "120",
+                 env=env)  # no newcomer rows: the short requests queue behind the two long streams
     assert start.returncode == 0, start.stdout + start.stderr
     assert "ready" in start.stdout and endpoint in start.stdout
     try:

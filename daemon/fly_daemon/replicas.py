@@ -125,7 +125,8 @@ def application(spec: ModelSpec, fly: FLyConfig, settings: DaemonSettings, *, re
                 num_gpus_per_replica: float = 0.0) -> serve.Application:
     """The Ray Serve application: `replicas` fixed replicas, or autoscaling between min and max."""
     options: dict[str, Any] = {"name": DEPLOYMENT, "ray_actor_options": {"num_gpus": num_gpus_per_replica},
-                               "max_ongoing_requests": settings.max_batch_size + settings.queue_size,
+                               "max_ongoing_requests": (settings.max_batch_size + settings.newcomer_rows
+                                                        + settings.queue_size),  # all a replica may hold
                                "health_check_period_s": 5.0}
     if min_replicas is not None or max_replicas is not None:
         low = min_replicas if min_replicas is not None else 1

@@ -135,7 +135,9 @@ def test_a_killed_replica_is_replaced_and_the_app_keeps_answering(served):
 def test_the_builder_reads_serve_run_arguments():
     app = build({"target": "some/dir", "draft": "none", "window": "4", "max_batch_size": "3", "replicas": "2"})
     deployment = app._bound_deployment
-    assert deployment.num_replicas == 2 and deployment.max_ongoing_requests == 3 + DaemonSettings().queue_size
+    defaults = DaemonSettings()
+    assert deployment.num_replicas == 2
+    assert deployment.max_ongoing_requests == 3 + defaults.newcomer_rows + defaults.queue_size
     spec, fly, settings = deployment.init_args
     assert spec.target == "some/dir" and fly.window == 4 and settings.max_batch_size == 3
     scaled = build({"min_replicas": "1", "max_replicas": "3"})._bound_deployment

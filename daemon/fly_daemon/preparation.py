@@ -13,6 +13,7 @@ out of the engine: fly_daemon.delivery.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,8 @@ from fly_daemon.request_weight import check_reply_size
 
 if TYPE_CHECKING:
     from fly_llm.decoding.engine import FLyEngine
+
+log = logging.getLogger("fly_daemon")
 
 CHARS_PER_TOKEN = 16
 """Characters a prompt may have per token of the token limit when `max_prompt_chars` is unset: far more
@@ -102,8 +105,9 @@ class Preparation:
             return self._engine.encode(text, *_template_inputs(request), add_special=special, infill=infill)
         except FLyError:
             raise
-        except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects these messages
-            raise BadRequest(f"cannot encode the prompt: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a tokenizer's failure: named by its kind, its text only logged
+            log.info("encoding a request's prompt failed", exc_info=exc)
+            raise BadRequest(f"cannot encode the prompt ({type(exc).__name__})") from None
 
 
 def _prompt_chars(request: GenerateRequest | TokenizeRequest) -> int:

@@ -21,6 +21,7 @@ first in the next round, so each round's forward is uniform: K+1 columns per row
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import sys
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 
 import torch
+from jinja2.exceptions import TemplateError
 
 from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.common.constraints import Constraint
@@ -48,6 +50,8 @@ from fly_llm.common.fim import Infill, fim_tokens, infill_ids
 from fly_llm.common.lru import LruCache
 from fly_llm.model.quantization import quantization_of
 from fly_llm.common.stats import FinishReason, PromptStats, RequestStats
+
+log = logging.getLogger(__name__)
 
 SCORED_PROMPT_BYTES = 16 << 20
 """Budget of the scored prompts kept (their log-probabilities), so the choices of one prompt (OpenAI's `n`) score it
@@ -179,8 +183,12 @@ class FLyEngine:
             try:
                 ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                                          tokenize=True)
-            except (ValueError, KeyError, TypeError) as exc:
-                raise BadRequest(f"cannot apply the chat template: {exc}") from exc
+            except TemplateError as exc:  # the template's own refusal (raise_exception): its words, one line
+                reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "no reason given"
+                raise BadRequest(f"the chat template refused these messages: {reason}") from None
+            except Exception as exc:  # noqa: BLE001 - a library's failure: named by its kind, its text only logged
+                log.info("the chat template failed on a request's messages", exc_info=exc)
+                raise BadRequest(f"the chat template could not render these messages ({type(exc).__name__})") from None
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
 

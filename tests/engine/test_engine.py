@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -241,3 +243,19 @@ def test_encode_messages_uses_chat_template(pair):
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
     with pytest.raises(BadRequest):
         engine.encode()
+
+
+def test_a_template_that_fails_is_a_bad_request_in_our_words(pair):
+    """A chat template's own refusal (`raise_exception`) is told as it is; any other failure while rendering
+    (a library's TypeError: a lone surrogate once gave "TextEncodeInput must be Union[...]") is named by its
+    kind only, never its text (issue 45: no exception text reaches a client)."""
+    _, target, draft, tokenizer, _ = pair
+    engine = FLyEngine(target, copy.deepcopy(tokenizer), draft)
+    messages = [{"role": "user", "content": "hi"}]
+    engine.tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    with pytest.raises(BadRequest, match="] the chat template refused these messages: Conversation roles must alternate"):
+        engine.encode(messages=messages)
+    engine.tokenizer.chat_template = "{{ messages[0]['content'] + 1 }}"
+    with pytest.raises(BadRequest) as refused:
+        engine.encode(messages=messages)
+    assert refused.value.message == "the chat template could not render these messages (TypeError)"

@@ -12,10 +12,10 @@ uvicorn picks) with:
 - a body timeout: its body must be complete within `http_body_timeout` of its head; else the
   connection is closed (the route sees a disconnect, and nothing was submitted);
 - caps: at most `http_max_connections` open connections in all and `http_max_connections_per_client`
-  from one client address (a trusted proxy's, `trusted_proxies`, count only in all: its connections
-  carry many clients, fly_daemon.client_identity); one more is answered 503 BUSY naming the cap, at
-  once, before anything is read, and closed, so a flood of connections holds its file descriptors for
-  a moment only;
+  from one client (its address, an IPv6 one's /64 network: fly_daemon.client_identity.connection_client;
+  a trusted proxy's, `trusted_proxies`, count only in all: its connections carry many clients); one more
+  is answered 503 BUSY naming the cap, at once, before anything is read, and closed, so a flood of
+  connections holds its file descriptors for a moment only;
 - a fair share of the cap in all: when it is full, a new connection is admitted in place of an *idle*
   one of the client holding the most connections, if that client holds more than the newcomer would
   after admission (so each swap moves the counts towards equal and none undoes another); only when there
@@ -56,7 +56,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from fly_llm.common.errors import Busy
 
-from fly_daemon.client_identity import is_trusted
+from fly_daemon.client_identity import connection_client, is_trusted
 from fly_daemon.settings import HttpLimits
 
 log = logging.getLogger("fly_daemon")
@@ -86,7 +86,7 @@ class Admitted(Generic[C]):
 
 
 class ConnectionGate(Generic[C]):
-    """The admitted open connections (any hashable handle `C`) in all and per client address against the
+    """The admitted open connections (any hashable handle `C`) in all and per client against the
     caps, which of them are idle, and which one a full front reclaims for a newcomer (the module docstring).
 
     O(log clients) a step: the clients holding idle connections are in a max-heap by connections held; an
@@ -108,9 +108,10 @@ class ConnectionGate(Generic[C]):
         """Admitted connections open."""
         return len(self.client_of)
 
-    def admit(self, client: str, conn: C) -> Busy | Admitted[C]:
-        """Count `conn`, a new connection from `client`, as open and idle, or the reason it is refused
-        (then it is not counted)."""
+    def admit(self, peer: str, conn: C) -> Busy | Admitted[C]:
+        """Count `conn`, a new connection from the address `peer` (as the server gives it), as open and idle,
+        or the reason it is refused (then it is not counted)."""
+        client = connection_client(peer, self.limits.trusted_proxies)
         held = self.open.get(client, 0)
         if (held >= self.limits.http_max_connections_per_client
                 and not is_trusted(client, self.limits.trusted_proxies)):
@@ -203,7 +204,6 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
     gate = ConnectionGate(limits, connection_budget(limits.http_max_connections))
 
     class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # httptools' or h11's, as uvicorn picks
-        _client_key = ""
         _admitted = False
         _refused = False
         _deadline: asyncio.TimerHandle | None = None
@@ -215,8 +215,7 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self.transport = _LingeringClose(transport, self._body_left_behind, self._linger)  # what uvicorn closes
-            self._client_key = self.client[0] if self.client else "unknown"
-            admission = gate.admit(self._client_key, self)
+            admission = gate.admit(self.client[0] if self.client else "unknown", self)
             if isinstance(admission, Busy):
                 self._refuse(admission)
                 return

@@ -172,6 +172,19 @@ def test_a_trusted_proxy_counts_only_against_the_overall_cap():
     gate.check()
 
 
+def test_an_ipv6_client_is_its_64():
+    """One host owns a whole IPv6 /64: its addresses are one client to the per-client cap (and the fair share);
+    another /64 is another client, and a trusted IPv6 proxy is counted by its own address, only in all."""
+    gate = ConnectionGate(HttpLimits(http_max_connections_per_client=2, trusted_proxies="2001:db8:0:9::9"), 8)
+    conns = iter(range(100))
+    assert [gate.admit(peer, next(conns)) for peer in ("2001:db8:0:1::1", "2001:db8:0:1:ffff::2")] == [Admitted()] * 2
+    assert "http_max_connections_per_client" in gate.admit("2001:db8:0:1::3", next(conns)).message
+    assert gate.admit("2001:db8:0:2::1", next(conns)) == Admitted()
+    assert [gate.admit("2001:db8:0:9::9", next(conns)) for _ in range(3)] == [Admitted()] * 3
+    assert set(gate.open.items()) == {("2001:db8:0:1::/64", 2), ("2001:db8:0:2::/64", 1), ("2001:db8:0:9::9", 3)}
+    gate.check()
+
+
 def test_a_connection_flood_past_the_caps_is_refused_while_others_are_served(tmp_path):
     limits = HttpLimits(http_max_connections=8, http_max_connections_per_client=4, http_header_timeout=60)
     with front(tmp_path, limits) as (server, address), ExitStack() as flood:

@@ -18,14 +18,17 @@ uvicorn picks) with:
   connections holds its file descriptors for a moment only;
 - a fair share of the cap in all: when it is full, a new connection is admitted in place of an *idle*
   one of the client holding the most connections, if that client holds more than the newcomer would
-  after admission (so each swap moves the counts towards equal and none undoes another); only when there
-  is no such connection is the newcomer answered 503. Idle: admitted with nothing of a request read yet,
-  or kept alive after a response with nothing of the next one read. A connection in the middle of a
-  request (from its first head byte to its response's end) is never closed for another. Of the client's
-  idle connections the one idle longest goes, closed without an answer, as a timeout closes one. So
-  addresses holding idle connections (issue 45, benchmarks/results/attacks) cannot shut the front for a
-  client on another address: it is refused only while every client holds at most two connections, or
-  all of those holding more are mid-request.
+  after admission (so each swap moves the counts towards equal and none undoes another);
+- else, stale idle connections: in place of the connection idle longest of all, if it has been idle for
+  `http_idle_reclaim` at least. A client sends its head within milliseconds of connecting, and one whose
+  kept-alive connection was closed opens another; so many addresses holding one or two idle connections
+  each (where no swap is fair) cannot refuse the front to others until their timeouts (seconds) end them.
+  Only when neither rule finds a connection is the newcomer answered 503.
+
+Idle: admitted with nothing of a request read yet, or kept alive after a response with nothing of the next
+one read. A connection in the middle of a request (from its first head byte to its response's end) is never
+closed for another. The connection that goes (of the client's, or of all, the one idle longest) is closed
+without an answer, as a timeout closes one.
 
 An answer begun before its request's body was read whole (a 413 on the Content-Length, a refusal before the
 route reads) ends its connection: `CloseWhenBodyUnread` marks it `connection: close`, so a kept-alive client
@@ -45,6 +48,7 @@ import itertools
 import json
 import logging
 import resource
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -86,19 +90,23 @@ class Admitted(Generic[C]):
 
 
 class ConnectionGate(Generic[C]):
-    """The admitted open connections (any hashable handle `C`) in all and per client against the
-    caps, which of them are idle, and which one a full front reclaims for a newcomer (the module docstring).
+    """The admitted open connections (any hashable handle `C`) in all and per client against the caps,
+    which of them are idle and since when (by `now`, a monotonic clock in seconds), and which one a full
+    front reclaims for a newcomer (the module docstring).
 
     O(log clients) a step: the clients holding idle connections are in a max-heap by connections held; an
     entry goes stale when its client's count changes or it has no idle connection left, is dropped when it
-    surfaces, and the heap is rebuilt when the stale ones outnumber the live ones."""
+    surfaces, and the heap is rebuilt when the stale ones outnumber the live ones. Every idle connection is
+    in one ordered map by idle start too (the clock never goes back, so an idle one joins at its end)."""
 
-    def __init__(self, limits: HttpLimits, max_connections: int) -> None:
+    def __init__(self, limits: HttpLimits, max_connections: int, now: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
         self.max_connections = max_connections
+        self.now = now
         self.client_of: dict[C, str] = {}  # every admitted open connection's client
         self.open: dict[str, int] = {}  # connections held per client (clients holding none are absent)
         self.idle_of: dict[str, OrderedDict[C, None]] = {}  # the idle ones, longest idle first (none: absent)
+        self.idle_since: OrderedDict[C, float] = OrderedDict()  # every idle one's idle start, longest idle first
         self._ranked: list[tuple[int, int, str]] = []  # (-connections held, push order, client)
         self._pushes = itertools.count()
         self.lingering = 0  # refused connections still reading their answer
@@ -119,22 +127,27 @@ class ConnectionGate(Generic[C]):
                         f"(the daemon's http_max_connections_per_client); close some or reuse them")
         reclaimed = None
         if self.total >= self.max_connections:
-            reclaimed = self._reclaimable(held + 1)
+            reclaimed = self._fair_swap(held + 1)
+            if reclaimed is None:
+                reclaimed = self._stale()
             if reclaimed is None:
                 return Busy(f"the HTTP front has {self.max_connections} connections open (its "
                             f"http_max_connections); try again later")
-            self.release(reclaimed)
+            self.release(reclaimed)  # perhaps the newcomer's client's own (a stale one)
         self.client_of[conn] = client
-        self.open[client] = held + 1
+        self.open[client] = self.open.get(client, 0) + 1
         self.idle_of.setdefault(client, OrderedDict())[conn] = None
+        self.idle_since[conn] = self.now()
         self._rank(client)
         return Admitted(reclaimed)
 
     def idle(self, conn: C) -> None:
-        """`conn` waits for a request with nothing of it read (again: after a response)."""
+        """`conn` waits for a request with nothing of it read (again: after a response); idle already, it
+        stays idle since when it became so."""
         client = self.client_of[conn]
         first = client not in self.idle_of
         self.idle_of.setdefault(client, OrderedDict())[conn] = None
+        self.idle_since.setdefault(conn, self.now())
         if first:
             self._rank(client)
 
@@ -144,6 +157,7 @@ class ConnectionGate(Generic[C]):
         idle = self.idle_of.get(client)
         if idle is not None and conn in idle:
             del idle[conn]
+            del self.idle_since[conn]
             if not idle:
                 del self.idle_of[client]
                 self._bound()
@@ -161,19 +175,22 @@ class ConnectionGate(Generic[C]):
     def check(self) -> None:
         """AssertionError unless the books agree: the per-client counts are the open connections' and sum to
         the total, which is within the cap; no client is over its cap (but a trusted proxy); the idle
-        connections are open ones of their client; every client with idle ones is ranked by its count now;
-        the stale ranks are bounded."""
+        connections are open ones of their client, and all of them are in `idle_since`, longest idle first;
+        every client with idle ones is ranked by its count now; the stale ranks are bounded."""
         assert self.total <= self.max_connections
         assert self.open == dict(Counter(self.client_of.values())) and sum(self.open.values()) == self.total
         cap = self.limits.http_max_connections_per_client
         assert all(n <= cap or is_trusted(c, self.limits.trusted_proxies) for c, n in self.open.items())
         for client, idle in self.idle_of.items():
             assert idle and all(self.client_of.get(conn) == client for conn in idle)
+        assert set(self.idle_since) == {conn for idle in self.idle_of.values() for conn in idle}
+        since = list(self.idle_since.values())
+        assert since == sorted(since) and all(s <= self.now() for s in since)
         assert {client for negative, _, client in self._ranked if self._live(negative, client)} == set(self.idle_of)
         assert len(self._ranked) <= 2 * len(self.idle_of) + REBUILD_SLACK
         assert self.lingering >= 0
 
-    def _reclaimable(self, wanted: int) -> C | None:
+    def _fair_swap(self, wanted: int) -> C | None:
         """The longest idle connection of the client holding the most connections of those with idle ones,
         if it holds more than `wanted` (what the newcomer would hold); else None."""
         while self._ranked and not self._live(self._ranked[0][0], self._ranked[0][2]):
@@ -181,6 +198,13 @@ class ConnectionGate(Generic[C]):
         if not self._ranked or -self._ranked[0][0] <= wanted:
             return None
         return next(iter(self.idle_of[self._ranked[0][2]]))
+
+    def _stale(self) -> C | None:
+        """The connection idle longest of all, if idle for `http_idle_reclaim` at least; else None."""
+        oldest = next(iter(self.idle_since.items()), None)
+        if oldest is not None and self.now() - oldest[1] >= self.limits.http_idle_reclaim:
+            return oldest[0]
+        return None
 
     def _rank(self, client: str) -> None:
         """Rank `client` by its count now, if it has idle connections (its entries before go stale)."""

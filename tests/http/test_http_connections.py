@@ -241,6 +241,28 @@ def test_idle_connections_from_many_addresses_cannot_shut_the_front_for_others(t
         assert [_still_open(sock) for sock in held] == [False] * 4 + [True] * 4  # each address's older one
 
 
+@pytest.mark.parametrize("sent", [b""], ids=["idle"])
+def test_a_full_front_of_one_connection_per_address_takes_newcomers_in_place_of_stale_ones(tmp_path, sent):
+    """Issue 45's open end: 8 addresses with one idle connection each fill the cap, so no swap is fair (each
+    holds what a newcomer would), and newcomers were refused until the attackers' header timeout (60 s here).
+    Now a newcomer takes the place of the connection idle longest once it is `http_idle_reclaim` old. Polled:
+    no timing is asserted."""
+    limits = HttpLimits(http_max_connections=8, http_max_connections_per_client=4, http_header_timeout=60,
+                        http_keep_alive_timeout=60, http_idle_reclaim=0.2)
+    with front(tmp_path, limits) as (_, address), ExitStack() as stack:
+        url = f"http://{address[0]}:{address[1]}/health"
+        held = [stack.enter_context(_connect(address, f"127.0.1.{1 + i}")) for i in range(8)]  # the cap
+        for sock in held:
+            sock.sendall(sent)
+        deadline = time.monotonic() + WAIT_S
+        while (status := httpx.get(url, timeout=WAIT_S).status_code) == 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == 200
+        while _still_open(held[0]) and time.monotonic() < deadline:  # its close is on its way
+            time.sleep(0.01)
+        assert [_still_open(sock) for sock in held] == [False] + [True] * 7  # the one idle longest
+
+
 def _health_on(sock: socket.socket) -> bytes:
     """GET /health on `sock`, kept alive: the answer's head and body."""
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")

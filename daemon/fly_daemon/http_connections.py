@@ -25,10 +25,11 @@ uvicorn picks) with:
   each (where no swap is fair) cannot refuse the front to others until their timeouts (seconds) end them.
   Only when neither rule finds a connection is the newcomer answered 503.
 
-Idle: admitted with nothing of a request read yet, or kept alive after a response with nothing of the next
-one read. A connection in the middle of a request (from its first head byte to its response's end) is never
-closed for another. The connection that goes (of the client's, or of all, the one idle longest) is closed
-without an answer, as a timeout closes one.
+Idle: from admission, or from a response's end on a kept-alive connection, until a request's head is
+complete: a head that is slow or partial (one byte of it) leaves the connection idle, since its idle start,
+so an attacker cannot make its connections unreclaimable with a byte each. A connection in the middle of a
+request (from its head's end to its response's end) is never closed for another. The connection that goes
+(of the client's, or of all, the one idle longest) is closed without an answer, as a timeout closes one.
 
 An answer begun before its request's body was read whole (a 413 on the Content-Length, a refusal before the
 route reads) ends its connection: `CloseWhenBodyUnread` marks it `connection: close`, so a kept-alive client
@@ -142,7 +143,7 @@ class ConnectionGate(Generic[C]):
         return Admitted(reclaimed)
 
     def idle(self, conn: C) -> None:
-        """`conn` waits for a request with nothing of it read (again: after a response); idle already, it
+        """`conn` waits for a request whose head is not complete (again: after a response); idle already, it
         stays idle since when it became so."""
         client = self.client_of[conn]
         first = client not in self.idle_of
@@ -152,7 +153,7 @@ class ConnectionGate(Generic[C]):
             self._rank(client)
 
     def busy(self, conn: C) -> None:
-        """`conn` has begun a request (something of it was read): it is not reclaimed until idle again."""
+        """A request's head is complete on `conn`: it is not reclaimed until idle again."""
         client = self.client_of[conn]
         idle = self.idle_of.get(client)
         if idle is not None and conn in idle:
@@ -223,9 +224,10 @@ class ConnectionGate(Generic[C]):
         return client in self.idle_of and self.open[client] == -negative_held
 
 
-def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol class with `limits` (one gate per call: one per front)."""
-    gate = ConnectionGate(limits, connection_budget(limits.http_max_connections))
+def guarded_protocol(limits: HttpLimits, books: ConnectionGate[Any] | None = None) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class with `limits`, counting its connections in `books` (by default a new gate
+    for `http_max_connections`, as the descriptor limit allows: one per front)."""
+    gate = books if books is not None else ConnectionGate(limits, connection_budget(limits.http_max_connections))
 
     class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # httptools' or h11's, as uvicorn picks
         _admitted = False
@@ -257,7 +259,6 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return  # what a refused client sends is read and dropped, so its close is clean
-            gate.busy(self)
             if self._awaiting_head or not self._reading_body:  # a pipelined head comes while a request runs
                 self._head_bytes += len(data)
             super().data_received(data)
@@ -284,16 +285,17 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
             return self._reading_body and self.cycle is not None and self.cycle.response_complete
 
         def _between_requests(self) -> bool:
-            """Whether every request read is answered, with nothing of the next one read (reclaimable)."""
+            """Whether every request read is answered, the next one's head not complete (reclaimable)."""
             answered = self.cycle.response_complete  # a pipelined request already read is the cycle (httptools, h11)
-            return answered and not self._reading_body and not self._head_bytes
+            return answered and not self._reading_body
 
         def _follow(self) -> None:
-            """Move the deadline on when a request's head, or its body, is complete."""
+            """Move the deadline on when a request's head, or its body, is complete (a complete head: busy)."""
             cycle = self.cycle
             if cycle is not None and cycle is not self._timed_cycle:  # a new request's head is complete
                 self._timed_cycle, self._reading_body, self._awaiting_head = cycle, cycle.more_body, False
                 self._head_bytes = 0
+                gate.busy(self)
                 if cycle.more_body:
                     self._arm(limits.http_body_timeout)
                 else:

@@ -63,7 +63,7 @@ class HttpLimits(BaseModel):
                                                  "one client address (an IPv6 one's /64; a trusted proxy's count only "
                                                  "in all); one more is answered 503 BUSY and closed.")
     http_idle_reclaim: float = Field(1.0, gt=0, le=3600, description="Seconds a connection must have been idle "
-                                     "(nothing of a request read since its start or its last response) before a "
+                                     "(no complete request head since its start or its last response) before a "
                                      "newcomer to a full front takes its place when no fair-share swap is possible.")
     trusted_proxies: Annotated[list[Network], NoDecode] = Field(
         default_factory=list, description="Reverse proxies (addresses or CIDR networks, e.g. 10.0.0.0/8) whose "

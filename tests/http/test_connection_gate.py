@@ -7,8 +7,9 @@ connection with its client and since when (clock and step) it is idle. After eve
 allow: the per-client cap, counted per client (an IPv6 peer's /64, found here by brute force); then, when the
 cap in all is full, the fair-share swap (in place of the longest idle connection of a client holding the most of
 those with idle ones, if more than the newcomer would); else the stale one (the connection idle longest of all,
-if idle for `http_idle_reclaim` at least); else refused. Hypothesis explores small caps; a seeded long run
-exercises larger ones (and the ranking's rebuilds).
+if idle for `http_idle_reclaim` at least); else refused. A partial head is no step for the gate (the connection
+stays idle: tests/http/test_guarded_protocol.py holds the protocol to that). Hypothesis explores small caps; a
+seeded long run exercises larger ones (and the ranking's rebuilds).
 """
 
 from __future__ import annotations

@@ -241,12 +241,12 @@ def test_idle_connections_from_many_addresses_cannot_shut_the_front_for_others(t
         assert [_still_open(sock) for sock in held] == [False] * 4 + [True] * 4  # each address's older one
 
 
-@pytest.mark.parametrize("sent", [b""], ids=["idle"])
+@pytest.mark.parametrize("sent", [b"", b"G"], ids=["idle", "one-head-byte"])
 def test_a_full_front_of_one_connection_per_address_takes_newcomers_in_place_of_stale_ones(tmp_path, sent):
-    """Issue 45's open end: 8 addresses with one idle connection each fill the cap, so no swap is fair (each
-    holds what a newcomer would), and newcomers were refused until the attackers' header timeout (60 s here).
-    Now a newcomer takes the place of the connection idle longest once it is `http_idle_reclaim` old. Polled:
-    no timing is asserted."""
+    """Issue 45's open end: 8 addresses with one connection each (`sent`: nothing, or one byte of a head that
+    never ends) fill the cap, so no swap is fair (each holds what a newcomer would), and newcomers were refused
+    until the attackers' header timeout (60 s here). Now a newcomer takes the place of the connection idle
+    longest once it is `http_idle_reclaim` old; a partial head is idle too. Polled: no timing is asserted."""
     limits = HttpLimits(http_max_connections=8, http_max_connections_per_client=4, http_header_timeout=60,
                         http_keep_alive_timeout=60, http_idle_reclaim=0.2)
     with front(tmp_path, limits) as (_, address), ExitStack() as stack:

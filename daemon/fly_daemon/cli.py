@@ -97,7 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-keep-alive-timeout", type=float, help="seconds an idle kept-alive connection stays")
     serve.add_argument("--http-max-connections", type=int, help="open HTTP connections in all; more get 503 BUSY")
     serve.add_argument("--http-max-connections-per-client", type=int,
-                       help="open HTTP connections from one client address; more get 503 BUSY")
+                       help="open HTTP connections from one client address (IPv6: its /64); more get 503 BUSY")
+    serve.add_argument("--http-idle-reclaim", type=float,
+                       help="seconds a connection must idle before a newcomer to a full front may replace it")
     serve.add_argument("--trusted-proxies", metavar="CIDR[,CIDR...]",
                        help="reverse proxies whose X-Forwarded-For (else Forwarded) names the client that the "
                             "per-client caps count (e.g. 127.0.0.1,10.0.0.0/8); default none: the peer counts")

@@ -9,14 +9,20 @@ takes turns, by a *client* string. Each door names it here, one way for all its 
   credential the request carried (the front's API key, hashed: fly_daemon.http.request_tenant) or
   LOCAL_TENANT. A front has one key, so the credential tells the deployment apart, not its clients; the
   address does that:
-  - the peer's address (the TCP connection's other end);
+  - the peer's address (the TCP connection's other end), grouped (`connection_client`): an IPv6 address
+    counts as its /64 network, since one host is commonly given a whole /64 and could otherwise be as many
+    clients as it likes; IPv4 (and IPv4-mapped IPv6) addresses, IPv6 loopback and trusted proxies count one
+    by one;
   - for a loopback peer without a credential, the connection (address and port): two local apps, or a
     browser tab and an editor plugin, are two clients;
   - when the peer is a trusted proxy (`trusted_proxies`, CIDR networks; none by default), the address the
     proxy forwarded: the rightmost `X-Forwarded-For` hop that is not itself a trusted proxy, or, without
-    that header, the same walk over `Forwarded: for=` (RFC 7239). An untrusted peer's forwarded headers are
-    ignored (anyone can send them), and a malformed or obfuscated hop (`unknown`, `_hidden`) where the walk
-    needs it names the peer instead: a header never fails a request.
+    that header, the same walk over `Forwarded: for=` (RFC 7239), grouped alike. An untrusted peer's
+    forwarded headers are ignored (anyone can send them), and a malformed or obfuscated hop (`unknown`,
+    `_hidden`) where the walk needs it names the peer instead: a header never fails a request.
+
+The HTTP front's connection caps count the same grouping of the TCP peer (`connection_client`, before any
+header is read), so a connection's client and its requests' client agree on the address.
 
 Only the rightmost hops are read, because each proxy appends the address it saw: what a client wrote
 itself is on the left, past the first untrusted hop, and never reached. uvicorn's own proxy-header
@@ -60,6 +66,22 @@ def is_trusted(host: str, trusted: Sequence[Network]) -> bool:
     return address is not None and _within(address, trusted)
 
 
+def connection_client(host: str, trusted: Sequence[Network]) -> str:
+    """The client the connection caps count a connection from peer `host` (as the server gives it) as: the
+    `_grouped` address, or `host` itself when it names no address."""
+    address = _address(host)
+    return host if address is None else _grouped(address, trusted)
+
+
+def _grouped(address: Address, trusted: Sequence[Network]) -> str:
+    """The client `address` counts as: its /64 network for an IPv6 address ('2001:db8:1:2::/64'), since one
+    host commonly owns a whole /64; the address itself for IPv4 (an IPv4-mapped one is given as IPv4 by
+    `_address`), for IPv6 loopback and for a `trusted` proxy (whose own caps are per address)."""
+    if address.version == 4 or address.is_loopback or _within(address, trusted):
+        return str(address)
+    return str(ipaddress.IPv6Network((int(address) >> 64 << 64, 64)))
+
+
 def zmq_client(tenant: str) -> str | None:
     """The client of a ZeroMQ request with credential `tenant` (fly_daemon.server): the CURVE key's tenant
     itself, else None (the scheduler counts the socket)."""
@@ -82,10 +104,10 @@ class HttpClients:
             forwarded = _forwarded(request.headers.getlist("x-forwarded-for"), _xff_hops) \
                 or _forwarded(request.headers.getlist("forwarded"), _forwarded_hops)
             if forwarded is not None:
-                return f"{self.tenant}@{_walk(forwarded, self.trusted) or peer}"
+                return f"{self.tenant}@{_grouped(_walk(forwarded, self.trusted) or peer, self.trusted)}"
         if peer is not None and peer.is_loopback and self.tenant == LOCAL_TENANT:
             return f"{self.tenant}@{f'[{peer}]' if peer.version == 6 else peer}:{port}"
-        return f"{self.tenant}@{peer or host}"
+        return f"{self.tenant}@{connection_client(host, self.trusted)}"
 
 
 def _forwarded(values: list[str], hops: Callable[[str], list[str]]) -> list[str] | None:

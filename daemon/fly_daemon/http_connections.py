@@ -12,20 +12,24 @@ uvicorn picks) with:
 - a body timeout: its body must be complete within `http_body_timeout` of its head; else the
   connection is closed (the route sees a disconnect, and nothing was submitted);
 - caps: at most `http_max_connections` open connections in all and `http_max_connections_per_client`
-  from one client address (a trusted proxy's, `trusted_proxies`, count only in all: its connections
-  carry many clients, fly_daemon.client_identity); one more is answered 503 BUSY naming the cap, at
-  once, before anything is read, and closed, so a flood of connections holds its file descriptors for
-  a moment only;
+  from one client (its address, an IPv6 one's /64 network: fly_daemon.client_identity.connection_client;
+  a trusted proxy's, `trusted_proxies`, count only in all: its connections carry many clients); one more
+  is answered 503 BUSY naming the cap, at once, before anything is read, and closed, so a flood of
+  connections holds its file descriptors for a moment only;
 - a fair share of the cap in all: when it is full, a new connection is admitted in place of an *idle*
   one of the client holding the most connections, if that client holds more than the newcomer would
-  after admission (so each swap moves the counts towards equal and none undoes another); only when there
-  is no such connection is the newcomer answered 503. Idle: admitted with nothing of a request read yet,
-  or kept alive after a response with nothing of the next one read. A connection in the middle of a
-  request (from its first head byte to its response's end) is never closed for another. Of the client's
-  idle connections the one idle longest goes, closed without an answer, as a timeout closes one. So
-  addresses holding idle connections (issue 45, benchmarks/results/attacks) cannot shut the front for a
-  client on another address: it is refused only while every client holds at most two connections, or
-  all of those holding more are mid-request.
+  after admission (so each swap moves the counts towards equal and none undoes another);
+- else, stale idle connections: in place of the connection idle longest of all, if it has been idle for
+  `http_idle_reclaim` at least. A client sends its head within milliseconds of connecting, and one whose
+  kept-alive connection was closed opens another; so many addresses holding one or two idle connections
+  each (where no swap is fair) cannot refuse the front to others until their timeouts (seconds) end them.
+  Only when neither rule finds a connection is the newcomer answered 503.
+
+Idle: from admission, or from a response's end on a kept-alive connection, until a request's head is
+complete: a head that is slow or partial (one byte of it) leaves the connection idle, since its idle start,
+so an attacker cannot make its connections unreclaimable with a byte each. A connection in the middle of a
+request (from its head's end to its response's end) is never closed for another. The connection that goes
+(of the client's, or of all, the one idle longest) is closed without an answer, as a timeout closes one.
 
 An answer begun before its request's body was read whole (a 413 on the Content-Length, a refusal before the
 route reads) ends its connection: `CloseWhenBodyUnread` marks it `connection: close`, so a kept-alive client
@@ -45,6 +49,7 @@ import itertools
 import json
 import logging
 import resource
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -56,7 +61,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from fly_llm.common.errors import Busy
 
-from fly_daemon.client_identity import is_trusted
+from fly_daemon.client_identity import connection_client, is_trusted
 from fly_daemon.settings import HttpLimits
 
 log = logging.getLogger("fly_daemon")
@@ -86,19 +91,23 @@ class Admitted(Generic[C]):
 
 
 class ConnectionGate(Generic[C]):
-    """The admitted open connections (any hashable handle `C`) in all and per client address against the
-    caps, which of them are idle, and which one a full front reclaims for a newcomer (the module docstring).
+    """The admitted open connections (any hashable handle `C`) in all and per client against the caps,
+    which of them are idle and since when (by `now`, a monotonic clock in seconds), and which one a full
+    front reclaims for a newcomer (the module docstring).
 
     O(log clients) a step: the clients holding idle connections are in a max-heap by connections held; an
     entry goes stale when its client's count changes or it has no idle connection left, is dropped when it
-    surfaces, and the heap is rebuilt when the stale ones outnumber the live ones."""
+    surfaces, and the heap is rebuilt when the stale ones outnumber the live ones. Every idle connection is
+    in one ordered map by idle start too (the clock never goes back, so an idle one joins at its end)."""
 
-    def __init__(self, limits: HttpLimits, max_connections: int) -> None:
+    def __init__(self, limits: HttpLimits, max_connections: int, now: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
         self.max_connections = max_connections
+        self.now = now
         self.client_of: dict[C, str] = {}  # every admitted open connection's client
         self.open: dict[str, int] = {}  # connections held per client (clients holding none are absent)
         self.idle_of: dict[str, OrderedDict[C, None]] = {}  # the idle ones, longest idle first (none: absent)
+        self.idle_since: OrderedDict[C, float] = OrderedDict()  # every idle one's idle start, longest idle first
         self._ranked: list[tuple[int, int, str]] = []  # (-connections held, push order, client)
         self._pushes = itertools.count()
         self.lingering = 0  # refused connections still reading their answer
@@ -108,9 +117,10 @@ class ConnectionGate(Generic[C]):
         """Admitted connections open."""
         return len(self.client_of)
 
-    def admit(self, client: str, conn: C) -> Busy | Admitted[C]:
-        """Count `conn`, a new connection from `client`, as open and idle, or the reason it is refused
-        (then it is not counted)."""
+    def admit(self, peer: str, conn: C) -> Busy | Admitted[C]:
+        """Count `conn`, a new connection from the address `peer` (as the server gives it), as open and idle,
+        or the reason it is refused (then it is not counted)."""
+        client = connection_client(peer, self.limits.trusted_proxies)
         held = self.open.get(client, 0)
         if (held >= self.limits.http_max_connections_per_client
                 and not is_trusted(client, self.limits.trusted_proxies)):
@@ -118,31 +128,37 @@ class ConnectionGate(Generic[C]):
                         f"(the daemon's http_max_connections_per_client); close some or reuse them")
         reclaimed = None
         if self.total >= self.max_connections:
-            reclaimed = self._reclaimable(held + 1)
+            reclaimed = self._fair_swap(held + 1)
+            if reclaimed is None:
+                reclaimed = self._stale()
             if reclaimed is None:
                 return Busy(f"the HTTP front has {self.max_connections} connections open (its "
                             f"http_max_connections); try again later")
-            self.release(reclaimed)
+            self.release(reclaimed)  # perhaps the newcomer's client's own (a stale one)
         self.client_of[conn] = client
-        self.open[client] = held + 1
+        self.open[client] = self.open.get(client, 0) + 1
         self.idle_of.setdefault(client, OrderedDict())[conn] = None
+        self.idle_since[conn] = self.now()
         self._rank(client)
         return Admitted(reclaimed)
 
     def idle(self, conn: C) -> None:
-        """`conn` waits for a request with nothing of it read (again: after a response)."""
+        """`conn` waits for a request whose head is not complete (again: after a response); idle already, it
+        stays idle since when it became so."""
         client = self.client_of[conn]
         first = client not in self.idle_of
         self.idle_of.setdefault(client, OrderedDict())[conn] = None
+        self.idle_since.setdefault(conn, self.now())
         if first:
             self._rank(client)
 
     def busy(self, conn: C) -> None:
-        """`conn` has begun a request (something of it was read): it is not reclaimed until idle again."""
+        """A request's head is complete on `conn`: it is not reclaimed until idle again."""
         client = self.client_of[conn]
         idle = self.idle_of.get(client)
         if idle is not None and conn in idle:
             del idle[conn]
+            del self.idle_since[conn]
             if not idle:
                 del self.idle_of[client]
                 self._bound()
@@ -160,19 +176,22 @@ class ConnectionGate(Generic[C]):
     def check(self) -> None:
         """AssertionError unless the books agree: the per-client counts are the open connections' and sum to
         the total, which is within the cap; no client is over its cap (but a trusted proxy); the idle
-        connections are open ones of their client; every client with idle ones is ranked by its count now;
-        the stale ranks are bounded."""
+        connections are open ones of their client, and all of them are in `idle_since`, longest idle first;
+        every client with idle ones is ranked by its count now; the stale ranks are bounded."""
         assert self.total <= self.max_connections
         assert self.open == dict(Counter(self.client_of.values())) and sum(self.open.values()) == self.total
         cap = self.limits.http_max_connections_per_client
         assert all(n <= cap or is_trusted(c, self.limits.trusted_proxies) for c, n in self.open.items())
         for client, idle in self.idle_of.items():
             assert idle and all(self.client_of.get(conn) == client for conn in idle)
+        assert set(self.idle_since) == {conn for idle in self.idle_of.values() for conn in idle}
+        since = list(self.idle_since.values())
+        assert since == sorted(since) and all(s <= self.now() for s in since)
         assert {client for negative, _, client in self._ranked if self._live(negative, client)} == set(self.idle_of)
         assert len(self._ranked) <= 2 * len(self.idle_of) + REBUILD_SLACK
         assert self.lingering >= 0
 
-    def _reclaimable(self, wanted: int) -> C | None:
+    def _fair_swap(self, wanted: int) -> C | None:
         """The longest idle connection of the client holding the most connections of those with idle ones,
         if it holds more than `wanted` (what the newcomer would hold); else None."""
         while self._ranked and not self._live(self._ranked[0][0], self._ranked[0][2]):
@@ -180,6 +199,13 @@ class ConnectionGate(Generic[C]):
         if not self._ranked or -self._ranked[0][0] <= wanted:
             return None
         return next(iter(self.idle_of[self._ranked[0][2]]))
+
+    def _stale(self) -> C | None:
+        """The connection idle longest of all, if idle for `http_idle_reclaim` at least; else None."""
+        oldest = next(iter(self.idle_since.items()), None)
+        if oldest is not None and self.now() - oldest[1] >= self.limits.http_idle_reclaim:
+            return oldest[0]
+        return None
 
     def _rank(self, client: str) -> None:
         """Rank `client` by its count now, if it has idle connections (its entries before go stale)."""
@@ -198,12 +224,12 @@ class ConnectionGate(Generic[C]):
         return client in self.idle_of and self.open[client] == -negative_held
 
 
-def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol class with `limits` (one gate per call: one per front)."""
-    gate = ConnectionGate(limits, connection_budget(limits.http_max_connections))
+def guarded_protocol(limits: HttpLimits, books: ConnectionGate[Any] | None = None) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class with `limits`, counting its connections in `books` (by default a new gate
+    for `http_max_connections`, as the descriptor limit allows: one per front)."""
+    gate = books if books is not None else ConnectionGate(limits, connection_budget(limits.http_max_connections))
 
     class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # httptools' or h11's, as uvicorn picks
-        _client_key = ""
         _admitted = False
         _refused = False
         _deadline: asyncio.TimerHandle | None = None
@@ -215,8 +241,7 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self.transport = _LingeringClose(transport, self._body_left_behind, self._linger)  # what uvicorn closes
-            self._client_key = self.client[0] if self.client else "unknown"
-            admission = gate.admit(self._client_key, self)
+            admission = gate.admit(self.client[0] if self.client else "unknown", self)
             if isinstance(admission, Busy):
                 self._refuse(admission)
                 return
@@ -234,7 +259,6 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return  # what a refused client sends is read and dropped, so its close is clean
-            gate.busy(self)
             if self._awaiting_head or not self._reading_body:  # a pipelined head comes while a request runs
                 self._head_bytes += len(data)
             super().data_received(data)
@@ -261,16 +285,17 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
             return self._reading_body and self.cycle is not None and self.cycle.response_complete
 
         def _between_requests(self) -> bool:
-            """Whether every request read is answered, with nothing of the next one read (reclaimable)."""
+            """Whether every request read is answered, the next one's head not complete (reclaimable)."""
             answered = self.cycle.response_complete  # a pipelined request already read is the cycle (httptools, h11)
-            return answered and not self._reading_body and not self._head_bytes
+            return answered and not self._reading_body
 
         def _follow(self) -> None:
-            """Move the deadline on when a request's head, or its body, is complete."""
+            """Move the deadline on when a request's head, or its body, is complete (a complete head: busy)."""
             cycle = self.cycle
             if cycle is not None and cycle is not self._timed_cycle:  # a new request's head is complete
                 self._timed_cycle, self._reading_body, self._awaiting_head = cycle, cycle.more_body, False
                 self._head_bytes = 0
+                gate.busy(self)
                 if cycle.more_body:
                     self._arm(limits.http_body_timeout)
                 else:

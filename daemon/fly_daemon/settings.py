@@ -60,8 +60,11 @@ class HttpLimits(BaseModel):
     http_max_connections: int = Field(512, ge=1, le=1_000_000, description="Open HTTP connections in all; one "
                                       "more is answered 503 BUSY and closed (lowered to fit the fd limit).")
     http_max_connections_per_client: int = Field(64, ge=1, le=1_000_000, description="Open HTTP connections from "
-                                                 "one client address (a trusted proxy's count only in all); "
-                                                 "one more is answered 503 BUSY and closed.")
+                                                 "one client address (an IPv6 one's /64; a trusted proxy's count only "
+                                                 "in all); one more is answered 503 BUSY and closed.")
+    http_idle_reclaim: float = Field(1.0, gt=0, le=3600, description="Seconds a connection must have been idle "
+                                     "(no complete request head since its start or its last response) before a "
+                                     "newcomer to a full front takes its place when no fair-share swap is possible.")
     trusted_proxies: Annotated[list[Network], NoDecode] = Field(
         default_factory=list, description="Reverse proxies (addresses or CIDR networks, e.g. 10.0.0.0/8) whose "
         "X-Forwarded-For (else Forwarded: for=) names the client that per-client caps and fairness count; "

@@ -1,6 +1,7 @@
-"""The client a request counts as (fly_daemon.client_identity, issue 45): credential, address, loopback
-connection, trusted proxies' forwarded addresses; and that no header or peer can make it raise, and no
-untrusted peer can choose its identity by a header.
+"""The client a request counts as (fly_daemon.client_identity, issue 45): credential, address (an IPv6 one's
+/64), loopback connection, trusted proxies' forwarded addresses; and that no header or peer can make it raise,
+and no untrusted peer can choose its identity by a header. The client a connection counts as: its peer's
+address grouped the same way, as its requests' client.
 
 Requests are starlette Requests built from an ASGI scope (peer and raw header lines), as uvicorn gives them.
 The HTTP front's wiring (settings, every route, the per-client cap end to end): tests/http/test_http_edges.py.
@@ -17,7 +18,7 @@ from starlette.requests import Request
 
 from support.forwarded_headers import forwarded_headers, hops
 
-from fly_daemon.client_identity import LOCAL_TENANT, HttpClients, trusted_networks, zmq_client
+from fly_daemon.client_identity import LOCAL_TENANT, HttpClients, connection_client, trusted_networks, zmq_client
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
 KEYED = "http-key:0123456789abcdef"
@@ -49,6 +50,9 @@ def via_proxy(*headers: tuple[str, str], tenant: str = LOCAL_TENANT) -> str:
     (("::ffff:127.0.0.1", 5000), LOCAL_TENANT, "local@127.0.0.1:5000"),
     (("127.0.0.1", 5000), KEYED, f"{KEYED}@127.0.0.1"),  # the key's holders on this host
     (("testclient", 50000), LOCAL_TENANT, "local@testclient"),  # not an address: named as given
+    (("2001:db8:1:2:3:4:5:6", 5000), LOCAL_TENANT, "local@2001:db8:1:2::/64"),  # one host owns a /64
+    (("2001:db8:1:2::ffff", 5000), KEYED, f"{KEYED}@2001:db8:1:2::/64"),
+    (("::ffff:198.51.100.7", 5000), KEYED, f"{KEYED}@198.51.100.7"),  # IPv4-mapped: the IPv4 address
     (None, LOCAL_TENANT, "local@unknown"),
 ])
 def test_without_a_trusted_proxy_the_peer_names_the_client(peer, tenant, expected):
@@ -67,11 +71,12 @@ def test_without_a_trusted_proxy_the_peer_names_the_client(peer, tenant, expecte
     ([("X-Forwarded-For", "garbage, 203.0.113.9")], "203.0.113.9"),  # malformed, but never reached
     ([("X-Forwarded-For", "203.0.113.9, garbage")], PROXY),  # malformed where the walk needs it: the peer
     ([("X-Forwarded-For", "203.0.113.9:4711")], "203.0.113.9"),
-    ([("X-Forwarded-For", "[2001:db8::1]:4711")], "2001:db8::1"),
-    ([("X-Forwarded-For", "2001:db8::1, fd00::2")], "2001:db8::1"),
+    ([("X-Forwarded-For", "[2001:db8::1]:4711")], "2001:db8::/64"),  # a forwarded IPv6 address: its /64 too
+    ([("X-Forwarded-For", "2001:db8::1, fd00::2")], "2001:db8::/64"),
+    ([("X-Forwarded-For", "fd00::1, fd00::2")], "fd00::1"),  # every hop trusted: the leftmost, a proxy itself
     ([("X-Forwarded-For", " , ")], PROXY),
     ([("Forwarded", "for=192.0.2.60;proto=http;by=203.0.113.43")], "192.0.2.60"),
-    ([("Forwarded", 'for="[2001:db8:cafe::17]:4711"')], "2001:db8:cafe::17"),
+    ([("Forwarded", 'for="[2001:db8:cafe::17]:4711"')], "2001:db8:cafe::/64"),
     ([("Forwarded", "for=6.6.6.6, FOR=192.0.2.60, for=10.0.0.9")], "192.0.2.60"),
     ([("Forwarded", "for=unknown")], PROXY),  # RFC 7239 obfuscated / unknown: no address
     ([("Forwarded", "proto=https")], PROXY),
@@ -91,6 +96,22 @@ def test_a_trusted_proxy_on_loopback_forwards_and_its_own_requests_are_its_conne
     assert clients.identity(request(("127.0.0.1", 5000))) == "local@127.0.0.1:5000"
     assert clients.identity(request(("::ffff:127.0.0.1", 5000), ("X-Forwarded-For", "203.0.113.9"))) == \
         "local@203.0.113.9"
+
+
+@pytest.mark.parametrize("peer, expected", [
+    ("198.51.100.7", "198.51.100.7"),
+    ("::ffff:198.51.100.7", "198.51.100.7"),
+    ("2001:db8:1:2:3:4:5:6", "2001:db8:1:2::/64"),
+    ("2001:db8:1:2::", "2001:db8:1:2::/64"),
+    ("2001:db8:1:3::1", "2001:db8:1:3::/64"),
+    ("::1", "::1"),  # loopback: one address
+    ("fd00::5", "fd00::5"),  # a trusted proxy (fd00::/8): counted by its own address, exempt from the cap
+    ("testclient", "testclient"),  # not an address: as given
+])
+def test_a_connection_counts_as_its_peers_address_an_ipv6_one_as_its_64(peer, expected):
+    assert connection_client(peer, PROXIES) == expected
+    # the same client as its requests' (with a key: a loopback peer is not named by its connection)
+    assert HttpClients(KEYED, PROXIES).identity(request((peer, 5000))) == f"{KEYED}@{expected}"
 
 
 def test_zmq_clients_are_curve_keys_else_sockets():
@@ -136,7 +157,8 @@ def test_no_header_or_peer_fails_and_an_untrusted_peer_cannot_choose_its_identit
     peer_trusted = peer is not None and any(_in(peer[0], n) for n in trusted)
     if not peer_trusted:
         assert named == plain  # forwarded headers of an untrusted peer change nothing
-    assert HttpClients(tenant).identity(request(peer, *lines)) == plain  # nobody trusted: nobody forwards
+    nobody = HttpClients(tenant)
+    assert nobody.identity(request(peer, *lines)) == nobody.identity(request(peer))  # nobody trusted: nobody forwards
 
 
 @settings(max_examples=300, deadline=None)
@@ -152,7 +174,7 @@ def test_what_a_client_writes_left_of_its_own_hop_never_counts(spoofed, client, 
     for name in ("x-forwarded-for", "forwarded"):
         value = ", ".join(hops) if name == "x-forwarded-for" else ", ".join(f"for=\"{h}\"" for h in hops)
         named = HttpClients(tenant, trusted).identity(request((PROXY, 1), (name, value)))
-        assert named == f"{tenant}@{_normal(client)}", (name, value)
+        assert named == f"{tenant}@{_grouped(client)}", (name, value)
 
 
 def _in(host: str, network: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
@@ -160,6 +182,14 @@ def _in(host: str, network: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bo
         return _normal(host) in network
     except ValueError:
         return False
+
+
+def _grouped(host: str) -> str:
+    """Brute force: the client an untrusted address counts as, an IPv6 one (not loopback) as its /64."""
+    address = _normal(host)
+    if address.version == 6 and not address.is_loopback:
+        return ipaddress.ip_network(f"{address}/64", strict=False).with_prefixlen
+    return str(address)
 
 
 def _normal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:

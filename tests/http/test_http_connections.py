@@ -172,6 +172,19 @@ def test_a_trusted_proxy_counts_only_against_the_overall_cap():
     gate.check()
 
 
+def test_an_ipv6_client_is_its_64():
+    """One host owns a whole IPv6 /64: its addresses are one client to the per-client cap (and the fair share);
+    another /64 is another client, and a trusted IPv6 proxy is counted by its own address, only in all."""
+    gate = ConnectionGate(HttpLimits(http_max_connections_per_client=2, trusted_proxies="2001:db8:0:9::9"), 8)
+    conns = iter(range(100))
+    assert [gate.admit(peer, next(conns)) for peer in ("2001:db8:0:1::1", "2001:db8:0:1:ffff::2")] == [Admitted()] * 2
+    assert "http_max_connections_per_client" in gate.admit("2001:db8:0:1::3", next(conns)).message
+    assert gate.admit("2001:db8:0:2::1", next(conns)) == Admitted()
+    assert [gate.admit("2001:db8:0:9::9", next(conns)) for _ in range(3)] == [Admitted()] * 3
+    assert set(gate.open.items()) == {("2001:db8:0:1::/64", 2), ("2001:db8:0:2::/64", 1), ("2001:db8:0:9::9", 3)}
+    gate.check()
+
+
 def test_a_connection_flood_past_the_caps_is_refused_while_others_are_served(tmp_path):
     limits = HttpLimits(http_max_connections=8, http_max_connections_per_client=4, http_header_timeout=60)
     with front(tmp_path, limits) as (server, address), ExitStack() as flood:
@@ -226,6 +239,28 @@ def test_idle_connections_from_many_addresses_cannot_shut_the_front_for_others(t
         while sum(not _still_open(sock) for sock in held) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert [_still_open(sock) for sock in held] == [False] * 4 + [True] * 4  # each address's older one
+
+
+@pytest.mark.parametrize("sent", [b"", b"G"], ids=["idle", "one-head-byte"])
+def test_a_full_front_of_one_connection_per_address_takes_newcomers_in_place_of_stale_ones(tmp_path, sent):
+    """Issue 45's open end: 8 addresses with one connection each (`sent`: nothing, or one byte of a head that
+    never ends) fill the cap, so no swap is fair (each holds what a newcomer would), and newcomers were refused
+    until the attackers' header timeout (60 s here). Now a newcomer takes the place of the connection idle
+    longest once it is `http_idle_reclaim` old; a partial head is idle too. Polled: no timing is asserted."""
+    limits = HttpLimits(http_max_connections=8, http_max_connections_per_client=4, http_header_timeout=60,
+                        http_keep_alive_timeout=60, http_idle_reclaim=0.2)
+    with front(tmp_path, limits) as (_, address), ExitStack() as stack:
+        url = f"http://{address[0]}:{address[1]}/health"
+        held = [stack.enter_context(_connect(address, f"127.0.1.{1 + i}")) for i in range(8)]  # the cap
+        for sock in held:
+            sock.sendall(sent)
+        deadline = time.monotonic() + WAIT_S
+        while (status := httpx.get(url, timeout=WAIT_S).status_code) == 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == 200
+        while _still_open(held[0]) and time.monotonic() < deadline:  # its close is on its way
+            time.sleep(0.01)
+        assert [_still_open(sock) for sock in held] == [False] + [True] * 7  # the one idle longest
 
 
 def _health_on(sock: socket.socket) -> bytes:

@@ -196,7 +196,7 @@ def test_requests_wait_while_the_models_load(tmp_path):
 
 
 def test_a_full_queue_is_503_busy_with_retry_after(tmp_path):
-    limits = Limits(queue_size=1, max_batch_size=1)
+    limits = Limits(queue_size=1, max_batch_size=1, newcomer_rows=0)  # each connection is a client: no newcomer rows
 
     async def three(url: str) -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=30) as aclient:
@@ -212,6 +212,19 @@ def test_a_full_queue_is_503_busy_with_retry_after(tmp_path):
     assert (busy.status_code, busy.json()["error"]["code"], busy.headers["retry-after"]) == (503, "BUSY", "1")
     assert busy.json()["error"]["type"] == "server_error"
     assert first.status_code == second.status_code == 200
+
+
+def test_a_newcomer_joins_a_full_batch_at_once(tmp_path):
+    """Newcomer rows (issue 45): with a batch of one running another client's long request, a new client's
+    request runs beside it at once instead of waiting for it to end; a third client's is the second newcomer."""
+    with front(tmp_path, CountingEngine(step_s=0.02), Limits(max_batch_size=1)) as (server, client):
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 400}
+        runners = [threading.Thread(target=lambda: client.post("/v1/completions", json=body)) for _ in range(3)]
+        for count, runner in enumerate(runners, start=1):
+            runner.start()  # each request on its own connection: over loopback without a key, its own client
+            assert _wait_for(lambda: server.scheduler.snapshot()["active"] == count), server.scheduler.snapshot()
+        for runner in runners:
+            runner.join(60)
 
 
 def test_api_key(tmp_path):

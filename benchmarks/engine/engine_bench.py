@@ -2,6 +2,7 @@
 
     python benchmarks/engine/engine_bench.py                       # tiny random pair (tests/support/tiny_models.py)
     python benchmarks/engine/engine_bench.py --target DIR --draft DIR --max-tokens 128
+    python benchmarks/engine/engine_bench.py --target embedded --threads 2   # the embedded default pair
 
 Prints tokens/s, the ratio to target-only decoding, MAT (tokens per target forward), the loose
 accept rate, the share of rounds that ran the draft model / drafted nothing (the adaptive
@@ -86,7 +87,10 @@ def run(engine: FLyEngine, timer: ForwardTimer, name: str, fly: FLyConfig, promp
 
 
 def load(args) -> FLyEngine:
-    """The engine on the given models, or on the tiny random pair of the tests."""
+    """The engine on the given models (`--target embedded`: the embedded default pair), or on the tiny random
+    pair of the tests."""
+    if args.target == "embedded":
+        return load_engine(ModelSpec(dtype=args.dtype, device=args.device))
     if args.target:
         return load_engine(ModelSpec(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device))
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
@@ -99,7 +103,8 @@ def load(args) -> FLyEngine:
 def main(argv: list[str] | None = None) -> None:
     """Run every method on the same prompts and print the comparison."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="target model dir / HF id (default: the tiny random pair)")
+    p.add_argument("--target", help="target model dir / HF id, or 'embedded' for the embedded default pair "
+                   "(default: the tiny random pair)")
     p.add_argument("--draft", help="draft model dir / HF id ('none' = n-gram only)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")

@@ -65,6 +65,7 @@ def costs_identity(loaded: LoadedModels) -> dict[str, Any]:
         "draft": None if loaded.draft is None else _model_identity(loaded.draft_name, loaded.draft),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "quantization": {"target": loaded.target_quantization, "draft": loaded.draft_quantization},
+        "draft_vocabulary": loaded.draft_vocabulary,
         "kernels": _kernel_keys(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-quantization", default="auto", choices=list(QUANTIZATIONS),
                    help="quantized draft weights, as for the daemon ('auto': int8 on CPU); every method uses "
                         "this draft")
+    p.add_argument("--draft-vocabulary", type=int, default=None,
+                   help="tokens the draft's head scores, as for the daemon (default: the daemon's; 0: all)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HumanEval test run")
     p.add_argument("--out", type=Path, default=Path("fly-bench-results"), help="output directory")
@@ -150,7 +152,8 @@ def environment(models: Any, runner: Runner) -> dict[str, Any]:
     return {
         "target": models.target_name, "draft": models.draft_name, "dtype": str(models.dtype).removeprefix("torch."),
         "target_quantization": models.target_quantization,
-        "draft_quantization": models.draft_quantization, "policy_costs": runner.policy_costs(),
+        "draft_quantization": models.draft_quantization, "draft_vocabulary": models.draft_vocabulary,
+        "policy_costs": runner.policy_costs(),
         "device": str(models.device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "cpu": cpu_model(), "platform": platform.platform(), "python": platform.python_version(),
         "versions": versions, "git_commit": git_commit(), "eos_ids": runner.eos_ids, "llamacpp": llamacpp,
@@ -263,7 +266,8 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
         torch.set_num_threads(args.threads)
     models = load_models(ModelSpec(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
                                    target_quantization=args.target_quantization,
-                                   draft_quantization=args.draft_quantization))
+                                   draft_quantization=args.draft_quantization,
+                                   **({} if args.draft_vocabulary is None else {"draft_vocabulary": args.draft_vocabulary})))
     float_target = None
     if TARGET_FLOAT in args.methods and models.target_quantization != "none":
         float_target = load_models(ModelSpec(target=args.target, draft="none", dtype=args.dtype, device=args.device,

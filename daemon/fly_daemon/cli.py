@@ -166,6 +166,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="quantized target weights ('auto': int8 on CPU, float on GPU; docs/models.md)")
     models.add_argument("--draft-quantization", choices=list(QUANTIZATIONS),
                         help="quantized draft weights ('auto': int8 on CPU; the draft only proposes)")
+    models.add_argument("--draft-vocabulary", type=int,
+                        help="tokens the draft's output head scores: the special and most frequent ones "
+                             "(0: all; the draft only proposes)")
     fly = parser.add_argument_group("FLy (defaults for every request; requests may override k, window, θ, loose)")
     fly.add_argument("--k", type=int, help="upper bound on draft tokens per round")
     fly.add_argument("--window", type=int, help="deferred window W (0: accept any gated mismatch)")

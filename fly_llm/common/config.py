@@ -149,3 +149,7 @@ class ModelSpec(_Settings):
     draft_quantization: Quantization = Field(
         "auto", description="quantized draft weights ('auto': as for the target). "
                             "The draft only proposes, so it changes speed, never what exact mode emits.")
+    draft_vocabulary: int = Field(
+        0, ge=0, description="the draft's output head scores only this many tokens (the special ones and the "
+                             "most frequent: fly_llm.model.draft_vocabulary); 0: all. The draft only proposes, "
+                             "so it changes speed, never what exact mode emits.")

@@ -24,6 +24,7 @@ from fly_llm.common.errors import ModelError
 from fly_llm.model.kernels.cpu import cpu_flags
 from fly_llm.model.cache import cached_conversion, hf_progress, published_weights
 from fly_llm.model.cache_paths import cache_root
+from fly_llm.model.draft_vocabulary import kept_count, restrict_draft_vocabulary
 from fly_llm.model.quantization import quantize
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class LoadedModels:
     context_window: int
     target_quantization: str = "none"
     draft_quantization: str = "none"
+    draft_vocabulary: int = 0  # tokens the draft's head scores (fly_llm.model.draft_vocabulary); 0: all
 
 
 def cpu_has_native_bf16() -> bool:
@@ -176,9 +178,12 @@ def load_models(spec: ModelSpec, progress: bool = True) -> LoadedModels:
             draft_tokenizer = _load_tokenizer(draft_path, draft_name)
             draft = _load_model(draft_path, draft_name, dtype, device, None)
             check_shared_vocab(tokenizer, draft_tokenizer, draft, target_name, draft_name)
-            draft_scheme = quantize(draft, spec.draft_quantization, device, "draft", published_weights(draft_path))
+            draft_published = restrict_draft_vocabulary(draft, tokenizer, spec.draft_vocabulary,
+                                                        published_weights(draft_path))
+            draft_scheme = quantize(draft, spec.draft_quantization, device, "draft", draft_published)
     log.info("loaded target %s (%s weights), draft %s (%s weights); %s on %s", target_name, target_scheme,
              draft_name or "none", draft_scheme, dtype, device)
     return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=target_name,
                         draft_name=draft_name, device=device, dtype=dtype, context_window=context_window(target),
-                        target_quantization=target_scheme, draft_quantization=draft_scheme)
+                        target_quantization=target_scheme, draft_quantization=draft_scheme,
+                        draft_vocabulary=kept_count(draft))

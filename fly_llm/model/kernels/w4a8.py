@@ -21,7 +21,7 @@ import logging
 import os
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from types import ModuleType
 
 import torch
@@ -109,6 +109,14 @@ class SymmetricWeight:
         """The weight these levels stand for, float64 [n, k] (exact: at most 27 significant bits)."""
         w = self.d.double().repeat_interleave(self.span * BLOCK, dim=1) * (self.q.double() - self.zero)
         return w if self.sc is None else w * self.sc.double().repeat_interleave(HALF, dim=1)
+
+
+def select_rows(weight: QuantizedWeight | SuperBlockWeight | SymmetricWeight,
+                index: torch.Tensor) -> QuantizedWeight | SuperBlockWeight | SymmetricWeight:
+    """The weight of the output rows `index` (int64) only: each of its tensors (all per row) indexed, nothing
+    rounded."""
+    return replace(weight, **{f.name: getattr(weight, f.name)[index] for f in fields(weight)
+                              if isinstance(getattr(weight, f.name), torch.Tensor)})
 
 
 @dataclass(frozen=True)

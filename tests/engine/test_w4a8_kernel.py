@@ -347,6 +347,9 @@ def test_symmetric_weights_of_the_wrong_shape_are_refused():
     with pytest.raises(ValueError, match="whole spans"):
         w4a8.pack_symmetric(w4a8.SymmetricWeight(torch.zeros(16, 96, dtype=torch.uint8),
                                                  torch.zeros(16, 1, dtype=torch.float16), None, 2, 32, 8))
+    with pytest.raises(ValueError, match="power of two"):  # the kernel finds a block's d by a shift
+        w4a8.pack_symmetric(w4a8.SymmetricWeight(torch.zeros(16, 96, dtype=torch.uint8),
+                                                 torch.zeros(16, 1, dtype=torch.float16), None, 2, 32, 3))
     for change, message in [({"bits": 3}, "high bits"), ({"zero": 64}, "offset"), ({"span": 3}, "spans"),
                             ({"planes": packed.planes[:, :4]}, "planes"), ({"d": packed.d.float()}, "float16")]:
         wrong = dataclasses.replace(packed, **change)

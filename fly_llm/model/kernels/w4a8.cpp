@@ -35,6 +35,7 @@ constexpr int kCols = 16;       // output columns per group
 constexpr int kGroupBytes = 256;  // packed nibbles of one group and block
 constexpr int kPanel = 32;      // rows whose accumulators are kept together
 constexpr int kChunk = 32;      // blocks per pass over a panel (its weights stay in L1)
+constexpr int kAhead = 8;       // blocks of a group ahead whose weights are prefetched (benchmarks/results/kernel)
 
 enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 
@@ -113,6 +114,13 @@ void scales8(const Weights& w, int64_t group, int64_t b, int h, __m256& d, __m25
   }
 }
 
+// Asks for the `lines` cache lines at p + kAhead * `stride` bytes: block b + kAhead of the same stream,
+// which a one-row step otherwise waits for (a hint: an address past the weights is harmless).
+inline void prefetch_ahead(const void* p, int64_t stride, int lines) {
+  const char* at = static_cast<const char*>(p) + kAhead * stride;
+  for (int l = 0; l < lines; ++l) _mm_prefetch(at + 64 * l, _MM_HINT_T0);
+}
+
 int32_t load4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -130,6 +138,7 @@ void tile_vnni(const Weights& w, const Activations& a, int64_t group, int64_t ro
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t at = group * w.blocks + b;
     const uint8_t* q = w.q + at * kGroupBytes;
+    prefetch_ahead(q, kGroupBytes, kGroupBytes / 64);
     __m512 d, m;
     scales16<S>(w, group, b, d, m);
     __m512i dot[R];
@@ -164,6 +173,7 @@ void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t ro
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t at = group * w.blocks + b;
     const uint8_t* q = w.q + at * kGroupBytes;
+    prefetch_ahead(q, kGroupBytes, kGroupBytes / 64);
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
@@ -224,8 +234,14 @@ struct SymWeights {
   const uint64_t* planes;
   const int8_t* sc;  // null: 1
   const uint16_t* d;
-  int64_t blocks, span, zero;
+  int64_t blocks, zero;
+  int span_shift;  // log2(span): block b's d is at b >> span_shift (no division in the loop)
 };
+
+// The float16 d of block b of a group, its 16 columns.
+const uint16_t* block_d(const SymWeights& w, int64_t group, int64_t b) {
+  return w.d + (group * (w.blocks >> w.span_shift) + (b >> w.span_shift)) * kCols;
+}
 
 uint64_t load8(const uint64_t* p) {
   uint64_t v;
@@ -254,6 +270,8 @@ void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int
     const int64_t at = group * w.blocks + b;
     const uint8_t* q = w.lo + at * kGroupBytes;
     const uint64_t* bits = w.planes + at * 4 * HB * 2;
+    prefetch_ahead(q, kGroupBytes, kGroupBytes / 64);
+    prefetch_ahead(bits, 64 * HB, HB);  // HB planes of 64 bytes a block
     __m512i dot[R][kSums];
     for (int r = 0; r < R; ++r) {
       const int32_t* hs = a.hs + 2 * ((row0 + r) * a.blocks + b);
@@ -281,8 +299,7 @@ void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int
         d = _mm512_dpbusd_epi32(d, hi, _mm512_set1_epi32(load4(x + 4)));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(w.d + (group * (w.blocks / w.span) + b / w.span) * kCols)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_d(w, group, b))));
     __m512i sc0, sc1;
     if constexpr (kSub) sub_scales16(w, at, sc0, sc1);
     for (int r = 0; r < R; ++r) {
@@ -318,6 +335,8 @@ void sym_tile_avx2(const SymWeights& w, const Activations& a, int64_t group, int
     const int64_t at = group * w.blocks + b;
     const uint8_t* q = w.lo + at * kGroupBytes;
     const uint64_t* bits = w.planes + at * 4 * HB * 2;
+    prefetch_ahead(q, kGroupBytes, kGroupBytes / 64);
+    prefetch_ahead(bits, 64 * HB, HB);  // HB planes of 64 bytes a block
     for (int ch = 0; ch < 2; ++ch) {
       __m256i dot[R][2], high[R][2];
       for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = high[r][0] = high[r][1] = _mm256_setzero_si256();
@@ -343,8 +362,8 @@ void sym_tile_avx2(const SymWeights& w, const Activations& a, int64_t group, int
                                                                                  _mm256_maddubs_epi16(high_hi, xh)));
         }
       }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(w.d + (group * (w.blocks / w.span) + b / w.span) * kCols + ch * 8)));
+      const __m256 d =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block_d(w, group, b) + ch * 8)));
       __m256i sc0 = _mm256_set1_epi32(1), sc1 = sc0;
       if constexpr (kSub) {
         sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + at * 2 * kCols + ch * 8)));
@@ -609,7 +628,8 @@ torch::Tensor linear_sym(const torch::Tensor& x, const torch::Tensor& lo, const 
   check_common(x, groups, blocks, n, bias);
   TORCH_CHECK(bits == 0 || bits == 1 || bits == 2 || bits == 4, "w4a8: high bits must be 0, 1, 2 or 4, not ", bits);
   TORCH_CHECK(zero >= 0 && zero < (int64_t{16} << bits), "w4a8: the offset ", zero, " is not a level");
-  TORCH_CHECK(span >= 1 && blocks % span == 0, "w4a8: ", blocks, " blocks are not whole spans of ", span);
+  TORCH_CHECK(span >= 1 && (span & (span - 1)) == 0 && blocks % span == 0, "w4a8: ", blocks,
+              " blocks are not whole spans of ", span, " (a power of two)");
   TORCH_CHECK(planes.scalar_type() == torch::kUInt8 && planes.is_contiguous() &&
               planes.numel() == groups * blocks * 4 * bits * 2 * 8,
               "w4a8: planes must be contiguous uint8 [groups, blocks, 4, bits, 2, 8]");
@@ -621,7 +641,8 @@ torch::Tensor linear_sym(const torch::Tensor& x, const torch::Tensor& lo, const 
   isa = resolve_isa(isa);
   const SymWeights w{lo.data_ptr<uint8_t>(), reinterpret_cast<const uint64_t*>(planes.data_ptr<uint8_t>()),
                      sc ? sc->data_ptr<int8_t>() : nullptr,
-                     reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), blocks, span, zero};
+                     reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), blocks, zero,
+                     __builtin_ctzll(static_cast<unsigned long long>(span))};
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   switch (bits * 2 + (sc ? 1 : 0)) {
     case 0: return run_sym<0, false>(x, w, n, b, isa);

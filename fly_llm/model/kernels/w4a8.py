@@ -328,8 +328,9 @@ def pack_symmetric(weight: SymmetricWeight) -> PackedSymmetric:
     64-bit mask per chunk and nibble half (bit i: byte i), sc and d per group."""
     n, k = weight.q.shape
     check_width(k)
-    if weight.bits not in HIGH_BITS or k % (weight.span * BLOCK):
-        raise ValueError(f"symmetric blocks need bits in {HIGH_BITS} and whole spans of {weight.span} blocks")
+    if weight.bits not in HIGH_BITS or k % (weight.span * BLOCK) or weight.span & (weight.span - 1):
+        raise ValueError(f"symmetric blocks need bits in {HIGH_BITS} and whole spans of {weight.span} blocks "
+                         "(a power of two)")
     pad = -n % COLUMNS
     groups = (n + pad) // COLUMNS
     values = _nibble_layout(weight.q, groups, pad)  # [g, b, c, half, 64]

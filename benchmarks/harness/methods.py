@@ -57,7 +57,7 @@ def _fly_variants() -> list[Method]:
                fly=base.model_copy(update={"loose": False})),
         Method("fly", "FLy with the default settings", "engine", fly=base),
     ]
-    ablations = [(f"fly-w{w}", f"FLy, deferred window W={w}", {"window": w}) for w in (0, 4, 6)] + [
+    ablations = [(f"fly-w{w}", f"FLy, deferred window W={w}", {"window": w}) for w in (0, 1, 2, 4, 6)] + [
         ("fly-no-gate", "FLy, entropy gate off", {"entropy_threshold": 0.0}),
         ("fly-model-only", "FLy, cascade off: draft model only, no n-gram stage", {"stages": ("draft_model",)}),
         ("fly-ngram-only", "FLy, n-gram stage only, no draft model", {"stages": ("ngram",)}),

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 REMEASURE_ENV = "FLY_REMEASURE_COSTS"  # set (not '0'): time the costs again and overwrite the kept file
 DIRECTORY = "policy-costs"  # under the model cache
-FORMAT = 2  # 2: the target timed at several widths (Costs.target_widths)
+FORMAT = 3  # 2: the target timed at several widths (Costs.target_widths); 3: target and draft in turns
 
 
 def policy_costs(loaded: LoadedModels) -> Costs:

@@ -75,6 +75,7 @@ With `FLyConfig.adaptive = False` every round drafts k tokens with the configure
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -158,17 +159,29 @@ class Costs:
         return cls(data.get("target_token", cls.target_token), {DraftModelStage.name: cost}, widths)
 
     @classmethod
-    def measure(cls, target, draft=None, context: int = 64, repeats: int = 5) -> Costs:
+    def measure(cls, target, draft=None, context: int = 64, repeats: int = 2, rounds: int = 3) -> Costs:
         """Time the models here (a few forwards on dummy tokens) instead of using the defaults.
 
         The target is timed over `_TIMED_WIDTHS` new tokens (a cost never below a narrower one's).
         The draft is timed over 4 new tokens, a typical cascade forward (its own token plus a
         checked n-gram proposal), and over `_PREFILL_WIDTH` new tokens, a catch-up forward (per
-        token). The engine's choices then depend on this machine, so FLy-mode output can differ
-        between machines, and between two timings on one (exact mode is lossless either way):
+        token). The two take turns, `rounds` times (the fastest of `repeats` forwards per width each
+        time), and every forward's fastest time over all rounds counts: a shared machine's speed
+        drifts (a VM's memory bandwidth by ±30% within minutes), and timing the target and then the
+        draft let a slow minute fall on one of them alone (the embedded draft's step was timed at 0.50
+        and 0.62 of the target's an hour apart, and FLy ran it 250 and 47 times on the same items).
+        The engine's choices then depend on this machine, so FLy-mode output can differ between
+        machines, and between two timings on one (exact mode is lossless either way):
         fly_llm.policy_costs keeps the first.
         """
-        one, *wider = _forward_seconds(target, context, _TIMED_WIDTHS, repeats)
+        timed_target = [math.inf] * len(_TIMED_WIDTHS)
+        timed_draft = [math.inf] * 2
+        for _ in range(rounds):
+            timed_target = list(map(min, timed_target, _forward_seconds(target, context, _TIMED_WIDTHS, repeats)))
+            if draft is not None:
+                timed_draft = list(map(min, timed_draft,
+                                       _forward_seconds(draft, context, (4, _PREFILL_WIDTH), repeats)))
+        one, *wider = timed_target
         widths, cost = [], 1.0
         for width, seconds in zip(_TIMED_WIDTHS[1:], wider):
             cost = max(cost, seconds / one)
@@ -176,7 +189,7 @@ class Costs:
         target_token = (widths[-1][1] - 1) / (widths[-1][0] - 1)
         if draft is None:
             return cls(target_token=target_token, target_widths=tuple(widths))
-        step, prefill = _forward_seconds(draft, context, (4, _PREFILL_WIDTH), repeats)
+        step, prefill = timed_draft
         cost = StageCost(step=step / one, prefill=prefill / _PREFILL_WIDTH / one)
         return cls(target_token, {DraftModelStage.name: cost}, tuple(widths))
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fly_llm.common.config import FLyConfig, SamplingParams
+from fly_llm.decoding import policy as policy_module
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.policy import (PLAIN, AdaptivePolicy, Costs, LookupHistory, ModelHistory, PolicyState,
                                     _Rate)
@@ -113,6 +114,29 @@ def test_costs_can_be_measured():
     widths = [w for w, _ in costs.target_widths]
     assert widths == [2, 4, 8, 16] and all(1 <= a[1] <= b[1] for a, b in zip(costs.target_widths, costs.target_widths[1:]))
     assert costs.target(16) == pytest.approx(1 + 15 * costs.target_token)
+
+
+@pytest.mark.parametrize("slow_call", range(6))
+def test_a_slow_minute_during_one_timing_does_not_move_the_costs(monkeypatch, slow_call):
+    """The target and the draft are timed in turns and each keeps its fastest round: a machine 60% slower
+    during any one timing call (a shared VM's bandwidth drifts) leaves the costs as on a steady machine.
+    Timed one after the other (one round), a slow draft call made its step 1.6x dearer."""
+    seconds = {"target": {1: 0.030, 2: 0.032, 4: 0.037, 8: 0.060, 16: 0.110}, "draft": {4: 0.015, 128: 0.2}}
+    calls = []
+
+    def fake_forward_seconds(model, context, widths, repeats):
+        calls.append(model)
+        slow = 1.6 if len(calls) - 1 == slow_call else 1.0
+        return [seconds[model][w] * slow for w in widths]
+
+    monkeypatch.setattr(policy_module, "_forward_seconds", fake_forward_seconds)
+    costs = Costs.measure("target", "draft")
+    assert calls == ["target", "draft"] * 3  # in turns
+    assert costs.of(MODEL).step == pytest.approx(0.015 / 0.030)
+    assert dict(costs.target_widths)[16] == pytest.approx(0.110 / 0.030)
+    calls.clear()
+    if slow_call == 1:  # one round: the draft's only timing is the slow one
+        assert Costs.measure("target", "draft", rounds=1).of(MODEL).step == pytest.approx(1.6 * 0.015 / 0.030)
 
 
 def test_cheap_cascade_rounds_make_the_draft_model_pay():

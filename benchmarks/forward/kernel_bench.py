@@ -41,8 +41,12 @@ _LINEAR_TYPES = (nn.Linear, Int8Linear, Int4Linear, W4A8Linear, FusedW4A8)  # fu
 
 def linears_ms(model: nn.Module, rows: int, reps: int) -> float:
     """Fastest of `reps` passes over every Linear layer of `model`, in order, with `rows` input rows."""
-    dtype = next(model.parameters()).dtype
     layers = [m for m in model.modules() if isinstance(m, _LINEAR_TYPES)]
+    return layers_ms(layers, rows, reps, next(model.parameters()).dtype)
+
+
+def layers_ms(layers: list[nn.Module], rows: int, reps: int, dtype: torch.dtype) -> float:
+    """Fastest of `reps` passes over `layers`, in order, with `rows` input rows of `dtype`, in ms."""
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in layers}
     best = float("inf")
     with torch.inference_mode():

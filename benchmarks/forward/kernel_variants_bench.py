@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.forward.kernel_bench import _LINEAR_TYPES
+from benchmarks.forward.kernel_bench import _LINEAR_TYPES, layers_ms
 from benchmarks.harness.environment import cpu_name
 from fly_llm.common.config import ModelSpec
 from fly_llm.model.embedded import ensure_default_pair
@@ -55,20 +55,6 @@ def groups_of(models: dict[str, nn.Module]) -> dict[tuple[str, str], list[nn.Mod
     return groups
 
 
-def pass_ms(layers: list[nn.Module], rows: int, dtype: torch.dtype) -> float:
-    """The fastest of 3 passes over `layers` in order (after one to warm up), in ms."""
-    inputs = {layer.in_features: torch.randn(rows, layer.in_features, dtype=dtype) for layer in layers}
-    best = float("inf")
-    with torch.inference_mode():
-        for r in range(4):
-            start = time.perf_counter()
-            for layer in layers:
-                layer(inputs[layer.in_features])
-            if r:
-                best = min(best, time.perf_counter() - start)
-    return best * 1000
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", required=True, metavar="NAME=SOURCE.cpp")
@@ -91,7 +77,7 @@ def main() -> None:
         for name, build in builds.items():
             w4a8._native = lambda build=build: build  # the package's layers call this variant
             for (role, kind), layers in groups.items():
-                times[f"{role} {kind}"][name].append(pass_ms(layers, args.rows, loaded.dtype))
+                times[f"{role} {kind}"][name].append(layers_ms(layers, args.rows, 3, loaded.dtype))
     names = list(builds)
     lines = [f"# w4a8 kernel variants, {args.rows} row(s) ({cpu_name()}, {args.threads} threads, "
              f"torch {torch.__version__}, {time.strftime('%F %T')})", "",

@@ -42,7 +42,9 @@ def forward_ms(drafts: dict[int, torch.nn.Module], rounds: int) -> dict[int, lis
 
 
 def agreement(drafts: dict[int, torch.nn.Module], items: int) -> dict[str, dict[int, float]]:
-    """Per set and size, the share of answer positions where the draft's greedy token is the target's next."""
+    """Per set and size, the share of answer positions where the draft's greedy token is the target's next.
+    The drafts differ in their heads only: the hidden states come from one of them, once per answer."""
+    trunk = next(iter(drafts.values())).get_decoder()
     shares: dict[str, dict[int, float]] = {}
     for name in SETS:
         answers = [json.loads(line)["token_ids"] for line in (PARTS / f"{name}.target.jsonl").open()][:items]
@@ -52,8 +54,9 @@ def agreement(drafts: dict[int, torch.nn.Module], items: int) -> dict[str, dict[
             following = torch.tensor(ids[1:])
             positions += len(following)
             with torch.inference_mode():
+                hidden = trunk(torch.tensor([ids]), use_cache=False).last_hidden_state[0, :-1]
                 for size, draft in drafts.items():
-                    logits = draft(torch.tensor([ids]), use_cache=False).logits[0, :-1]
+                    logits = draft.get_output_embeddings()(hidden)
                     hits[size] += int((logits.argmax(-1) == following).sum())
         shares[name] = {size: hits[size] / positions for size in drafts}
         shares[name]["positions"] = positions

@@ -169,7 +169,7 @@ class Costs:
         time), and every forward's fastest time over all rounds counts: a shared machine's speed
         drifts (a VM's memory bandwidth by ±30% within minutes), and timing the target and then the
         draft let a slow minute fall on one of them alone (the embedded draft's step was timed at 0.50
-        and 0.62 of the target's an hour apart, and FLy ran it 250 and 47 times on the same items).
+        and 0.62 of the target's 13 minutes apart, and FLy ran it 250 and 47 times on the same items).
         The engine's choices then depend on this machine, so FLy-mode output can differ between
         machines, and between two timings on one (exact mode is lossless either way):
         fly_llm.policy_costs keeps the first.

@@ -69,11 +69,12 @@ def restrict_head(model: PreTrainedModel, keep: torch.Tensor,
                          "needs a Linear head")
     inner = nn.Linear(head.in_features, keep.numel(), bias=head.bias is not None,
                       device=head.weight.device, dtype=head.weight.dtype)
+    index = keep.to(head.weight.device)
     with torch.no_grad():
-        inner.weight.copy_(head.weight[keep.to(head.weight.device)])
+        inner.weight.copy_(head.weight[index])
         if head.bias is not None:
-            inner.bias.copy_(head.bias[keep.to(head.weight.device)])
-    model.set_output_embeddings(SubsetHead(inner, keep.to(head.weight.device), head.out_features))
+            inner.bias.copy_(head.bias[index])
+    model.set_output_embeddings(SubsetHead(inner, index, head.out_features))
     if published is None or HEAD not in published:
         return published
     return ChainMap({f"{HEAD}.inner": select_rows(published[HEAD], keep)}, published)

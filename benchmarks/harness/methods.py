@@ -59,6 +59,8 @@ def _fly_variants() -> list[Method]:
     ]
     ablations = [(f"fly-w{w}", f"FLy, deferred window W={w}", {"window": w}) for w in (0, 1, 2, 4, 6)] + [
         ("fly-no-gate", "FLy, entropy gate off", {"entropy_threshold": 0.0}),
+        *[(f"fly-w1-gate{theta}", f"FLy, W=1 with a stricter entropy gate θ={theta}",
+           {"window": 1, "entropy_threshold": theta}) for theta in (0.5, 0.7)],
         ("fly-model-only", "FLy, cascade off: draft model only, no n-gram stage", {"stages": ("draft_model",)}),
         ("fly-ngram-only", "FLy, n-gram stage only, no draft model", {"stages": ("ngram",)}),
         ("fly-fixed-k8", "FLy, adaptive policy off: K=8 every round", {"adaptive": False, "k": 8}),

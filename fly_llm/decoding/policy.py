@@ -90,6 +90,7 @@ PLAIN = DraftPlan(k=0)
 _FIRST_PROBE = 8
 _OPTIMISTIC_ALPHA = 0.9  # a model stage is only probed if it could win at this acceptance
 _PREFILL_WIDTH = 128  # tokens of the timed catch-up forward (the daemon's default prefill chunk)
+_DRAFT_WIDTHS = (4, _PREFILL_WIDTH)  # new tokens of the timed draft forwards: a cascade step, a catch-up
 _TIMED_WIDTHS = (1, 2, 4, 8, 16)  # new tokens of the timed target forwards
 _PRIOR_TOKENS = 64  # what a request is expected to emit before its history says more
 _PROBE_CATCH_UP_SHARE = 0.25  # a probe's catch-up may take this share of the request's expected remaining time
@@ -175,12 +176,11 @@ class Costs:
         fly_llm.policy_costs keeps the first.
         """
         timed_target = [math.inf] * len(_TIMED_WIDTHS)
-        timed_draft = [math.inf] * 2
+        timed_draft = [math.inf] * len(_DRAFT_WIDTHS)
         for _ in range(rounds):
             timed_target = list(map(min, timed_target, _forward_seconds(target, context, _TIMED_WIDTHS, repeats)))
             if draft is not None:
-                timed_draft = list(map(min, timed_draft,
-                                       _forward_seconds(draft, context, (4, _PREFILL_WIDTH), repeats)))
+                timed_draft = list(map(min, timed_draft, _forward_seconds(draft, context, _DRAFT_WIDTHS, repeats)))
         one, *wider = timed_target
         widths, cost = [], 1.0
         for width, seconds in zip(_TIMED_WIDTHS[1:], wider):

@@ -256,13 +256,30 @@ def test_a_cold_draft_behind_a_long_prompt_is_never_caught_up_for_a_short_answer
 def test_a_warm_draft_or_a_long_answer_still_runs_the_draft_model():
     policy = AdaptivePolicy()
     warm = _probe_rounds(policy, PolicyState(), budget=40, draft_behind=0)  # e.g. from the prefix cache
-    assert warm[-1].model and len(warm) == 1  # probed at once, as before
+    # probed as soon as the lookups have missed a few times: a new request's n-gram stage is valued at 1.46×
+    # plain by its prior at these costs, a model round at acceptance 0.9 at 1.51×, not better by the margin
+    assert warm[-1].model and len(warm) <= 4
     short_prompt = _probe_rounds(policy, PolicyState(), budget=40, draft_behind=30)
     assert short_prompt[-1].model and len(short_prompt) < 16  # a small catch-up pays soon
     long_answer = _probe_rounds(policy, PolicyState(), budget=2000, draft_behind=1500)
     assert long_answer[-1].model  # once the request has run long enough to be expected to run on
     assert 100 < len(long_answer) < 2000
 
+
+
+EMBEDDED_WIDTHS = ((2, 1.089), (4, 1.471), (8, 2.521), (16, 4.646))  # the embedded target's, timed at 17:15 one day
+
+
+@pytest.mark.parametrize("step, probed", [(0.45, True), (0.6, True), (0.65, False), (0.8, False)])
+def test_a_draft_model_that_could_not_win_even_at_high_acceptance_is_never_probed(step, probed):
+    """A probe costs the draft's catch-up and forwards; it only pays where what it may find leads to model
+    rounds. A model round needs the margin over the best other plan; at the embedded pair's costs with the
+    draft step timed at 0.65 of the target's, one at acceptance 0.9 is worth 1.09× plain: never chosen, so
+    never probed. At 0.6 (1.17×) it still is, once the request's lookups have shown that they miss."""
+    policy = AdaptivePolicy(Costs(0.24, target_widths=EMBEDDED_WIDTHS).with_stage(MODEL, step=step, prefill=0.1))
+    plans = _probe_rounds(policy, PolicyState(), budget=128, draft_behind=100)
+    assert any(p.model for p in plans) == probed
+    assert not probed or len(plans) <= 24
 
 def test_a_learned_good_draft_model_is_not_caught_up_for_the_last_tokens():
     """Once the model has run, the catch-up after rounds without it is weighed too: a long backlog is

@@ -32,7 +32,7 @@ keeps losing), so the estimate can recover when the text changes; but only where
 optimistic acceptance (0.9) would be chosen, i.e. beat the best other plan by the margin below: a probe
 that cannot lead to a model round is its catch-up and forwards for nothing. (With the draft step timed
 at 0.65 of the target's, the embedded pair's model could not win even at 0.9, and its two probes a
-request cost FLy 5% of its speed on MT-Bench prose: 0.95× target-only, 1.01× without them.)
+request held FLy to 1.00× target-only on MT-Bench prose, 1.07× without them: benchmarks/results/policy-probe.)
 
 A model round is only chosen when it is expected to beat the best other plan by `_MODEL_MARGIN`
 (10%): the costs are timed on other shapes than the round's (a few widths, 64 cached tokens) and
@@ -67,8 +67,9 @@ expected to take (L tokens at the best other plan's speed). A cold draft cache b
 prompt (a RAG question over retrieved passages: ~1,500 tokens of draft prefill, worth ~70 target
 forwards on the embedded pair) is then never caught up for a short answer, nor before a long one
 has run ~300 tokens; behind a prompt of up to ~300 tokens (HumanEval, GSM8K) the model is probed
-in the second round as before, when the n-gram stage has not yet shown that it does better (after
-which an unproven model is not probed at all); a warm cache is valued as before.
+early, as soon as the n-gram stage's estimate is below what a model round could win by the margin
+(while the n-gram stage does better, an unproven model is not probed at all); a warm cache is valued
+as before.
 
 Rounds are never timed: the costs are fixed (the defaults, or `Costs.measure` timed once per
 machine and models and kept in the model cache: fly_llm.policy_costs), so the choices — and hence

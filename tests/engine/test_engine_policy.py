@@ -275,7 +275,7 @@ def test_a_draft_model_that_could_not_win_even_at_high_acceptance_is_never_probe
     """A probe costs the draft's catch-up and forwards; it only pays where what it may find leads to model
     rounds. A model round needs the margin over the best other plan; at the embedded pair's costs with the
     draft step timed at 0.65 of the target's, one at acceptance 0.9 is worth 1.09× plain: never chosen, so
-    never probed. At 0.6 (1.17×) it still is, once the request's lookups have shown that they miss."""
+    never probed. At 0.6 (1.12×) it still is, once the request's lookups have shown that they miss."""
     policy = AdaptivePolicy(Costs(0.24, target_widths=EMBEDDED_WIDTHS).with_stage(MODEL, step=step, prefill=0.1))
     plans = _probe_rounds(policy, PolicyState(), budget=128, draft_behind=100)
     assert any(p.model for p in plans) == probed

@@ -105,7 +105,7 @@ class _Request:
     max_new: int
     detok: Detokenizer
     stops: StopChecker
-    generator: torch.Generator | None
+    seed: int | None  # what its sampling draws from (the request's seed, else a random one); None: greedy
     matcher: object | None = None  # the grammar's matcher at the start of the output (llguidance.LLMatcher)
     tokens: list[int] = field(default_factory=list)  # prompt + output: the row's context
     output: list[int] = field(default_factory=list)
@@ -250,14 +250,13 @@ class FLyEngine:
         compiled_before = self.grammars.compile_s
         if matcher is None:
             matcher = self.grammars.for_constraint(constraint, cache_scope)
-        generator = None
+        seed = None
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-            generator = torch.Generator(device=self._logits_device).manual_seed(seed)
         self._waiting.append(_Request(
             id=request_id, prompt=list(prompt_ids), sampling=sampling, fly=fly,
             max_new=min(sampling.max_tokens, room), detok=Detokenizer(self.tokenizer, prompt_ids),
-            stops=StopChecker(sampling.stop), generator=generator, matcher=matcher, tokens=list(prompt_ids),
+            stops=StopChecker(sampling.stop), seed=seed, matcher=matcher, tokens=list(prompt_ids),
             stats=RequestStats(grammar_s=self.grammars.compile_s - compiled_before), scope=cache_scope,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs and logprobs is not None))
 
@@ -424,6 +423,7 @@ class FLyEngine:
             logits = self._penalized(logits, contexts, drafts, penalties, faults)
         lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
         rules = replace(rules, loose=rules.loose & torch.tensor(may_loosen, device=logits.device))
+        sampling = sampling.at([len(c) for c in contexts]) if sampling is not None else None
         verdict = self._verdict(input_ids[:, 1:], logits, lengths, rules, sampling, faults)
         host = torch.cat([verdict.accepted[:, None], verdict.tokens, verdict.native.long(), verdict.loose.long()],
                          1).tolist()
@@ -453,18 +453,14 @@ class FLyEngine:
     @staticmethod
     def _verdict(drafts: torch.Tensor, logits: torch.Tensor, lengths: torch.Tensor, rules: RowRules,
                  sampling: RowSampling | None, faults: RowFaults) -> Verdict:
-        """`verify` for the batch; if it raises, for each row alone from the same random state, so the
-        rows that raise are recorded in `faults` (their verdict: keep nothing, emit token 0) and the
-        others get what the batch would have given them."""
-        generators = [g for g in sampling.generators if g is not None] if sampling is not None else []
-        states = [g.get_state() for g in generators]
+        """`verify` for the batch; if it raises, for each row alone, so the rows that raise are recorded in
+        `faults` (their verdict: keep nothing, emit token 0) and the others get what the batch would have
+        given them (a row's draws depend on its seed and positions alone)."""
         try:
             return verify(drafts, logits, lengths, rules, sampling)
         except BaseException as exc:
             if not contained(exc):
                 raise
-        for generator, state in zip(generators, states):
-            generator.set_state(state)
         k, verdicts = drafts.shape[1], []
         for b in range(len(drafts)):
             one = slice(b, b + 1)
@@ -538,9 +534,9 @@ class FLyEngine:
         """The rows' FLy rules, sampling and penalties, built once per batch composition."""
         if self._row_settings is None:
             rows = self._rows
-            sampling = None if all(r.generator is None for r in rows) else RowSampling(
+            sampling = None if all(r.seed is None for r in rows) else RowSampling(
                 temperature=torch.tensor([r.sampling.temperature for r in rows]),
-                top_p=torch.tensor([r.sampling.top_p for r in rows]), generators=[r.generator for r in rows],
+                top_p=torch.tensor([r.sampling.top_p for r in rows]), seeds=[r.seed for r in rows],
                 top_k=[r.sampling.top_k for r in rows], min_p=[r.sampling.min_p for r in rows])
             penalties = [Penalty.of(r.sampling) for r in rows]
             self._row_settings = RowRules.from_configs([r.fly for r in rows], device), sampling, penalties

@@ -2,14 +2,18 @@
 
 No model calls and no scheduling: `verify` takes each row's draft tokens and the target's
 logits for the K+1 positions of one round, and says how many draft tokens each row keeps
-and which tokens it emits. The greedy rule is vectorised over the whole batch. Sampling
-rows (temperature > 0) use rejection sampling; each one draws its random numbers from its
-own generator only, so a seeded request gives the same output whatever it is batched with.
+and which tokens it emits. The greedy rule is vectorised over the whole batch. A sampling
+row (temperature > 0) draws the target's token at each position by inversion, with a uniform that
+depends only on its seed and the position's index in its context, and keeps a draft token where that
+draw equals it: the rejection test of a point-mass draft (kept with probability p_i(d_i)), and on a
+mismatch the draw is a sample of p_i without d_i. So a seeded request's text depends on its seed and
+its tokens alone: not on what it is batched with, nor on how many tokens a round drafts.
 
 Per row b with draft length K_b (positions >= K_b are never accepted):
 
-- native[i]: the target agrees with d[i] (greedy: argmax z[i] == d[i]; sampling: u_i < p_i(d_i), p_i the
-  row's distribution after temperature, top-k, top-p and min-p: fly_llm.decoding.distributions). The logits
+- native[i]: the target agrees with d[i] (greedy: argmax z[i] == d[i]; sampling: the draw of p_i at i equals
+  d[i], p_i the row's distribution after temperature, top-k, top-p and min-p:
+  fly_llm.decoding.distributions). The logits
   come in with the request's penalties already applied per position (fly_llm.decoding.penalties).
 - window W: a mismatch at i is eligible when native[i+1..i+W-1] are all True and
   i < K_b - W (the last W positions are strict). W=1 needs no following matches, so
@@ -19,12 +23,13 @@ Per row b with draft length K_b (positions >= K_b are never accepted):
   gets (before temperature and the filters, as in the authors' code; after penalties and grammar masks).
 - accept = native | (loose & eligible & not low-entropy); the row keeps d[0..r-1] with r
   the first position not accepted, then emits the target's token at r (greedy: argmax z[r];
-  sampling: a sample of p_r with d_r removed, or of p_{K_b} when r == K_b).
+  sampling: the draw at r, a sample of p_r with d_r removed, or of p_{K_b} when r == K_b).
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -35,10 +40,6 @@ from fly_llm.decoding.distributions import distributions
 
 PAD_TOKEN = -1
 """Fills `Verdict.tokens` past each row's emitted tokens."""
-
-UNIFORMS_PER_ROUND = 64
-"""Uniforms a sampling row draws per round (FLyConfig.k <= 64), whatever its batch's width,
-so that its random stream depends only on its own rounds."""
 
 GATE_OFF_AT = 0.01
 """Entropy thresholds at or below this disable the gate."""
@@ -83,15 +84,21 @@ class RowSampling:
 
     temperature: torch.Tensor  # [B] float (any device; read on the host once)
     top_p: torch.Tensor  # [B] float in (0, 1]
-    generators: list[torch.Generator | None]  # per row, on the logits' device; None = torch's default
+    seeds: list[int | None]  # per row: its draws come from this seed alone; None: torch's default generator
     top_k: list[int] | None = None  # per row, 0 = off; None: off in every row
     min_p: list[float] | None = None  # per row in [0, 1], 0 = off; None: off in every row
+    positions: list[int] | None = None  # per row: the context index of the round's first position (None: 0)
 
     def rows(self, rows: slice) -> RowSampling:
         """These rows' sampling."""
-        return RowSampling(self.temperature[rows], self.top_p[rows], self.generators[rows],
+        return RowSampling(self.temperature[rows], self.top_p[rows], self.seeds[rows],
                            None if self.top_k is None else self.top_k[rows],
-                           None if self.min_p is None else self.min_p[rows])
+                           None if self.min_p is None else self.min_p[rows],
+                           None if self.positions is None else self.positions[rows])
+
+    def at(self, positions: list[int]) -> RowSampling:
+        """This sampling for a round whose first position is `positions[b]` of row b's context."""
+        return replace(self, positions=positions)
 
 
 @dataclass
@@ -138,7 +145,7 @@ def verify(
     emitted = target_choice.gather(1, accepted[:, None]).squeeze(1)
     if sampled is not None:
         rows = sampled.rows
-        emitted[rows] = sampled.emit(accepted[rows], drafts[rows], lengths[rows])
+        emitted[rows] = sampled.emit(accepted[rows])
     columns = torch.arange(k + 1, device=device)
     tokens = torch.cat([drafts, drafts.new_zeros(batch, 1)], 1)
     tokens = torch.where(columns < accepted[:, None], tokens, PAD_TOKEN)
@@ -196,18 +203,17 @@ def _window_ok(native: torch.Tensor, lengths: torch.Tensor, window: torch.Tensor
 
 @dataclass
 class _SampledRows:
-    """The sampling rows of a batch: their distributions, rejection tests and random draws."""
+    """The sampling rows of a batch: the target's draw at each of their positions, and which drafts it keeps."""
 
     rows: torch.Tensor  # [S] long: their indices in the batch
-    probs: torch.Tensor  # [S, K+1, V] the distributions they draw from (temperature, top-k, top-p, min-p)
-    native: torch.Tensor  # [S, K] bool: accepted by the rejection test
-    noise: torch.Tensor  # [S, V] Exp(1) draws for the emitted token
+    draws: torch.Tensor  # [S, K+1] long: a sample of each position's distribution (temperature, filters)
+    native: torch.Tensor  # [S, K] bool: the draft token is the draw (the rejection test of a point-mass draft)
 
     @classmethod
     def draw(
         cls, logits: torch.Tensor, drafts: torch.Tensor, valid: torch.Tensor, sampling: RowSampling | None
     ) -> _SampledRows | None:
-        """Rejection-test every sampling row's drafts; None when no row samples."""
+        """Draw every sampling row's K+1 positions; None when no row samples."""
         if sampling is None:
             return None
         temperatures = sampling.temperature.tolist()
@@ -221,23 +227,32 @@ class _SampledRows:
                               [top_ps[b] for b in picked],
                               None if sampling.top_k is None else [sampling.top_k[b] for b in picked],
                               None if sampling.min_p is None else [sampling.min_p[b] for b in picked])
-        uniforms, noise = [], []
-        for b in picked:  # each row's stream: its uniforms, then its noise
-            generator = sampling.generators[b]
-            uniforms.append(torch.rand(max(k, UNIFORMS_PER_ROUND), device=device, generator=generator)[:k])
-            noise.append(torch.empty(logits.shape[-1], device=device).exponential_(generator=generator))
-        draft_probs = probs[:, :k].gather(-1, drafts[rows].unsqueeze(-1)).squeeze(-1)
-        native = valid[rows] & (torch.stack(uniforms) < draft_probs)
-        return cls(rows=rows, probs=probs, native=native, noise=torch.stack(noise))
+        positions = sampling.positions or [0] * len(temperatures)
+        draws = torch.stack([_inverse_cdf(probs[s], _uniforms(sampling.seeds[b], positions[b], k + 1, device))
+                             for s, b in enumerate(picked)])
+        native = valid[rows] & (draws[:, :k] == drafts[rows])
+        return cls(rows=rows, draws=draws, native=native)
 
-    def emit(self, accepted: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """[S] the token after the kept prefix: p_r without d_r when d_r was rejected, else p_{K_b}."""
-        probs = self.probs[torch.arange(len(accepted), device=accepted.device), accepted]  # [S, V]
-        if drafts.shape[1]:
-            rejected = accepted < lengths
-            rejected_draft = drafts.gather(1, accepted.clamp(max=drafts.shape[1] - 1)[:, None])
-            residual = probs.scatter(1, rejected_draft, 0.0)
-            keep = rejected[:, None] & (residual.sum(-1, keepdim=True) > 0)
-            probs = torch.where(keep, residual, probs)
-        scores = torch.where(probs > 0, probs / self.noise, -1.0)  # exponential race: argmax ~ probs
-        return scores.argmax(-1)
+    def emit(self, accepted: torch.Tensor) -> torch.Tensor:
+        """[S] the draw after the kept prefix: at a rejected draft it differs from it (a sample of p_r without
+        d_r), after a fully kept draft it is a sample of p_{K_b}."""
+        return self.draws.gather(1, accepted[:, None]).squeeze(1)
+
+
+def _uniforms(seed: int | None, start: int, count: int, device: torch.device) -> torch.Tensor:
+    """[count] float64 uniforms in [0, 1) for context positions start, start+1, …: each one a function of the
+    seed and its position alone (torch's default generator when there is no seed)."""
+    if seed is None:
+        return torch.rand(count, dtype=torch.float64).to(device)
+    return torch.tensor([random.Random(f"{seed}:{start + i}").random() for i in range(count)],
+                        dtype=torch.float64, device=device)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[P] per row of probs [P, V] (non-negative, any positive total) the token whose cumulative mass first
+    exceeds uniforms[p] of the total: a sample of the row, never a token of mass 0 (float64 sums)."""
+    cumulative = probs.double().cumsum(-1)
+    total = cumulative[:, -1:]
+    below_total = torch.nextafter(total, torch.zeros_like(total))
+    point = torch.minimum(uniforms[:, None] * total, below_total)
+    return torch.searchsorted(cumulative, point, right=True).squeeze(-1)

@@ -6,8 +6,9 @@ and which tokens it emits. The greedy rule is vectorised over the whole batch. A
 row (temperature > 0) draws the target's token at each position by inversion, with a uniform that
 depends only on its seed and the position's index in its context, and keeps a draft token where that
 draw equals it: the rejection test of a point-mass draft (kept with probability p_i(d_i)), and on a
-mismatch the draw is a sample of p_i without d_i. So a seeded request's text depends on its seed and
-its tokens alone: not on what it is batched with, nor on how many tokens a round drafts.
+mismatch the draw is a sample of p_i without d_i. So in exact mode a seeded request's text depends on
+its seed and its tokens alone: not on what it is batched with, nor on how many tokens a round drafts
+(FLy's loose rule keeps some draft tokens that differ from the draw, so its text depends on the drafts).
 
 Per row b with draft length K_b (positions >= K_b are never accepted):
 

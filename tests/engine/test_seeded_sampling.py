@@ -1,4 +1,4 @@
-"""A seeded request's text is a function of its seed and its tokens (docs/design.md §1.3).
+"""In exact mode a seeded request's text is a function of its seed and its tokens (docs/design.md §1.3).
 
 Each sampled position draws with a uniform keyed by the seed and the position's index in the context,
 so what the request is batched with, the policy's costs and plans (how many tokens a round drafts, with

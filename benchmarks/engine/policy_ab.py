@@ -75,7 +75,8 @@ def geometric_interval(ratios: list[float], draws: int = 2000, seed: int = 0) ->
 def report(rows: list[dict[str, Any]], methods: list[str], header: list[str]) -> str:
     """results.md: the paired ratios and the draft model's rounds per method."""
     lines = [*header, "", "| method | decode ÷ no drafters, median | geometric mean [95%] | answers | "
-             "draft-model rounds | n-gram rounds | answers equal to no drafters' |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "draft-model rounds | n-gram rounds | answers equal to no drafters' |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     plain = {(r["round"], r["item"]): r["ids"] for r in rows if r["method"] == PLAIN.name}
     for method in methods:
         ratios = paired_ratios(rows, method)
@@ -130,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                                  "ids": run.token_ids})
                     sink.write(json.dumps(rows[-1]) + "\n")
                     sink.flush()
+    command = " ".join(["python -m benchmarks.engine.policy_ab", *(argv or sys.argv[1:])])
     header = [f"# Policy A/B: this tree against {args.base} ({args.dataset}, {len(prompts)} items × "
               f"{args.max_tokens} tokens, {args.rounds} rounds, {args.threads} threads)", "",
-              f"Costs from {args.costs}: {json.dumps(costs)}", "", "    " + " ".join(["python -m benchmarks.engine.policy_ab", *(argv or sys.argv[1:])])]
+              f"Costs from {args.costs}: {json.dumps(costs)}", "", f"    {command}"]
     text = report(rows, list(policies), header)
     (args.out / "results.md").write_text(text, encoding="utf-8")
     print(text)

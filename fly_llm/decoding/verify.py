@@ -42,6 +42,9 @@ from fly_llm.decoding.distributions import distributions
 PAD_TOKEN = -1
 """Fills `Verdict.tokens` past each row's emitted tokens."""
 
+_INVERSION_BLOCK = 1024
+"""Tokens per block of a sampled draw's first step (`_inverse_cdf`)."""
+
 GATE_OFF_AT = 0.01
 """Entropy thresholds at or below this disable the gate."""
 
@@ -251,9 +254,30 @@ def _uniforms(seed: int | None, start: int, count: int, device: torch.device) ->
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """[P] per row of probs [P, V] (non-negative, any positive total) the token whose cumulative mass first
-    exceeds uniforms[p] of the total: a sample of the row, never a token of mass 0 (float64 sums)."""
-    cumulative = probs.double().cumsum(-1)
+    exceeds uniforms[p] of the total: a sample of the row, never a token of mass 0.
+
+    In two steps with float64 sums, so no cumulative sum is written over the whole vocabulary: the block of
+    `_INVERSION_BLOCK` tokens where the point falls, then the token inside it."""
+    rows, vocab = probs.shape
+    whole = vocab - vocab % _INVERSION_BLOCK
+    sums = probs[:, :whole].reshape(rows, -1, _INVERSION_BLOCK).sum(-1, dtype=torch.float64)
+    if whole < vocab:
+        sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True, dtype=torch.float64)], 1)
+    block, within = _pick(sums, uniforms)
+    columns = block[:, None] * _INVERSION_BLOCK + torch.arange(_INVERSION_BLOCK, device=probs.device)
+    inside = probs.gather(1, columns.clamp(max=vocab - 1)).double().masked_fill_(columns >= vocab, 0.0)
+    token, _ = _pick(inside, within)
+    return block * _INVERSION_BLOCK + token
+
+
+def _pick(masses: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of masses [P, N] (float64, non-negative, positive total): the first index whose cumulative mass
+    exceeds uniforms[p] of the total (never one of mass 0), and where in that index's mass the point fell (a
+    fraction: the uniform for a step inside it)."""
+    cumulative = masses.cumsum(-1)
     total = cumulative[:, -1:]
-    below_total = torch.nextafter(total, torch.zeros_like(total))
-    point = torch.minimum(uniforms[:, None] * total, below_total)
-    return torch.searchsorted(cumulative, point, right=True).squeeze(-1)
+    point = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    index = torch.searchsorted(cumulative, point, right=True)
+    mass = masses.gather(1, index)
+    within = ((point - (cumulative.gather(1, index) - mass)) / mass).clamp(min=0.0)
+    return index.squeeze(1), within.squeeze(1)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from fly_llm.common.config import FLyConfig
 from fly_llm.decoding.distributions import distributions
-from fly_llm.decoding.verify import PAD_TOKEN, RowRules, RowSampling, Verdict, target_entropy, verify
+from fly_llm.decoding.verify import PAD_TOKEN, RowRules, RowSampling, Verdict, _inverse_cdf, target_entropy, verify
 
 VOCAB = 8
 
@@ -372,3 +372,24 @@ def test_sampling_at_float_edges_is_greedy(temperature, top_p, dtype):
                      RowSampling(torch.full((n,), temperature), torch.full((n,), top_p),
                                  list(range(n))))
     assert sampled.tokens.tolist() == greedy.tokens.tolist()
+
+
+@pytest.mark.parametrize("vocab", [5, 1024, 5000])
+def test_a_draw_by_blocks_is_the_plain_inversion_and_never_a_token_of_mass_0(vocab):
+    """`_inverse_cdf` finds the block, then the token in it: the same token as one cumulative sum over the
+    whole row, for uniforms from 0 to just below 1, with runs of zero mass (a whole block of them, a row whose
+    only mass is its last token, a one-hot)."""
+    torch.manual_seed(vocab)
+    probs = torch.rand(4, vocab) * (torch.rand(4, vocab) < 0.3)
+    probs[1, : vocab // 2] = 0.0
+    probs[2] = 0.0
+    probs[2, -1] = 0.5
+    probs[3] = torch.nn.functional.one_hot(torch.tensor(vocab // 3), vocab)
+    for uniform in [0.0, 1e-12, 0.25, 0.5, 0.999, 1 - 2 ** -53, *torch.rand(40).tolist()]:
+        uniforms = torch.full((4,), uniform, dtype=torch.float64)
+        drawn = _inverse_cdf(probs, uniforms)
+        cumulative = probs.double().cumsum(-1)
+        total = cumulative[:, -1:]
+        point = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        assert drawn.tolist() == torch.searchsorted(cumulative, point, right=True).squeeze(1).tolist()
+        assert bool((probs.gather(1, drawn[:, None]) > 0).all())

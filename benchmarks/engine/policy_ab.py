@@ -19,14 +19,13 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.harness.at_commit import module_at
 from benchmarks.harness.methods import Method, Runner
 from fly_llm.common.config import FLyConfig
 from fly_llm.decoding import policy as policy_here
@@ -35,17 +34,6 @@ POLICY_PATH = "fly_llm/decoding/policy.py"
 PLAIN = Method("plain", "the engine without drafters", "engine", fly=FLyConfig(recent_answers=0, stages=()))
 FLY = Method("fly", "FLy's defaults", "engine", fly=FLyConfig(recent_answers=0))
 MIN_TOKENS = 8  # answers this short are mostly their first round: no decode speed to compare
-
-
-def policy_module_at(rev: str) -> types.ModuleType:
-    """fly_llm/decoding/policy.py as committed at `rev`, loaded as a module of its own."""
-    source = subprocess.run(["git", "show", f"{rev}:{POLICY_PATH}"], capture_output=True, text=True,
-                            check=True).stdout
-    module = types.ModuleType(f"policy_at_{rev}")
-    module.__file__ = f"{rev}:{POLICY_PATH}"
-    sys.modules[module.__name__] = module  # dataclasses look their module up
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
-    return module
 
 
 def read_costs(path: Path) -> dict[str, Any]:
@@ -106,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    base = policy_module_at(args.base)
+    base = module_at(args.base, POLICY_PATH)
     costs = read_costs(args.costs)
     policies = {f"fly at {args.base}": base.AdaptivePolicy(base.Costs.from_dict(costs)),
                 "fly here": policy_here.AdaptivePolicy(policy_here.Costs.from_dict(costs))}

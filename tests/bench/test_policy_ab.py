@@ -6,12 +6,13 @@ import math
 
 import pytest
 
-from benchmarks.engine.policy_ab import PLAIN, paired_ratios, policy_module_at, report
+from benchmarks.engine.policy_ab import PLAIN, POLICY_PATH, paired_ratios, report
+from benchmarks.harness.at_commit import module_at
 from fly_llm.decoding import policy as policy_here
 
 
 def test_a_commits_policy_loads_as_a_module_of_its_own():
-    base = policy_module_at("HEAD")
+    base = module_at("HEAD", POLICY_PATH)
     assert base is not policy_here and base.AdaptivePolicy is not policy_here.AdaptivePolicy
     costs = base.Costs.from_dict({"target_token": 0.2, "draft_step": 0.5})
     assert base.AdaptivePolicy(costs).costs.of("draft_model").step == 0.5

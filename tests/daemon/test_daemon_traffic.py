@@ -3,9 +3,11 @@
 Bursts of concurrent requests arrive with idle gaps between them, some long enough that the batch
 drains to empty: prompts of one token, of a few, of hundreds, and over the context window; plain
 and streamed requests; streams cancelled after their first chunk; clients that give up (short
-timeouts); a client process killed mid-stream; FLy-mode sampled requests; BUSY from a small queue.
-Every exact-mode answer must equal the target's own greedy output for that prompt alone; at the end
-the daemon is alive, idle, healthy, logged no traceback, and still answers correctly.
+timeouts); a client process killed mid-stream; FLy-mode sampled requests; seeded exact-mode sampled
+requests; BUSY from a small queue. Every exact-mode greedy answer must equal the target's own greedy output
+for that prompt alone, every seeded exact-mode one the same request sampled alone with plain decoding
+(docs/design.md §1.3); at the end the daemon is alive, idle, healthy, logged no traceback, and still answers
+correctly.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,11 +29,14 @@ from support.daemon_process import start_daemon
 from support.device import TEST_DEVICE
 from fly_llm.client import FLyClient, build_options
 from fly_llm.common.errors import Busy, FLyUnavailable, Timeout, TooLong
+from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.common.protocol import GenerateResult
+from fly_llm.decoding.engine import FLyEngine
 from fly_llm.model.quantization import quantization_of, quantize
 from support.tiny_models import CORPUS, greedy_tokens
 
 MAX_NEW = 16
+SAMPLED_TEMPERATURE = 0.9
 BURSTS = 30
 WORDS = " ".join(CORPUS).split(" ")
 ONE_TOKEN = ["x", "Q", "a", "5", "(", "\n", "The"]
@@ -59,8 +65,22 @@ def greedy(tiny_pair_dirs):
     def run(prompt: str) -> list[int]:
         return greedy_tokens(target, tokenizer.encode(prompt), MAX_NEW, [tokenizer.eos_token_id])
 
+    alone, one_at_a_time = FLyEngine(target, tokenizer, None, FLyConfig(stages=())), threading.Lock()
+
+    @lru_cache(maxsize=None)
+    def sampled(prompt: str, max_tokens: int, seed: int) -> list[int]:
+        """The request sampled alone, with plain decoding (temperature SAMPLED_TEMPERATURE)."""
+        with one_at_a_time:  # the calls run in threads
+            alone.add_request("alone", tokenizer.encode(prompt),
+                              SamplingParams(max_tokens=max_tokens, temperature=SAMPLED_TEMPERATURE, seed=seed))
+            tokens = []
+            while alone.has_unfinished():
+                tokens += [t for out in alone.step() for t in out.new_token_ids]
+            return tokens
+
     run.token_count = lambda prompt: len(tokenizer.encode(prompt))
     run.target = target
+    run.sampled = sampled
     return run
 
 
@@ -68,7 +88,7 @@ def greedy(tiny_pair_dirs):
 class Call:
     """One request of the traffic: what kind, its prompt and options."""
 
-    kind: str  # generate | stream | cancel | give_up | sampled | too_long
+    kind: str  # generate | stream | cancel | give_up | sampled | seeded | too_long
     prompt: str
     max_tokens: int
     k: int
@@ -86,7 +106,7 @@ def random_prompt(rng: random.Random) -> str:
 def schedule(seed: int) -> list[tuple[list[Call], float]]:
     """Bursts of calls, each followed by an idle gap in seconds (< 0: wait until the batch drained)."""
     rng = random.Random(seed)
-    kinds = ["generate"] * 5 + ["stream"] * 3 + ["cancel", "give_up", "sampled"]
+    kinds = ["generate"] * 5 + ["stream"] * 3 + ["cancel", "give_up", "sampled", "seeded"]
     bursts = []
     for _ in range(BURSTS):
         calls = [Call(rng.choice(kinds), random_prompt(rng), rng.randint(1, MAX_NEW), rng.choice([1, 4, 8, 15]))
@@ -122,6 +142,12 @@ def run_call(client: FLyClient, endpoint: str, call: Call, greedy) -> str:
         elif call.kind == "sampled":
             sampling, fly = build_options(max_tokens=call.max_tokens, temperature=0.9, seed=call.k, k=call.k)
             assert client.generate(call.prompt, sampling, fly).usage.completion_tokens >= 1
+        elif call.kind == "seeded":
+            seed = call.k * 1000 + len(call.prompt)
+            sampling, fly = build_options(max_tokens=call.max_tokens, temperature=SAMPLED_TEMPERATURE, seed=seed,
+                                          loose=False, k=call.k)
+            assert client.generate(call.prompt, sampling, fly).token_ids == greedy.sampled(
+                call.prompt, call.max_tokens, seed), call
         elif call.kind == "too_long":
             with pytest.raises(TooLong):
                 client.generate(call.prompt, sampling, fly)

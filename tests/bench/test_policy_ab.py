@@ -9,8 +9,10 @@ import pytest
 from benchmarks.engine.policy_ab import PLAIN, POLICY_PATH, paired_ratios, report
 from benchmarks.harness.at_commit import module_at
 from fly_llm.decoding import policy as policy_here
+from support.git_checkout import needs_git
 
 
+@needs_git
 def test_a_commits_policy_loads_as_a_module_of_its_own():
     base = module_at("HEAD", POLICY_PATH)
     assert base is not policy_here and base.AdaptivePolicy is not policy_here.AdaptivePolicy

@@ -6,13 +6,17 @@ fly_llm.policy_costs beside it, so that the engine itself knows nothing about wh
 
 from __future__ import annotations
 
+import logging
+
 from fly_llm.common.config import FLyConfig, ModelSpec
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.grammar import CACHE_BYTES, MAX_GRAMMAR_BYTES
 from fly_llm.decoding.grammar_sandbox import WORKERS
 from fly_llm.decoding.policy import AdaptivePolicy
 from fly_llm.model.pair import load_models
-from fly_llm.policy_costs import policy_costs
+from fly_llm.policy_costs import REMEASURE_ENV, policy_costs
+
+log = logging.getLogger(__name__)
 
 
 def load_engine(spec: ModelSpec | None = None, config: FLyConfig | None = None, *,
@@ -29,6 +33,12 @@ def load_engine(spec: ModelSpec | None = None, config: FLyConfig | None = None, 
     """
     loaded = load_models(spec or ModelSpec())
     policy = AdaptivePolicy(policy_costs(loaded)) if measure_costs else None
+    if policy is not None and loaded.draft is not None:
+        for stage in policy.model_stages_that_cannot_pay(config or FLyConfig()):
+            log.warning("the %s's step costs %.2f of a target step here: too slow to beat plain decoding even at "
+                        "acceptance 0.9, so FLy never runs it and drafts with the n-gram stage alone. Time the costs "
+                        "again on a quiet machine (%s=1) or start with --draft none to free its memory",
+                        stage.replace("_", " "), policy.costs.of(stage).step, REMEASURE_ENV)
     engine = FLyEngine(loaded.target, loaded.tokenizer, loaded.draft, config, context_window=loaded.context_window,
                        policy=policy, prefix_cache_bytes=prefix_cache_mb * 2**20, prefill_chunk=prefill_chunk,
                        grammar_cache_bytes=grammar_cache_mb * 2**20, max_grammar_bytes=max_grammar_mb * 2**20,

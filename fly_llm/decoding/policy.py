@@ -281,6 +281,15 @@ class AdaptivePolicy:
         self.max_probe_every = max_probe_every
         self._verify: dict[tuple[int, int], tuple[float, ...]] = {}  # (k_max, batch size) -> verify costs
 
+    def model_stages_that_cannot_pay(self, fly: FLyConfig) -> list[str]:
+        """The model stages whose round, for a request alone, cannot beat plain decoding by the margin even at
+        the optimistic acceptance and FLy's prior rescue rate: the policy never probes or chooses them,
+        whatever the text (their step is too slow for these costs)."""
+        verify = self._verify_costs(fly.k, 1)
+        loose = _Loose(PolicyState().rescue.value, fly.window) if fly.loose else _Loose()
+        return [name for name, cost in self.costs.stages.items() if cost.step
+                and _speed(_OPTIMISTIC_ALPHA, verify, cost.step, loose) <= 1 + _MODEL_MARGIN]
+
     def _verify_costs(self, k_max: int, batch_size: int) -> tuple[float, ...]:
         """`Costs.verify` for K in 0..k_max at this batch size: fixed by the costs, so computed once per
         (k_max, batch size) rather than every row's every round (half of a plan's time otherwise)."""

@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from fly_llm.common.config import ModelSpec
+from fly_llm.common.config import FLyConfig, ModelSpec
 from fly_llm.decoding.policy import Costs, StageCost
 from fly_llm.loading import load_engine
 from fly_llm.model.pair import load_models
@@ -141,3 +141,17 @@ def test_multi_stage_costs_round_trip():
                   target_widths=((2, 1.02), (16, 1.15)))
     assert Costs.from_dict(asdict(costs)) == costs
     assert Costs.from_dict(json.loads(json.dumps(asdict(costs)))) == costs
+
+
+@pytest.mark.parametrize("step, warned", [(0.377, False), (0.65, True)])
+def test_a_draft_too_slow_to_ever_pay_is_named_at_start(spec, measured, monkeypatch, caplog, step, warned):
+    """At the embedded pair's target widths of one day, a draft step of 0.65 cannot beat plain decoding by the
+    policy's margin even at acceptance 0.9: the policy never runs the draft model, and the start says so."""
+    slow = Costs(0.24, {"draft_model": StageCost(step=step, prefill=0.1)},
+                 target_widths=((2, 1.089), (4, 1.471), (8, 2.521), (16, 4.646)))
+    monkeypatch.setattr(Costs, "measure", staticmethod(lambda target, draft=None, **_: slow))
+    caplog.set_level(logging.WARNING, logger="fly_llm.loading")
+    engine = load_engine(spec)
+    assert engine.policy.model_stages_that_cannot_pay(FLyConfig()) == (["draft_model"] if warned else [])
+    assert ("draft model's step costs 0.65 of a target step" in caplog.text) == warned
+    assert (REMEASURE_ENV in caplog.text) == warned

@@ -287,8 +287,8 @@ class AdaptivePolicy:
         whatever the text (their step is too slow for these costs)."""
         verify = self._verify_costs(fly.k, 1)
         loose = _Loose(PolicyState().rescue.value, fly.window) if fly.loose else _Loose()
-        return [name for name, cost in self.costs.stages.items() if cost.step
-                and _speed(_OPTIMISTIC_ALPHA, verify, cost.step, loose) <= 1 + _MODEL_MARGIN]
+        return [name for name, cost in self.costs.stages.items()
+                if cost.step and not _could_win(verify, cost.step, loose, best_speed=1.0)]
 
     def _verify_costs(self, k_max: int, batch_size: int) -> tuple[float, ...]:
         """`Costs.verify` for K in 0..k_max at this batch size: fixed by the costs, so computed once per
@@ -340,9 +340,7 @@ class AdaptivePolicy:
         if paid and expected_speed > best_speed * (1 + _MODEL_MARGIN):
             k, _ = _best_k(history.alpha.value, round_.verify, draft_per_token, round_.loose)
             return DraftPlan(k=k, stages=(*upstream, name), model=True)
-        # a probe must be able to lead to a model round: one at the optimistic acceptance beats the margin
-        optimistic = _speed(_OPTIMISTIC_ALPHA, round_.verify, draft_per_token, round_.loose)
-        could_win = optimistic > best_speed * (1 + _MODEL_MARGIN)
+        could_win = _could_win(round_.verify, draft_per_token, round_.loose, best_speed)  # else no probe can pay
         could_win = could_win and catch_up.cost <= _PROBE_CATCH_UP_SHARE * catch_up.tokens / best_speed
         if could_win and history.since >= history.probe_every:
             history.probing = True
@@ -414,6 +412,12 @@ class _CatchUp:
     def over(self, speed: float) -> float:
         """Tokens per unit of time over the expected rest of the request at `speed` after the catch-up."""
         return self.tokens / (self.cost + self.tokens / speed)
+
+
+def _could_win(verify: Sequence[float], draft_per_token: float, loose: _Loose, best_speed: float) -> bool:
+    """Whether a model round at the optimistic acceptance would be chosen over a plan of `best_speed` (beat it by
+    the margin): if not, no probe of the model can lead to a model round."""
+    return _speed(_OPTIMISTIC_ALPHA, verify, draft_per_token, loose) > best_speed * (1 + _MODEL_MARGIN)
 
 
 def _speed(alpha: float, verify: Sequence[float], draft_per_token: float, loose: _Loose = _Loose()) -> float:

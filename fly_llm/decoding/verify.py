@@ -232,8 +232,9 @@ class _SampledRows:
                               None if sampling.top_k is None else [sampling.top_k[b] for b in picked],
                               None if sampling.min_p is None else [sampling.min_p[b] for b in picked])
         positions = sampling.positions or [0] * len(temperatures)
-        draws = torch.stack([_inverse_cdf(probs[s], _uniforms(sampling.seeds[b], positions[b], k + 1, device))
-                             for s, b in enumerate(picked)])
+        uniforms = [u for b in picked for u in _uniforms(sampling.seeds[b], positions[b], k + 1)]
+        draws = _inverse_cdf(probs.flatten(0, 1), torch.tensor(uniforms, dtype=torch.float64, device=device))
+        draws = draws.view(len(picked), k + 1)
         native = valid[rows] & (draws[:, :k] == drafts[rows])
         return cls(rows=rows, draws=draws, native=native)
 
@@ -243,13 +244,12 @@ class _SampledRows:
         return self.draws.gather(1, accepted[:, None]).squeeze(1)
 
 
-def _uniforms(seed: int | None, start: int, count: int, device: torch.device) -> torch.Tensor:
-    """[count] float64 uniforms in [0, 1) for context positions start, start+1, …: each one a function of the
-    seed and its position alone (torch's default generator when there is no seed)."""
+def _uniforms(seed: int | None, start: int, count: int) -> list[float]:
+    """`count` uniforms in [0, 1) for context positions start, start+1, …: each one a function of the seed and
+    its position alone (torch's default generator when there is no seed)."""
     if seed is None:
-        return torch.rand(count, dtype=torch.float64).to(device)
-    return torch.tensor([random.Random(f"{seed}:{start + i}").random() for i in range(count)],
-                        dtype=torch.float64, device=device)
+        return torch.rand(count, dtype=torch.float64).tolist()
+    return [random.Random(f"{seed}:{start + i}").random() for i in range(count)]
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

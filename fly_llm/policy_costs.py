@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 REMEASURE_ENV = "FLY_REMEASURE_COSTS"  # set (not '0'): time the costs again and overwrite the kept file
 DIRECTORY = "policy-costs"  # under the model cache
-FORMAT = 3  # 2: the target timed at several widths (Costs.target_widths); 3: target and draft in turns
+FORMAT = 4  # 2: the target timed at several widths (Costs.target_widths); 3: target and draft in turns;
+# 4: the draft's step a one-token forward (it was a 4-token one), its wider forwards in StageCost.widths
 
 
 def policy_costs(loaded: LoadedModels) -> Costs:
@@ -81,10 +82,15 @@ def costs_path(identity: dict[str, Any]) -> Path:
 
 def describe(costs: Costs) -> str:
     """The costs on one line, e.g. 'target_token=0.0071 (w=2: 1.05, w=4: 1.24), draft_model step=0.412
-    prefill=0.0480'."""
-    widths = ", ".join(f"w={width}: {cost:.2f}" for width, cost in costs.target_widths)
-    stages = (f"{name} step={cost.step:.3f} prefill={cost.prefill:.4f}" for name, cost in costs.stages.items())
-    return ", ".join([f"target_token={costs.target_token:.4f}" + (f" ({widths})" if widths else ""), *stages])
+    (w=2: 1.08, w=4: 1.27) prefill=0.0480'."""
+    stages = (f"{name} step={cost.step:.3f}{_widths(cost.widths)} prefill={cost.prefill:.4f}"
+              for name, cost in costs.stages.items())
+    return ", ".join([f"target_token={costs.target_token:.4f}{_widths(costs.target_widths)}", *stages])
+
+
+def _widths(table: tuple[tuple[int, float], ...]) -> str:
+    """' (w=2: 1.05, w=4: 1.24)', or nothing for no table."""
+    return " (" + ", ".join(f"w={width}: {cost:.2f}" for width, cost in table) + ")" if table else ""
 
 
 def _model_identity(name: str | None, model: torch.nn.Module) -> dict[str, Any]:
@@ -125,13 +131,15 @@ def _read(path: Path, identity: dict[str, Any]) -> Costs | None:
         if data.get("identity") != identity:
             raise ValueError("it was kept for other models or another machine")
         costs = Costs.from_dict(data["costs"])
-        values = [costs.target_token, *(v for cost in costs.stages.values() for v in asdict(cost).values()),
-                  *(c for _, c in costs.target_widths)]
+        tables = [costs.target_widths, *(cost.widths for cost in costs.stages.values())]
+        values = [costs.target_token, *(v for cost in costs.stages.values() for v in (cost.step, cost.prefill)),
+                  *(c for table in tables for _, c in table)]
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
             raise ValueError(f"not a cost: {values}")
-        widths = [1, *(w for w, _ in costs.target_widths)]
-        if any(a >= b for a, b in zip(widths, widths[1:])):
-            raise ValueError(f"target widths not rising from 2: {widths[1:]}")
+        for table in tables:
+            widths = [1, *(w for w, _ in table)]
+            if any(a >= b for a, b in zip(widths, widths[1:])):
+                raise ValueError(f"widths not rising from 2: {widths[1:]}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("the policy costs in %s are unreadable (%s: %s); measuring them again",
                     path, type(exc).__name__, exc)

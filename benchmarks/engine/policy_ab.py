@@ -1,7 +1,8 @@
 """This tree's adaptive policy against a base commit's, side by side on the same loaded pair (issue 44).
 
 Both policies get the same fixed costs (a kept policy-costs file: the costs decide whether the draft model
-runs, and a timing at start would differ between two processes), FLy's default settings, and the engine
+runs, and a timing at start would differ between two processes), or with `--base-costs` each its own (a
+change to how the costs are timed: both files from one timing), FLy's default settings, and the engine
 without drafters as the reference; the three take turns item by item, the order rotating, so a slow
 minute of the machine falls on all of them:
 
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="the commit whose policy.py is compared with this tree's")
     p.add_argument("--costs", type=Path, required=True, help="a kept policy-costs file (both policies use it)")
+    p.add_argument("--base-costs", type=Path, help="the base policy's own costs file instead (default: --costs)")
     p.add_argument("--dataset", default="prose")
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     base = module_at(args.base, POLICY_PATH)
     costs = read_costs(args.costs)
-    policies = {f"fly at {args.base}": base.AdaptivePolicy(base.Costs.from_dict(costs)),
+    base_costs = read_costs(args.base_costs) if args.base_costs else costs
+    policies = {f"fly at {args.base}": base.AdaptivePolicy(base.Costs.from_dict(base_costs)),
                 "fly here": policy_here.AdaptivePolicy(policy_here.Costs.from_dict(costs))}
     models = load_models(ModelSpec())
     runner = Runner(models.target, models.tokenizer, models.draft, args.max_tokens, models.context_window,
@@ -122,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m benchmarks.engine.policy_ab", *(argv or sys.argv[1:])])
     header = [f"# Policy A/B: this tree against {args.base} ({args.dataset}, {len(prompts)} items × "
               f"{args.max_tokens} tokens, {args.rounds} rounds, {args.threads} threads)", "",
-              f"Costs from {args.costs}: {json.dumps(costs)}", "", f"    {command}"]
+              f"Costs from {args.costs}: {json.dumps(costs)}",
+              *(["", f"The base's costs from {args.base_costs}: {json.dumps(base_costs)}"] if args.base_costs else []),
+              "", f"    {command}"]
     text = report(rows, list(policies), header)
     (args.out / "results.md").write_text(text, encoding="utf-8")
     print(text)

@@ -9,15 +9,16 @@ least W draft tokens after it: the last W are strict); lookup (n-gram) rounds ar
 picks the plan with the highest expected tokens per unit of time:
 
     tokens(K) = 1 + Σ_{j=1..K} Π_{i<j} a_i,   a_i = α + (1-α)·ρ where i < K-W, else α
-    time      = 1 + verify(K)  (+ draft_step·s·K when the draft model runs),   verify(K) = B·(c(B+K) − c(B))
+    time      = 1 + verify(K)  (+ s·K·d(1/s) when the draft model runs),   verify(K) = B·(c(B+K) − c(B))
 
 in units of one plain target forward, with c(w) a target forward over w new tokens (`Costs.target`:
 timed at a few widths, since it is not linear: on a CPU a forward is memory-bound up to a few
 tokens, so verifying 4 costs little more than 1, and compute-bound beyond), B the batch size (a
-longer verify forward delays every row, so a big batch speculates less), draft_step the model
-stage's `Costs.stages` entry (a lookup
-stage costs nothing) and s the request's measured draft-model forwards per drafted
-token (1 for the model alone, less in the n-gram → model cascade when the copies hold). With the
+longer verify forward delays every row, so a big batch speculates less), s the request's measured
+draft-model forwards per drafted token (1 for the model alone, less in the n-gram → model cascade when
+the copies hold) and d(w) a draft-model forward over w new tokens (`StageCost.forward`, timed at a few
+widths like the target's: a forward that checks an n-gram copy feeds ~1/s tokens; a lookup stage costs
+nothing). With the
 loose rule off ρ = 0 and tokens(K) is the geometric 1 + α + … + α^K. So with FLy on, plans with
 K > W, where the deferred window can act, are valued by what FLy accepts; ρ starts from an
 optimistic prior, so such plans are tried while a request has no history, and ρ then follows what
@@ -42,7 +43,7 @@ rounds, valued at 1.0–1.1× plain by the acceptance their request had shown, t
 (the model's 1.61) and emitted 1.6 tokens.
 
 The draft model must also pay in fact: per request, the tokens its rounds emitted and their time
-(`1 + verify(drafted) + draft_step·forwards`, with the forwards the round really took, a
+(`1 + verify(drafted) + forwards·d(drafted/forwards)`, with the forwards the round really took, a
 catch-up counted as one whatever its pieces) are kept as decayed sums, and once it has run, it is
 chosen only while those rounds yielded more tokens per unit of time than the best other plan is
 expected to. Acceptance
@@ -95,7 +96,7 @@ PLAIN = DraftPlan(k=0)
 _FIRST_PROBE = 8
 _OPTIMISTIC_ALPHA = 0.9  # a model stage is only probed if it could win (by _MODEL_MARGIN) at this acceptance
 _PREFILL_WIDTH = 128  # tokens of the timed catch-up forward (the daemon's default prefill chunk)
-_DRAFT_WIDTHS = (4, _PREFILL_WIDTH)  # new tokens of the timed draft forwards: a cascade step, a catch-up
+_DRAFT_WIDTHS = (1, 2, 4)  # new tokens of the timed draft forwards: a model step alone, cascade steps
 _TIMED_WIDTHS = (1, 2, 4, 8, 16)  # new tokens of the timed target forwards
 _PRIOR_TOKENS = 64  # what a request is expected to emit before its history says more
 _PROBE_CATCH_UP_SHARE = 0.25  # a probe's catch-up may take this share of the request's expected remaining time
@@ -105,11 +106,27 @@ _MODEL_MARGIN = 0.1  # a model round must be expected to beat the best other pla
 
 @dataclass(frozen=True)
 class StageCost:
-    """What one drafter costs, in target forwards over one token: per forward it takes (`step`) and per
-    token of backlog it catches up on first (`prefill`). A lookup stage costs nothing."""
+    """What one drafter costs, in target forwards over one token: per forward over one new token
+    (`step`) and per token of backlog it catches up on first (`prefill`). A lookup stage costs nothing.
+
+    A forward over w new tokens (the model's own token plus an n-gram copy it checks) costs
+    `forward(w)`: `widths` holds (w, cost in steps) pairs, w ≥ 2 rising, interpolated as the target's
+    are (`Costs.target`); without them every forward costs one step.
+    """
 
     step: float = 0.0
     prefill: float = 0.0
+    widths: tuple[tuple[int, float], ...] = ()
+
+    def forward(self, width: float) -> float:
+        """A forward over `width` new tokens (at least one), in target forwards over one token."""
+        return self.step * _interpolate([(1, 1.0), *self.widths], max(width, 1.0)) if self.widths else self.step
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> StageCost:
+        """A StageCost from `dataclasses.asdict` of one (JSON turns its pairs into lists)."""
+        return cls(data.get("step", 0.0), data.get("prefill", 0.0),
+                   tuple((int(w), float(c)) for w, c in data.get("widths", ())))
 
 
 @dataclass(frozen=True)
@@ -141,11 +158,7 @@ class Costs:
 
     def target(self, width: int) -> float:
         """A target forward over `width` new tokens, in one-token forwards."""
-        points = [(1, 1.0), *self.target_widths]
-        if len(points) == 1:
-            points.append((2, 1.0 + self.target_token))
-        (w0, c0), (w1, c1) = next(((a, b) for a, b in zip(points, points[1:]) if width <= b[0]), points[-2:])
-        return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+        return _interpolate([(1, 1.0), *(self.target_widths or [(2, 1.0 + self.target_token)])], width)
 
     def verify(self, drafted: int, batch_size: int = 1) -> float:
         """What verifying `drafted` tokens adds to a round of a batch of `batch_size` one-token rows,
@@ -158,7 +171,7 @@ class Costs:
         (`target_token`, `draft_step`, `draft_prefill`: the draft-model stage's step and prefill)."""
         widths = tuple((int(w), float(c)) for w, c in data.get("target_widths", ()))
         if "stages" in data:
-            stages = {name: StageCost(**cost) for name, cost in data["stages"].items()}
+            stages = {name: StageCost.from_dict(cost) for name, cost in data["stages"].items()}
             return cls(data["target_token"], stages, widths)
         default = cls().of(DraftModelStage.name)
         cost = StageCost(data.get("draft_step", default.step), data.get("draft_prefill", default.prefill))
@@ -168,10 +181,12 @@ class Costs:
     def measure(cls, target, draft=None, context: int = 64, repeats: int = 2, rounds: int = 3) -> Costs:
         """Time the models here (a few forwards on dummy tokens) instead of using the defaults.
 
-        The target is timed over `_TIMED_WIDTHS` new tokens (a cost never below a narrower one's).
-        The draft is timed over 4 new tokens, a typical cascade forward (its own token plus a
-        checked n-gram proposal), and over `_PREFILL_WIDTH` new tokens, a catch-up forward (per
-        token). The two take turns, `rounds` times (the fastest of `repeats` forwards per width each
+        The target is timed over `_TIMED_WIDTHS` new tokens, the draft over `_DRAFT_WIDTHS` (its step
+        alone is one new token; a cascade forward also checks an n-gram proposal) and over
+        `_PREFILL_WIDTH`, a catch-up forward (per token); a width's cost is never below a narrower
+        one's. (The draft's step was timed over 4 new tokens until issue 44's last stop: 1.27× its
+        one-token forward on the embedded pair, so the draft model alone was charged 0.60–0.65 of a
+        target step instead of 0.47 and the policy never ran it.) The two take turns, `rounds` times (the fastest of `repeats` forwards per width each
         time), and every forward's fastest time over all rounds counts: a shared machine's speed
         drifts (a VM's memory bandwidth by ±30% within minutes), and timing the target and then the
         draft let a slow minute fall on one of them alone (the embedded draft's step was timed at 0.50
@@ -181,22 +196,21 @@ class Costs:
         fly_llm.policy_costs keeps the first.
         """
         timed_target = [math.inf] * len(_TIMED_WIDTHS)
-        timed_draft = [math.inf] * len(_DRAFT_WIDTHS)
+        draft_widths = (*_DRAFT_WIDTHS, _PREFILL_WIDTH)
+        timed_draft = [math.inf] * len(draft_widths)
         for _ in range(rounds):
             timed_target = list(map(min, timed_target, _forward_seconds(target, context, _TIMED_WIDTHS, repeats)))
             if draft is not None:
-                timed_draft = list(map(min, timed_draft, _forward_seconds(draft, context, _DRAFT_WIDTHS, repeats)))
-        one, *wider = timed_target
-        widths, cost = [], 1.0
-        for width, seconds in zip(_TIMED_WIDTHS[1:], wider):
-            cost = max(cost, seconds / one)
-            widths.append((width, cost))
+                timed_draft = list(map(min, timed_draft, _forward_seconds(draft, context, draft_widths, repeats)))
+        widths = _relative(_TIMED_WIDTHS, timed_target)
         target_token = (widths[-1][1] - 1) / (widths[-1][0] - 1)
         if draft is None:
-            return cls(target_token=target_token, target_widths=tuple(widths))
-        step, prefill = timed_draft
-        cost = StageCost(step=step / one, prefill=prefill / _PREFILL_WIDTH / one)
-        return cls(target_token, {DraftModelStage.name: cost}, tuple(widths))
+            return cls(target_token=target_token, target_widths=widths)
+        *steps, prefill = timed_draft
+        one = timed_target[0]
+        cost = StageCost(step=steps[0] / one, prefill=prefill / _PREFILL_WIDTH / one,
+                         widths=_relative(_DRAFT_WIDTHS, steps))
+        return cls(target_token, {DraftModelStage.name: cost}, widths)
 
 
 @dataclass
@@ -331,7 +345,7 @@ class AdaptivePolicy:
         """A round of model stage `name` (with the lookups upstream) if it beats `best_speed` or is due a
         probe, else None."""
         history, cost, k_max = state.model(name), self.costs.of(name), len(round_.verify) - 1
-        draft_per_token = cost.step * history.steps
+        draft_per_token = history.steps * cost.forward(1 / history.steps)
         expected = min(round_.budget + 1, max(state.emitted, _PRIOR_TOKENS))
         catch_up = _CatchUp(cost.prefill * state.behind.get(name, 0), expected)
         realized = history.realized
@@ -368,8 +382,9 @@ class AdaptivePolicy:
         if plan.model:
             history = state.model(plan.drafter)
             history.alpha.update(native, misses, self.decay)
-            step = self.costs.of(plan.drafter).step
-            round_time = 1 + self.costs.verify(drafted, batch_size) + step * forwards
+            cost = self.costs.of(plan.drafter)
+            draft_time = forwards * cost.forward(drafted / forwards) if forwards else 0.0
+            round_time = 1 + self.costs.verify(drafted, batch_size) + draft_time
             history.tokens = history.tokens * self.decay + accepted + 1
             history.time = history.time * self.decay + round_time
             if drafted:
@@ -439,6 +454,23 @@ def _best_k(alpha: float, verify: Sequence[float], draft_per_token: float,
         if speed > best_speed:
             best_k, best_gain, best_speed = k, gain, speed
     return best_k, best_gain
+
+
+def _interpolate(points: Sequence[tuple[float, float]], width: float) -> float:
+    """The cost at `width` from (width, cost) points, widths rising: linear between them, beyond the last at
+    its last segment's slope."""
+    (w0, c0), (w1, c1) = next(((a, b) for a, b in zip(points, points[1:]) if width <= b[0]), points[-2:])
+    return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+
+
+def _relative(widths: Sequence[int], seconds: Sequence[float]) -> tuple[tuple[int, float], ...]:
+    """(width, cost) for the widths after the first, in units of the first's timed forward, each at least the
+    narrower one's (a timing that came out cheaper for more tokens is noise)."""
+    pairs, cost = [], 1.0
+    for width, timed in zip(widths[1:], seconds[1:]):
+        cost = max(cost, timed / seconds[0])
+        pairs.append((width, cost))
+    return tuple(pairs)
 
 
 def _geometric(x: float, n: int) -> float:

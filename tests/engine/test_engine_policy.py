@@ -121,7 +121,8 @@ def test_a_slow_minute_during_one_timing_does_not_move_the_costs(monkeypatch, sl
     """The target and the draft are timed in turns and each keeps its fastest round: a machine 60% slower
     during any one timing call (a shared VM's bandwidth drifts) leaves the costs as on a steady machine.
     Timed one after the other (one round), a slow draft call made its step 1.6x dearer."""
-    seconds = {"target": {1: 0.030, 2: 0.032, 4: 0.037, 8: 0.060, 16: 0.110}, "draft": {4: 0.015, 128: 0.2}}
+    seconds = {"target": {1: 0.030, 2: 0.032, 4: 0.037, 8: 0.060, 16: 0.110},
+               "draft": {1: 0.012, 2: 0.013, 4: 0.015, 128: 0.2}}
     calls = []
 
     def fake_forward_seconds(model, context, widths, repeats):
@@ -132,11 +133,30 @@ def test_a_slow_minute_during_one_timing_does_not_move_the_costs(monkeypatch, sl
     monkeypatch.setattr(policy_module, "_forward_seconds", fake_forward_seconds)
     costs = Costs.measure("target", "draft")
     assert calls == ["target", "draft"] * 3  # in turns
-    assert costs.of(MODEL).step == pytest.approx(0.015 / 0.030)
+    assert costs.of(MODEL).step == pytest.approx(0.012 / 0.030)
+    assert costs.of(MODEL).forward(4) == pytest.approx(0.015 / 0.030)
     assert dict(costs.target_widths)[16] == pytest.approx(0.110 / 0.030)
     calls.clear()
     if slow_call == 1:  # one round: the draft's only timing is the slow one
-        assert Costs.measure("target", "draft", rounds=1).of(MODEL).step == pytest.approx(1.6 * 0.015 / 0.030)
+        assert Costs.measure("target", "draft", rounds=1).of(MODEL).step == pytest.approx(1.6 * 0.012 / 0.030)
+
+
+def test_the_draft_step_is_its_one_token_forward_and_wider_ones_cost_by_width(monkeypatch):
+    """The draft model alone feeds one new token a forward; a cascade forward also feeds the n-gram copy it
+    checks. Timed at 1, 2 and 4 new tokens (the embedded pair's 0.47 / 0.51 / 0.59 of a target step), the
+    step is the one-token forward, wider forwards interpolate, and a width timed cheaper than a narrower
+    one (noise) costs the narrower one's."""
+    seconds = {"target": {1: 0.030, 2: 0.034, 4: 0.044, 8: 0.072, 16: 0.135},
+               "draft": {1: 0.0141, 2: 0.0135, 4: 0.0177, 128: 0.32}}
+    monkeypatch.setattr(policy_module, "_forward_seconds",
+                        lambda model, context, widths, repeats: [seconds[model][w] for w in widths])
+    cost = Costs.measure("target", "draft").of(MODEL)
+    assert cost.step == pytest.approx(0.47)
+    assert cost.widths == ((2, 1.0), (4, pytest.approx(0.0177 / 0.0141)))
+    assert cost.forward(1) == cost.forward(0.5) == pytest.approx(0.47)
+    assert cost.forward(3) == pytest.approx(0.47 * (1 + 0.0177 / 0.0141) / 2)
+    assert cost.forward(4) == pytest.approx(0.59)
+    assert cost.prefill == pytest.approx(0.32 / 128 / 0.030)
 
 
 def test_cheap_cascade_rounds_make_the_draft_model_pay():
@@ -280,6 +300,26 @@ def test_a_draft_model_that_could_not_win_even_at_high_acceptance_is_never_probe
     plans = _probe_rounds(policy, PolicyState(), budget=128, draft_behind=100)
     assert any(p.model for p in plans) == probed
     assert not probed or len(plans) <= 24
+
+def test_a_draft_model_alone_is_charged_its_one_token_forward_and_a_cascade_its_wider_ones():
+    """The embedded pair timed on a fresh machine: the draft's forward over 1 / 4 new tokens 0.47 / 0.59 of a
+    target step. Charged its 4-token forward for every forward (the old timing, kept at that start: step
+    0.617), a model round alone could not win even at acceptance 0.9 and was never probed; charged by width
+    it is probed; its rounds' time counts each forward at the width it drafted."""
+    target = Costs(0.233, target_widths=((2, 1.136), (4, 1.473), (8, 2.408), (16, 4.494)))  # that start's
+    by_width = target.with_stage(MODEL, step=0.47, prefill=0.09, widths=((2, 1.085), (4, 1.255)))
+    flat = target.with_stage(MODEL, step=0.617, prefill=0.09)
+    assert not any(p.model for p in _probe_rounds(AdaptivePolicy(flat), PolicyState(), budget=128, draft_behind=100))
+    assert any(p.model for p in _probe_rounds(AdaptivePolicy(by_width), PolicyState(), budget=128, draft_behind=100))
+    times = {}
+    for drafted, forwards in ((4, 4), (4, 1)):  # alone: four one-token forwards; a cascade: one forward of ~4
+        policy, state = AdaptivePolicy(by_width), PolicyState()
+        policy.observe(state, DraftPlan(4, CASCADE, True), drafted, 4, forwards, window=FLY.window)
+        times[forwards] = state.model(MODEL).time
+    verify = by_width.verify(4)
+    assert times[4] == pytest.approx(1 + verify + 4 * 0.47)
+    assert times[1] == pytest.approx(1 + verify + 0.47 * 1.255)
+
 
 def test_a_learned_good_draft_model_is_not_caught_up_for_the_last_tokens():
     """Once the model has run, the catch-up after rounds without it is weighed too: a long backlog is

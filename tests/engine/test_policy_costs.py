@@ -15,7 +15,8 @@ from fly_llm.loading import load_engine
 from fly_llm.model.pair import load_models
 from fly_llm.policy_costs import REMEASURE_ENV, costs_identity, costs_path, policy_costs
 
-TIMED = Costs(target_token=0.0123, stages={"draft_model": StageCost(step=0.377, prefill=0.0456)},
+TIMED = Costs(target_token=0.0123,
+              stages={"draft_model": StageCost(step=0.377, prefill=0.0456, widths=((2, 1.08), (4, 1.27)))},
               target_widths=((2, 1.01), (4, 1.05), (8, 1.09), (16, 1.1845)))
 
 
@@ -51,6 +52,7 @@ def test_second_start_loads_the_kept_costs(spec, measured, caplog):
     first = load_engine(spec)
     assert len(measured) == 1 and first.policy.costs == TIMED
     assert "policy costs measured" in caplog.text and "target_token=0.0123 (w=2: 1.01, w=4: 1.05" in caplog.text
+    assert "draft_model step=0.377 (w=2: 1.08, w=4: 1.27) prefill=0.0456" in caplog.text
     caplog.clear()
     second = load_engine(spec)
     assert len(measured) == 1, "the same models on the same machine are not timed again"
@@ -103,6 +105,10 @@ UNREADABLE = {
         **asdict(TIMED), "target_widths": [[4, 1.05], [2, 1.01]]}}),
     "a width's cost not a number": lambda identity: json.dumps({"identity": identity, "costs": {
         **asdict(TIMED), "target_widths": [[2, "x"]]}}),
+    "draft widths not rising": lambda identity: json.dumps({"identity": identity, "costs": {
+        **asdict(TIMED), "stages": {"draft_model": {"step": 0.4, "prefill": 0.05, "widths": [[4, 1.2], [2, 1.1]]}}}}),
+    "a draft width's cost negative": lambda identity: json.dumps({"identity": identity, "costs": {
+        **asdict(TIMED), "stages": {"draft_model": {"step": 0.4, "prefill": 0.05, "widths": [[2, -1]]}}}}),
 }
 
 
@@ -137,7 +143,8 @@ def test_unwritable_cache_still_gives_the_costs(loaded, measured, tmp_path, monk
 
 
 def test_multi_stage_costs_round_trip():
-    costs = Costs(target_token=0.01, stages={"draft_model": StageCost(0.4, 0.05), "other_model": StageCost(0.9, 0.1)},
+    costs = Costs(target_token=0.01, stages={"draft_model": StageCost(0.4, 0.05, ((2, 1.1), (4, 1.3))),
+                                             "other_model": StageCost(0.9, 0.1)},
                   target_widths=((2, 1.02), (16, 1.15)))
     assert Costs.from_dict(asdict(costs)) == costs
     assert Costs.from_dict(json.loads(json.dumps(asdict(costs)))) == costs

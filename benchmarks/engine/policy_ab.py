@@ -11,7 +11,9 @@ minute of the machine falls on all of them:
 
 DIR gets rows.jsonl (every answer) and results.md: per method the paired decode tok/s ratio to the
 engine without drafters (median and geometric mean over the answers of more than 8 tokens, with a
-bootstrap 95% interval of the geometric mean) and the rounds that ran the draft model.
+bootstrap 95% interval of the geometric mean), its time for all the answers end to end over the engine
+without drafters' (short answers included, prefill and a first probe's catch-up too) and the rounds that
+ran the draft model.
 """
 
 from __future__ import annotations
@@ -64,16 +66,18 @@ def geometric_interval(ratios: list[float], draws: int = 2000, seed: int = 0) ->
 def report(rows: list[dict[str, Any]], methods: list[str], header: list[str]) -> str:
     """results.md: the paired ratios and the draft model's rounds per method."""
     lines = [*header, "", "| method | decode ÷ no drafters, median | geometric mean [95%] | answers | "
-             "draft-model rounds | n-gram rounds | answers equal to no drafters' |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "all answers' time ÷ no drafters' | draft-model rounds | n-gram rounds | answers equal to no drafters' |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     plain = {(r["round"], r["item"]): r["ids"] for r in rows if r["method"] == PLAIN.name}
+    plain_seconds = sum(r["seconds"] for r in rows if r["method"] == PLAIN.name)
     for method in methods:
         ratios = paired_ratios(rows, method)
         mine = [r for r in rows if r["method"] == method]
         low, high = geometric_interval(ratios)
         equal = sum(r["ids"] == plain[(r["round"], r["item"])] for r in mine)
         lines.append(f"| {method} | {statistics.median(ratios):.3f} | {statistics.geometric_mean(ratios):.3f} "
-                     f"[{low:.3f}, {high:.3f}] | {len(ratios)} | {sum(r['model_rounds'] for r in mine)} | "
+                     f"[{low:.3f}, {high:.3f}] | {len(ratios)} | {sum(r['seconds'] for r in mine) / plain_seconds:.3f} | "
+                     f"{sum(r['model_rounds'] for r in mine)} | "
                      f"{sum(r['ngram_rounds'] for r in mine)} | {equal} / {len(mine)} |")
     return "\n".join(lines) + "\n"
 

@@ -22,7 +22,7 @@ def test_a_commits_policy_loads_as_a_module_of_its_own():
 
 def _row(round_: int, item: int, method: str, tokens: int, decode_s: float, ids: list[int]) -> dict:
     return {"round": round_, "item": item, "method": method, "tokens": tokens, "decode_s": decode_s,
-            "model_rounds": 1, "ngram_rounds": 2, "ids": ids}
+            "seconds": decode_s + 1.0, "model_rounds": 1, "ngram_rounds": 2, "ids": ids}
 
 
 def test_ratios_pair_each_answer_with_the_same_items_plain_answer():
@@ -32,4 +32,5 @@ def test_ratios_pair_each_answer_with_the_same_items_plain_answer():
     assert paired_ratios(rows, "a") == pytest.approx([2.0, 0.5])
     text = report(rows, ["a"], ["# title"])
     geometric = math.sqrt(2.0 * 0.5)
-    assert f"| a | 1.250 | {geometric:.3f} [" in text and "| 2 | 3 | 6 | 2 / 3 |" in text
+    time = (3.0 + 5.0 + 1.1) / (5.0 + 3.0 + 2.0)  # every answer's time end to end, the short one's too
+    assert f"| a | 1.250 | {geometric:.3f} [" in text and f"| 2 | {time:.3f} | 3 | 6 | 2 / 3 |" in text

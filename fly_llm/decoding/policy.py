@@ -184,13 +184,14 @@ class Costs:
         The target is timed over `_TIMED_WIDTHS` new tokens, the draft over `_DRAFT_WIDTHS` (its step
         alone is one new token; a cascade forward also checks an n-gram proposal) and over
         `_PREFILL_WIDTH`, a catch-up forward (per token); a width's cost is never below a narrower
-        one's. (The draft's step was timed over 4 new tokens until issue 44's last stop: 1.27× its
-        one-token forward on the embedded pair, so the draft model alone was charged 0.60–0.65 of a
-        target step instead of 0.47 and the policy never ran it.) The two take turns, `rounds` times (the fastest of `repeats` forwards per width each
-        time), and every forward's fastest time over all rounds counts: a shared machine's speed
-        drifts (a VM's memory bandwidth by ±30% within minutes), and timing the target and then the
-        draft let a slow minute fall on one of them alone (the embedded draft's step was timed at 0.50
-        and 0.62 of the target's 13 minutes apart, and FLy ran it 250 and 47 times on the same items).
+        one's. (The draft's step was timed over 4 new tokens until issue 44's last stop: 1.1–1.3× its
+        one-token forward on the embedded pair, so the draft model alone was charged ~0.6 of a target
+        step instead of 0.43–0.48, and on a fresh install the policy never ran it.) The two take turns,
+        `rounds` times (the fastest of `repeats` forwards per width each time), and every forward's
+        fastest time over all rounds counts: a shared machine's speed drifts (a VM's memory bandwidth
+        by ±30% within minutes), and timing the target and then the draft let a slow minute fall on
+        one of them alone (the embedded draft's step was timed at 0.50 and 0.62 of the target's 13
+        minutes apart, and FLy ran it 250 and 47 times on the same items).
         The engine's choices then depend on this machine, so FLy-mode output can differ between
         machines, and between two timings on one (exact mode is lossless either way):
         fly_llm.policy_costs keeps the first.

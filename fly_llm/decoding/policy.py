@@ -124,9 +124,9 @@ class StageCost:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> StageCost:
-        """A StageCost from `dataclasses.asdict` of one (JSON turns its pairs into lists)."""
-        return cls(data.get("step", 0.0), data.get("prefill", 0.0),
-                   tuple((int(w), float(c)) for w, c in data.get("widths", ())))
+        """A StageCost from `dataclasses.asdict` of one (JSON turns its pairs into lists); an unknown field is a
+        TypeError, as it was before the widths."""
+        return cls(**{**data, "widths": tuple((int(w), float(c)) for w, c in data.get("widths", ()))})
 
 
 @dataclass(frozen=True)

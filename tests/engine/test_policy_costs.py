@@ -107,6 +107,8 @@ UNREADABLE = {
         **asdict(TIMED), "target_widths": [[2, "x"]]}}),
     "draft widths not rising": lambda identity: json.dumps({"identity": identity, "costs": {
         **asdict(TIMED), "stages": {"draft_model": {"step": 0.4, "prefill": 0.05, "widths": [[4, 1.2], [2, 1.1]]}}}}),
+    "an unknown draft cost field": lambda identity: json.dumps({"identity": identity, "costs": {
+        **asdict(TIMED), "stages": {"draft_model": {"step": 0.4, "prefill": 0.05, "speed": 2}}}}),
     "a draft width's cost negative": lambda identity: json.dumps({"identity": identity, "costs": {
         **asdict(TIMED), "stages": {"draft_model": {"step": 0.4, "prefill": 0.05, "widths": [[2, -1]]}}}}),
 }

@@ -2,8 +2,8 @@
 client and prompts, time to first token (prefill) and decode tokens/s apart.
 
 Every server is asked the same 8 chat prompts (3 HumanEval code tasks, 3 MT-Bench chat questions, 2 HotpotQA
-RAG questions over ~1,200 tokens of passages), one request at a time, greedy, max_tokens 128, through the
-official `openai` client, streaming. The servers, started one at a time (never two loaded at once), each
+RAG questions over ~1,200 tokens of passages; `--kinds` picks among these and 3 GSM8K math questions), one
+request at a time, greedy, max_tokens 128, through the official `openai` client, streaming. The servers, started one at a time (never two loaded at once), each
 warmed with one short request:
 
 - `llama-server`: llama.cpp's own server (benchmarks/serving/build_llama_server.sh builds it from the tree
@@ -74,8 +74,10 @@ REFERENCES = ("llama-server", "llamacpp")
 """The server every ratio is taken against: the first of these measured."""
 LLAMACPP = tuple(s for s in SERVERS if s.startswith("llama"))
 """llama.cpp's servers and modes, of which the best is named against FLy."""
-KINDS = (("code", "humaneval", 3), ("chat", "prose", 3), ("rag", "rag", 2))
+KINDS = (("code", "humaneval", 3), ("chat", "prose", 3), ("rag", "rag", 2), ("math", "gsm8k", 3))
 """(kind, dataset, items spread evenly over it)."""
+DEFAULT_KINDS = ("code", "chat", "rag")
+"""The kinds a run asks unless --kinds says otherwise (the 8 prompts of every committed run before math)."""
 MIN_DECODE_TOKENS = 8
 METRICS = ("ttft_s", "decode_tokens_per_s", "e2e_s")
 WARMUP = [{"role": "user", "content": "Say hello."}]
@@ -124,19 +126,20 @@ class Live:
     """Its process tree (psutil.Process), for the CPU it uses while others are measured."""
 
 
-def load_prompts() -> list[Prompt]:
-    """The 8 prompts: code, chat and RAG items from fly-bench's pinned datasets."""
+def load_prompts(kinds: tuple[str, ...] = DEFAULT_KINDS) -> list[Prompt]:
+    """A part's prompts: the items of each of `kinds` (by default the 8 code, chat and RAG ones) from
+    fly-bench's pinned datasets."""
     return [Prompt(item.item_id, kind, item.messages)
-            for kind, dataset, n in KINDS for item in load(dataset, n)]
+            for kind, dataset, n in KINDS if kind in kinds for item in load(dataset, n)]
 
 
-def round_prompts(rounds: int) -> list[list[Prompt]]:
+def round_prompts(rounds: int, kinds: tuple[str, ...] = DEFAULT_KINDS) -> list[list[Prompt]]:
     """An interleaved run's prompts, distinct in every round: per kind, rounds × its count spread evenly over
     its dataset and dealt out in turn (round r takes every rounds-th from the r-th). A server that stays up
     answers a repeated prompt nearly for free (its prompt cache skips the prefill; fly-daemon's recent-answer
     drafting and llama.cpp's n-gram pool replay the answer), so no server is asked a prompt twice."""
     dealt: list[list[Prompt]] = [[] for _ in range(rounds)]
-    for kind, dataset, n in KINDS:
+    for kind, dataset, n in (k for k in KINDS if k[0] in kinds):
         items = load(dataset, n * rounds)
         for r in range(rounds):
             dealt[r] += [Prompt(item.item_id, kind, item.messages) for item in items[r::rounds]]
@@ -582,6 +585,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="start these servers at once and ask each prompt of each round of each in turn (rotated "
                         "order), then write the report with paired ratios")
     p.add_argument("--rounds", type=int, default=3, help="with --interleave: the rounds")
+    p.add_argument("--kinds", nargs="+", choices=[k for k, _, _ in KINDS], default=list(DEFAULT_KINDS),
+                   metavar="KIND", help="the prompt kinds to ask: code, chat, rag, math (default: code chat rag)")
     p.add_argument("--reference", choices=SERVERS,
                    help="the server ratios are taken to (default: the first of --interleave, else llama-server, "
                         "else llamacpp)")
@@ -641,12 +646,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = read_jsonl(args.out / "rows.jsonl")
     if args.interleave:
-        todo = schedule(args.interleave, round_prompts(args.rounds), rows)
+        todo = schedule(args.interleave, round_prompts(args.rounds, tuple(args.kinds)), rows)
         if todo:
             with model_files(args, args.interleave) as (gguf, draft, tmp):
                 run_interleaved(args, todo, gguf, draft, tmp)
     elif args.server:
-        prompts = pending(rows, args.server, args.round, load_prompts())
+        prompts = pending(rows, args.server, args.round, load_prompts(tuple(args.kinds)))
         if prompts:
             with model_files(args, [args.server]) as (gguf, draft, tmp):
                 run_part(args, prompts, gguf, draft, tmp)

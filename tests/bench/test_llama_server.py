@@ -156,7 +156,7 @@ def test_a_draft_part_then_the_report_on_a_tiny_pair(tmp_path, monkeypatch):
 
     gguf, draft_gguf = tiny_ggufs(tmp_path)
     prompts = [sbs.Prompt(f"p{i}", "code", [{"role": "user", "content": f"count to {i}"}]) for i in range(2)]
-    monkeypatch.setattr(sbs, "load_prompts", lambda: prompts)
+    monkeypatch.setattr(sbs, "load_prompts", lambda kinds: prompts)
     out = tmp_path / "out"
     part = ["--server", "llama-server-draft-n4-p0.5", "--target", str(gguf), "--draft", str(draft_gguf),
             "--max-tokens", "4", "--out", str(out)]

@@ -195,6 +195,11 @@ def test_each_round_gets_its_own_prompts_of_every_kind(monkeypatch):
     assert [[p.kind for p in r] for r in rounds] == [["code"] * 3 + ["chat"] * 3 + ["rag"] * 2] * 3
     ids = [p.prompt_id for r in rounds for p in r]
     assert len(set(ids)) == 24 and [p.prompt_id for p in rounds[1]][:3] == ["humaneval1", "humaneval4", "humaneval7"]
+    math = sbs.round_prompts(2, ("math", "chat"))
+    assert [[(p.kind, p.prompt_id) for p in r] for r in math] == [
+        [("chat", f"prose{k}") for k in (0, 2, 4)] + [("math", f"gsm8k{k}") for k in (0, 2, 4)],
+        [("chat", f"prose{k}") for k in (1, 3, 5)] + [("math", f"gsm8k{k}") for k in (1, 3, 5)]]
+    assert [p.kind for p in sbs.load_prompts(("math",))] == ["math"] * 3
 
 
 def test_paired_ratios_divide_by_the_reference_on_the_same_prompt_and_round():
@@ -227,9 +232,11 @@ def test_the_command_line_of_an_interleaved_run():
     args = parse_args(["--interleave", "llama-server", "fly", "--rounds", "2"])
     assert args.interleave == ["llama-server", "fly"] and args.reference == "llama-server" and args.rounds == 2
     assert parse_args(["--interleave", "llama-server", "fly", "--reference", "fly"]).reference == "fly"
+    assert args.kinds == ["code", "chat", "rag"]
+    assert parse_args(["--interleave", "fly", "--kinds", "math", "chat"]).kinds == ["math", "chat"]
     for bad in (["--interleave", "fly", "--server", "fly"], ["--interleave", "fly", "fly"],
                 ["--interleave", "fly", "--reference", "target"], ["--interleave", "fly", "--rounds", "0"],
-                ["--interleave", "nothing"], []):
+                ["--interleave", "nothing"], ["--interleave", "fly", "--kinds", "poetry"], []):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -257,7 +264,7 @@ def test_an_interleaved_run_on_fake_servers_pairs_out_the_drift_and_resumes(tmp_
     def fake_files(args, servers):
         yield tmp_path / "t.gguf", None, tmp_path
 
-    monkeypatch.setattr(sbs, "round_prompts", lambda rounds: [prompts] * rounds)
+    monkeypatch.setattr(sbs, "round_prompts", lambda rounds, kinds: [prompts] * rounds)
     monkeypatch.setattr(sbs, "started", fake_started)
     monkeypatch.setattr(sbs, "stream_chat", fake_stream_chat)
     monkeypatch.setattr(sbs, "model_files", fake_files)

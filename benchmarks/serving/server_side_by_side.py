@@ -3,8 +3,8 @@ client and prompts, time to first token (prefill) and decode tokens/s apart.
 
 Every server is asked the same 8 chat prompts (3 HumanEval code tasks, 3 MT-Bench chat questions, 2 HotpotQA
 RAG questions over ~1,200 tokens of passages; `--kinds` picks among these and 3 GSM8K math questions), one
-request at a time, greedy, max_tokens 128, through the official `openai` client, streaming. The servers, started one at a time (never two loaded at once), each
-warmed with one short request:
+request at a time, greedy, max_tokens 128, through the official `openai` client, streaming. The servers,
+started one at a time (never two loaded at once), each warmed with one short request:
 
 - `llama-server`: llama.cpp's own server (benchmarks/serving/build_llama_server.sh builds it from the tree
   llama-cpp-python vendors) on the target's GGUF at its defaults (flash attention auto), `-t THREADS`;

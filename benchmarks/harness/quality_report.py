@@ -29,8 +29,8 @@ def summarize_part(dataset: str, method: str, records: list[ItemRecord], referen
         "agreement": _share([r.token_ids == ref.token_ids for r, ref in paired]),
         "prefix_agreement": _share([common_prefix(r.token_ids, ref.token_ids) / max(1, len(ref.token_ids))
                                     for r, ref in paired]),
-        "strict_items": sum(not _loosened(r) for r, _ in paired),
-        "strict_differ": sum(not _loosened(r) and r.token_ids != ref.token_ids for r, ref in paired),
+        "strict_items": sum(not loosened(r) for r, _ in paired),
+        "strict_differ": sum(not loosened(r) and r.token_ids != ref.token_ids for r, ref in paired),
         "retention": None, "retention_ci": None, "pass_to_fail": None, "fail_to_pass": None, "mcnemar_p": None,
     }
     if scored and paired and all(ref.passed is not None for _, ref in paired):
@@ -65,7 +65,7 @@ def build_report(out: Path, datasets: dict[str, list[Item]], methods: list[str])
     return results
 
 
-def _loosened(record: ItemRecord) -> bool:
+def loosened(record: ItemRecord) -> bool:
     """Whether any draft token of the item was accepted loosely. Without one, greedy FLy decodes exactly
     target-only's tokens, so a strict item that differs from the reference is a numerics difference (the
     parts were decoded on machines or thread counts that round differently), not the method's."""

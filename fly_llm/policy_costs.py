@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 
 REMEASURE_ENV = "FLY_REMEASURE_COSTS"  # set (not '0'): time the costs again and overwrite the kept file
 DIRECTORY = "policy-costs"  # under the model cache
-FORMAT = 4  # 2: the target timed at several widths (Costs.target_widths); 3: target and draft in turns;
-# 4: the draft's step a one-token forward (it was a 4-token one), its wider forwards in StageCost.widths
+FORMAT = 5  # 2: the target timed at several widths (Costs.target_widths); 3: target and draft in turns;
+# 4: the draft's step a one-token forward (it was a 4-token one), its wider forwards in StageCost.widths;
+# 5: each cost the median over rounds of a ratio within a round (it was a ratio of fastest forwards: dear)
 
 
 def policy_costs(loaded: LoadedModels) -> Costs:

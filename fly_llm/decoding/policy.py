@@ -81,7 +81,7 @@ With `FLyConfig.adaptive = False` every round drafts k tokens with the configure
 
 from __future__ import annotations
 
-import math
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -178,39 +178,42 @@ class Costs:
         return cls(data.get("target_token", cls.target_token), {DraftModelStage.name: cost}, widths)
 
     @classmethod
-    def measure(cls, target, draft=None, context: int = 64, repeats: int = 2, rounds: int = 3) -> Costs:
+    def measure(cls, target, draft=None, context: int = 64, repeats: int = 2, rounds: int = 5) -> Costs:
         """Time the models here (a few forwards on dummy tokens) instead of using the defaults.
 
         The target is timed over `_TIMED_WIDTHS` new tokens, the draft over `_DRAFT_WIDTHS` (its step
         alone is one new token; a cascade forward also checks an n-gram proposal) and over
         `_PREFILL_WIDTH`, a catch-up forward (per token); a width's cost is never below a narrower
-        one's. (The draft's step was timed over 4 new tokens until issue 44's last stop: 1.1–1.3× its
+        one's. (The draft's step was once timed over 4 new tokens: 1.1–1.3× its
         one-token forward on the embedded pair, so the draft model alone was charged ~0.6 of a target
-        step instead of 0.43–0.48, and on a fresh install the policy never ran it.) The two take turns,
-        `rounds` times (the fastest of `repeats` forwards per width each time), and every forward's
-        fastest time over all rounds counts: a shared machine's speed drifts (a VM's memory bandwidth
-        by ±30% within minutes), and timing the target and then the draft let a slow minute fall on
-        one of them alone (the embedded draft's step was timed at 0.50 and 0.62 of the target's 13
-        minutes apart, and FLy ran it 250 and 47 times on the same items).
+        step instead of 0.43–0.48, and on a fresh install the policy never ran it.)
+        The two take turns, `rounds` times (each width the fastest of `repeats` forwards in a round: one
+        forward's hiccup is dropped), and every cost is a ratio within one round, to that round's one-token
+        target forward, taken at its median over the rounds: a shared machine's speed drifts (a VM's memory
+        bandwidth by ±30% within minutes), so forwards timed a second apart compare better than forwards
+        timed seconds apart, and one fast or slow moment moves a median little. (Each forward's
+        fastest time over all rounds counted before: the one-token forward's luckiest time set the unit, so
+        a timing during which the machine's speed changed made every wider forward look dear — c(4) 1.37
+        against the median's 1.19 in one of twenty timings back to back — and one timing of c(2) 1.24,
+        c(4) 1.54 cost FLy a seventh of its GSM8K speed: benchmarks/results/policy-costs-timing.)
         The engine's choices then depend on this machine, so FLy-mode output can differ between
         machines, and between two timings on one (exact mode is lossless either way):
         fly_llm.policy_costs keeps the first.
         """
-        timed_target = [math.inf] * len(_TIMED_WIDTHS)
         draft_widths = (*_DRAFT_WIDTHS, _PREFILL_WIDTH)
-        timed_draft = [math.inf] * len(draft_widths)
+        ratios = []  # per round: every timed forward over that round's one-token target forward
         for _ in range(rounds):
-            timed_target = list(map(min, timed_target, _forward_seconds(target, context, _TIMED_WIDTHS, repeats)))
+            timed = _forward_seconds(target, context, _TIMED_WIDTHS, repeats)
             if draft is not None:
-                timed_draft = list(map(min, timed_draft, _forward_seconds(draft, context, draft_widths, repeats)))
-        widths = _relative(_TIMED_WIDTHS, timed_target)
+                timed += _forward_seconds(draft, context, draft_widths, repeats)
+            ratios.append([seconds / timed[0] for seconds in timed])
+        median = [statistics.median(column) for column in zip(*ratios)]
+        widths = _relative(_TIMED_WIDTHS, median[:len(_TIMED_WIDTHS)])
         target_token = (widths[-1][1] - 1) / (widths[-1][0] - 1)
         if draft is None:
             return cls(target_token=target_token, target_widths=widths)
-        *steps, prefill = timed_draft
-        one = timed_target[0]
-        cost = StageCost(step=steps[0] / one, prefill=prefill / _PREFILL_WIDTH / one,
-                         widths=_relative(_DRAFT_WIDTHS, steps))
+        *steps, prefill = median[len(_TIMED_WIDTHS):]
+        cost = StageCost(step=steps[0], prefill=prefill / _PREFILL_WIDTH, widths=_relative(_DRAFT_WIDTHS, steps))
         return cls(target_token, {DraftModelStage.name: cost}, widths)
 
 
@@ -464,12 +467,13 @@ def _interpolate(points: Sequence[tuple[float, float]], width: float) -> float:
     return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
 
 
-def _relative(widths: Sequence[int], seconds: Sequence[float]) -> tuple[tuple[int, float], ...]:
-    """(width, cost) for the widths after the first, in units of the first's timed forward, each at least the
-    narrower one's (a timing that came out cheaper for more tokens is noise)."""
+def _relative(widths: Sequence[int], timed: Sequence[float]) -> tuple[tuple[int, float], ...]:
+    """(width, cost) for the widths after the first, in units of the first's timed forward (`timed`: seconds,
+    or costs in any one unit), each at least the narrower one's (a timing that came out cheaper for more tokens
+    is noise)."""
     pairs, cost = [], 1.0
-    for width, timed in zip(widths[1:], seconds[1:]):
-        cost = max(cost, timed / seconds[0])
+    for width, forward in zip(widths[1:], timed[1:]):
+        cost = max(cost, forward / timed[0])
         pairs.append((width, cost))
     return tuple(pairs)
 

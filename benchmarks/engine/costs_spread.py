@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from fly_llm.common.config import ModelSpec
 from fly_llm.decoding import policy
 from fly_llm.decoding.policy import _DRAFT_WIDTHS, _PREFILL_WIDTH, _TIMED_WIDTHS, Costs
+from fly_llm.model.kernels.cpu import cpu_model
 from fly_llm.model.pair import load_models
 
 
@@ -68,7 +68,7 @@ def main() -> None:
               + " | fastest forwards: " + " ".join(f"{k}={v:.3f}" for k, v in fastest.items()), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"widths": {"target": _TIMED_WIDTHS, "draft": [*_DRAFT_WIDTHS, _PREFILL_WIDTH]},
-              "machine": platform.processor() or platform.machine(), "threads": args.threads, "timings": timings}
+              "machine": cpu_model(), "threads": args.threads, "timings": timings}
     (args.out / "timings.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 

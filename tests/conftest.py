@@ -7,20 +7,21 @@ import pytest
 from fly_llm.model.cache_paths import cache_root
 
 SHARED_WITH_THE_SUITE = "kernels"  # the user's cache entry the suite uses too: compiled kernels, keyed by their source
+COSTS_DIRECTORY = "policy-costs"  # fly_llm.policy_costs.DIRECTORY (a module that imports torch): never linked
 
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
-    """`$FLY_CACHE_DIR` for the whole session (every daemon a test starts inherits it), so the suite never writes the
-    user's cache: tiny models converted from GGUF files and the policy costs timed for them (a run left seven
-    costs files and a converted tiny model there). Linked in: the user's compiled kernels (a build is keyed by its source, torch and Python:
-    the same bytes the user's daemon builds, and minutes a session otherwise; the only thing the suite may add
-    there) and the models already converted there (the embedded pair of the `slow` tests: gigabytes)."""
+    """`$FLY_CACHE_DIR` for the whole session (every daemon a test starts inherits it), so the suite never writes
+    the user's cache: tiny models converted from GGUF files and the policy costs timed for them (a run left seven
+    costs files and a converted tiny model there). Linked in: the user's compiled kernels (a build is keyed by its
+    source, torch and Python: the same bytes the user's daemon builds, and minutes a session otherwise; the only
+    thing the suite may add there) and the models already converted there (the `slow` tests' embedded pair)."""
     root = tmp_path_factory.mktemp("fly-cache")
     user = cache_root()
     (user / SHARED_WITH_THE_SUITE).mkdir(parents=True, exist_ok=True)
     for entry in user.iterdir():
-        if entry.is_dir() and entry.name != "policy-costs":
+        if entry.is_dir() and entry.name != COSTS_DIRECTORY:
             (root / entry.name).symlink_to(entry, target_is_directory=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FLY_CACHE_DIR", str(root))

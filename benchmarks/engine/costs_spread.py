@@ -18,7 +18,7 @@ import torch
 
 from fly_llm.common.config import ModelSpec
 from fly_llm.decoding import policy
-from fly_llm.decoding.policy import _DRAFT_WIDTHS, _PREFILL_WIDTH, _TIMED_WIDTHS, Costs
+from fly_llm.decoding.policy import _DRAFT_WIDTHS, _PREFILL_WIDTH, _TIMED_WIDTHS, Costs, _relative
 from fly_llm.model.kernels.cpu import cpu_model
 from fly_llm.model.pair import load_models
 
@@ -27,8 +27,7 @@ def fastest_forwards_ratio(rounds: list[list[float]]) -> dict[str, float]:
     """The replaced estimator: each forward's fastest time over the rounds, over the target's fastest one-token."""
     fastest = [min(column) for column in zip(*rounds)]
     target, draft = fastest[:len(_TIMED_WIDTHS)], fastest[len(_TIMED_WIDTHS):]
-    return {**{f"c{w}": max(target[1:i + 1]) / target[0] for i, w in enumerate(_TIMED_WIDTHS[1:], 1)},
-            "step": draft[0] / target[0]}
+    return {**{f"c{w}": cost for w, cost in _relative(_TIMED_WIDTHS, target)}, "step": draft[0] / target[0]}
 
 
 def median_ratio(costs: Costs) -> dict[str, float]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.engine.costs_spread import fastest_forwards_ratio, median_ratio
-from fly_llm.decoding import policy
 from fly_llm.decoding.policy import Costs
+from fly_llm.decoding.stages import DraftModelStage
+
+MODEL = DraftModelStage.name
 
 TARGET = {1: 1.0, 2: 1.05, 4: 1.2, 8: 1.9, 16: 3.5}
 DRAFT = {1: 0.45, 2: 0.47, 4: 0.52, 128: 6.4}
@@ -27,8 +29,7 @@ def test_the_replaced_estimator_divides_by_the_luckiest_one_token_forward():
     assert dear["c4"] == pytest.approx(1.2 / 0.7) and dear["step"] == pytest.approx(0.45 / 0.7)
 
 
-def test_measure_on_the_same_forwards_keeps_the_typical_ratios(monkeypatch):
-    calls = iter(part for round_ in _rounds(0.7) for part in (round_[:5], round_[5:]))
-    monkeypatch.setattr(policy, "_forward_seconds", lambda model, context, widths, repeats: next(calls))
-    assert median_ratio(Costs.measure("target", "draft")) == pytest.approx(
-        {"c2": 1.05, "c4": 1.2, "c8": 1.9, "c16": 3.5, "step": 0.45})
+def test_measure_s_figures_are_read_from_its_costs():
+    """(Costs.measure's median of ratios itself: tests/engine/test_engine_policy.py.)"""
+    costs = Costs(target_widths=((2, 1.05), (4, 1.2), (8, 1.9), (16, 3.5))).with_stage(MODEL, step=0.45)
+    assert median_ratio(costs) == pytest.approx({"c2": 1.05, "c4": 1.2, "c8": 1.9, "c16": 3.5, "step": 0.45})

@@ -273,7 +273,8 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
         float_target = load_models(ModelSpec(target=args.target, draft="none", dtype=args.dtype, device=args.device,
                                              target_quantization="none")).target
     command = shlex.join(["fly-bench", *(sys.argv[1:] if argv is None else argv)])
-    with model_gguf(args.target, LLAMACPP in args.methods and not args.report_only) as gguf:
+    runs_llamacpp = any(all_methods()[name].kind == "llamacpp" for name in args.methods)
+    with model_gguf(args.target, runs_llamacpp and not args.report_only) as gguf:
         if args.quality:
             for path in quality_report.write(quality(models, args, datasets, command, gguf), args.out):
                 print(path)

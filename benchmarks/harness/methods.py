@@ -39,13 +39,15 @@ class Method:
     hf_kwargs: dict[str, Any] = field(default_factory=dict)
     fly: FLyConfig | None = None
     float_weights: bool = False  # HF generate on the unquantized target (what quantization costs)
+    flash_attn: bool = False  # llama.cpp with flash attention (its own default on a CPU; llama-cpp-python's is off)
 
     def settings(self) -> dict[str, Any]:
         """JSON-ready description of what this method runs."""
         if self.kind == "engine":
             return {"engine": "FLyEngine", "fly": self.fly.model_dump()}
         if self.kind == "llamacpp":
-            return {"engine": "llama-cpp-python", "version": package_version("llama-cpp-python"), "greedy": True}
+            return {"engine": "llama-cpp-python", "version": package_version("llama-cpp-python"), "greedy": True,
+                    "flash_attn": self.flash_attn}
         return {"engine": "transformers.generate", **({"weights": "float"} if self.float_weights else {}),
                 **{k: ("<draft model>" if k == "assistant_model" else v) for k, v in self.hf_kwargs.items()}}
 
@@ -79,6 +81,7 @@ HF_METHODS = ["target", "assisted", "lookup"]
 TARGET_FLOAT = "target-float"
 MAIN_METHODS = HF_METHODS + ["spd", "fly", TARGET_FLOAT]
 LLAMACPP = "llamacpp"
+LLAMACPP_FLASH = "llamacpp-flash-attn"
 
 
 def llamacpp_installed() -> bool:
@@ -102,8 +105,10 @@ def all_methods() -> dict[str, Method]:
         Method("lookup", f"HF prompt-lookup decoding ({PROMPT_LOOKUP_TOKENS} tokens)", "hf",
                {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
         *_fly_variants(),
-        Method(LLAMACPP, "llama.cpp target only, greedy, on the target's GGUF file (its own quantised kernels)",
-               "llamacpp"),
+        Method(LLAMACPP, "llama.cpp target only, greedy, on the target's GGUF file (its own quantised kernels), "
+               "flash attention off (llama-cpp-python's default)", "llamacpp"),
+        Method(LLAMACPP_FLASH, "llama.cpp as above with flash attention on (llama.cpp's and llama-server's "
+               "default on a CPU)", "llamacpp", flash_attn=True),
     ]
     return {m.name: m for m in methods}
 
@@ -148,7 +153,7 @@ class Runner:
         self.target_gguf = target_gguf
         self.eos_ids = _eos_ids(target, tokenizer)
         self._engine = None
-        self._llama = None
+        self._llamas: dict[bool, Any] = {}
         self._forwards = 0
         for model in (target, float_target):
             if model is not None:
@@ -198,7 +203,7 @@ class Runner:
             elif method.kind == "engine":
                 run = self._run_engine(method, prompt_ids, max_tokens, structure)
             else:
-                run = self._run_llamacpp(prompt_ids, max_tokens)
+                run = self._run_llamacpp(method, prompt_ids, max_tokens)
         if method.kind != "llamacpp":
             run.target_forwards = self._forwards
         run.token_ids = self.strip_eos(run.token_ids)
@@ -249,20 +254,21 @@ class Runner:
         """The engine policy's measured costs (None if no engine method ran)."""
         return dataclasses.asdict(self._engine.policy.costs) if self._engine is not None else None
 
-    @property
-    def llama(self):
-        """llama.cpp over the target's GGUF file, loaded on first use (torch's thread count)."""
-        if self._llama is None:
+    def llama(self, flash_attn: bool):
+        """llama.cpp over the target's GGUF file, with or without flash attention, loaded on first use
+        (torch's thread count)."""
+        if flash_attn not in self._llamas:
             from llama_cpp import Llama
 
             threads = torch.get_num_threads()
-            self._llama = Llama(str(self.target_gguf), n_ctx=min(self.context_window or 4096, 8192),
-                                n_threads=threads, n_threads_batch=threads, verbose=False)
-        return self._llama
+            self._llamas[flash_attn] = Llama(str(self.target_gguf), n_ctx=min(self.context_window or 4096, 8192),
+                                             n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn,
+                                             verbose=False)
+        return self._llamas[flash_attn]
 
-    def _run_llamacpp(self, prompt_ids: list[int], max_tokens: int) -> Run:
+    def _run_llamacpp(self, method: Method, prompt_ids: list[int], max_tokens: int) -> Run:
         """Greedy llama.cpp decoding of the same prompt ids (the GGUF holds the same vocabulary)."""
-        llama = self.llama
+        llama = self.llama(method.flash_attn)
         llama.reset()  # no KV reuse between items: every method prefills the whole prompt
         tokens: list[int] = []
         ttft: float | None = None

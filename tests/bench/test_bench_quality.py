@@ -270,15 +270,25 @@ def test_llamacpp_is_a_quality_method_decoding_one_item_at_a_time(tiny_pair_dirs
         yield tmp_path / "target.gguf" if wanted else None
 
     monkeypatch.setattr(cli, "model_gguf", some_gguf)
-    monkeypatch.setattr(methods.Runner, "llama", property(lambda runner: _GreedyLlama(runner.target)))
-    report = _quality(tiny_pair_dirs, tmp_path / "out", *RUN, "--methods", "target", "llamacpp", "--batch", "2")
+    loaded: list[bool] = []
+
+    def greedy_llama(runner, flash_attn):
+        loaded.append(flash_attn)
+        return _GreedyLlama(runner.target)
+
+    monkeypatch.setattr(methods.Runner, "llama", greedy_llama)
+    both = ("llamacpp", "llamacpp-flash-attn")
+    report = _quality(tiny_pair_dirs, tmp_path / "out", *RUN, "--methods", "target", *both, "--batch", "2")
+    assert set(loaded) == {False, True}  # llama-cpp-python's default (flash attention off), llama.cpp's (on)
     for dataset in ("humaneval", "gsm8k"):
-        ours, theirs = (read_records(part_path(tmp_path / "out", dataset, m)) for m in ("target", "llamacpp"))
-        assert len(theirs) == 2 and {i: r.token_ids for i, r in theirs.items()} == {
-            i: r.token_ids for i, r in ours.items()}
-        assert [s.batch for s in read_sittings(part_path(tmp_path / "out", dataset, "llamacpp"))] == [1]
-    assert {(s["dataset"], s["method"]) for s in report["results"]} >= {("gsm8k", "llamacpp"),
-                                                                         ("humaneval", "llamacpp")}
+        ours = read_records(part_path(tmp_path / "out", dataset, "target"))
+        for method in both:
+            theirs = read_records(part_path(tmp_path / "out", dataset, method))
+            assert len(theirs) == 2 and {i: r.token_ids for i, r in theirs.items()} == {
+                i: r.token_ids for i, r in ours.items()}
+            assert [s.batch for s in read_sittings(part_path(tmp_path / "out", dataset, method))] == [1]
+    assert {(s["dataset"], s["method"]) for s in report["results"]} >= {
+        (dataset, method) for dataset in ("gsm8k", "humaneval") for method in both}
     monkeypatch.setattr(methods, "llamacpp_installed", lambda: False)  # a report decodes nothing: not needed
-    again = _quality(tiny_pair_dirs, tmp_path / "out", *RUN, "--methods", "target", "llamacpp", "--report-only")
+    again = _quality(tiny_pair_dirs, tmp_path / "out", *RUN, "--methods", "target", *both, "--report-only")
     assert _without_timing(again) == _without_timing(report)

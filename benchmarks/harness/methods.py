@@ -107,8 +107,8 @@ def all_methods() -> dict[str, Method]:
         *_fly_variants(),
         Method(LLAMACPP, "llama.cpp target only, greedy, on the target's GGUF file (its own quantised kernels), "
                "flash attention off (llama-cpp-python's default)", "llamacpp"),
-        Method(LLAMACPP_FLASH, "llama.cpp as above with flash attention on (llama.cpp's and llama-server's "
-               "default on a CPU)", "llamacpp", flash_attn=True),
+        Method(LLAMACPP_FLASH, "llama.cpp target only, greedy, on the target's GGUF file, flash attention on "
+               "(llama.cpp's and llama-server's default on a CPU)", "llamacpp", flash_attn=True),
     ]
     return {m.name: m for m in methods}
 

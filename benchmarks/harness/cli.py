@@ -196,7 +196,8 @@ def benchmark(models: Any, args: argparse.Namespace, datasets: dict[str, list[It
         per_method = run_dataset(runner, selected, items, prompts, args.timeout)
         summaries = [summarize(dataset, name, per_item, per_method[REFERENCE])
                      for name, per_item in per_method.items()]
-        compare_to_best_hf(summaries, {m.name for m in selected if m.kind == "hf" and not m.float_weights}, LLAMACPP)
+        compare_to_best_hf(summaries, {m.name for m in selected if m.kind == "hf" and not m.float_weights},
+                           {m.name for m in selected if m.kind == "llamacpp"})
         results += summaries
     return {
         "command": command,

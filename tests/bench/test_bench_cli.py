@@ -104,11 +104,14 @@ def test_llamacpp_decodes_the_targets_gguf(tiny_pair_dirs, tmp_path):
     gguf_path = write_tiny_gguf(tmp_path / "target.gguf", AutoModelForCausalLM.from_pretrained(target_dir),
                                 AutoTokenizer.from_pretrained(target_dir))
     data = _bench((gguf_path, draft_dir), tmp_path / "out", "--dataset", "humaneval", "--limit", "2",
-                  "--max-tokens", "16", "--methods", "llamacpp", "--target-quantization", "none")
-    assert data["settings"]["methods"] == ["target", "llamacpp"]
-    llama = next(s for s in data["results"] if s["method"] == "llamacpp")
+                  "--max-tokens", "16", "--methods", "llamacpp", "llamacpp-flash-attn", "--target-quantization", "none")
+    assert data["settings"]["methods"] == ["target", "llamacpp", "llamacpp-flash-attn"]
+    llama, flash = (next(s for s in data["results"] if s["method"] == m) for m in ("llamacpp", "llamacpp-flash-attn"))
     assert llama["tokens"] > 0 and llama["tokens_per_s"] > 0 and llama["mat"] == 1.0
     assert llama["agreement"] == 1.0
+    assert flash["tokens"] > 0 and data["methods"]["llamacpp-flash-attn"]["flash_attn"] is True
+    fastest = max(llama["tokens_per_s"], flash["tokens_per_s"])  # "vs llama.cpp" is over its faster setting
+    assert all(s["vs_llamacpp"] == pytest.approx(s["tokens_per_s"] / fastest) for s in data["results"])
 
 
 def test_the_float_target_is_a_row_of_its_own_when_the_target_is_quantized(report, tiny_pair_dirs, tmp_path):

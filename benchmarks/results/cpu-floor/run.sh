@@ -12,7 +12,7 @@ part() {  # name, fly-bench args...
   local name=$1; shift
   [ -f "$OUT/$name/results.json" ] && { echo "$name: done already"; return; }
   flock /tmp/cpu-heavy.lock sh -c "date -u +%FT%TZ > $OUT/$name.start; ps -eo pcpu,args --sort=-pcpu | head -5 > $OUT/$name.load-before; \
-    python -m benchmarks.harness.cli $* --methods fly llamacpp --threads 2 --out $OUT/$name > $OUT/$name.log 2>&1; echo rc=\$? >> $OUT/$name.log; \
+    python -m benchmarks.harness.cli $* --methods fly llamacpp llamacpp-flash-attn --threads 2 --out $OUT/$name > $OUT/$name.log 2>&1; echo rc=\$? >> $OUT/$name.log; \
     ps -eo pcpu,args --sort=-pcpu | head -5 > $OUT/$name.load-after; date -u +%FT%TZ > $OUT/$name.end"
   echo "$name: $(tail -1 $OUT/$name.log)"
 }

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from fly_llm.common.config import ModelSpec
 from fly_llm.model.kernels import w4a8
-from fly_llm.model.kernels.gguf_blocks import DECODERS, PublishedWeights, decode, decode_q4_k, save_published
+from fly_llm.model.kernels.gguf_blocks import (DECODERS, PublishedWeights, decode, decode_q4_k, published_blocks,
+                                               save_published)
 from fly_llm.model.cache import MANIFEST, PUBLISHED, cache_problem, cached_conversion, published_weights, write_manifest
 from fly_llm.model.pair import load_models
 from fly_llm.model.w4a8_layers import W4A8Linear
@@ -37,7 +38,7 @@ REPACKED = {"blk.0.attn_q.weight": ("model.layers.0.self_attn.q_proj", T.Q4_K),
             "blk.1.ffn_down.weight": ("model.layers.1.mlp.down_proj", T.Q6_K)}
 # Per block type: (weights, bytes) of a block and the byte offsets of its float16 scales.
 LAYOUT = {T.Q4_K: (256, 144, (0, 2)), T.Q6_K: (256, 210, (208,)), T.Q8_0: (32, 34, (0,)), T.Q5_0: (32, 22, (0,)),
-          T.Q4_0: (32, 18, (0,))}
+          T.Q4_0: (32, 18, (0,)), T.Q4_1: (32, 20, (0, 2))}
 
 
 def random_blocks(kind: GGMLQuantizationType, rows: int, k: int, seed: int, exact: bool = False) -> np.ndarray:
@@ -181,6 +182,26 @@ def test_w4a8_takes_the_published_blocks_and_rounds_the_rest(q4k_gguf, tmp_path,
         w4a8.pack_symmetric(published[f"model.layers.0.self_attn.{n}_proj"]) for n in "kv"]
     assert isinstance(fused, w4a8.PackedParts) and same_packed(fused, w4a8.PackedParts(tuple(parts), 512))
     assert len(published) == 5
+
+
+def test_a_block_type_no_decoder_reads_is_left_to_rounding_and_said_once(tmp_path, caplog):
+    """A Linear weight of a type the kernel does not read as published (Q4_1 here; Q5_K in a real file) is not
+    among the published ones, and one warning names how many such weights of which types the file has."""
+    target, _, tokenizer = make_pair(device="cpu", **SIZE)
+    raw = {}
+    for i, (name, module, kind) in enumerate([("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj", T.Q4_1),
+                                              ("blk.1.attn_q.weight", "model.layers.1.self_attn.q_proj", T.Q4_1),
+                                              ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj", T.Q8_0)]):
+        rows, k = target.get_submodule(module).weight.shape
+        raw[name] = (random_blocks(kind, rows, k, seed=i), kind)
+    path = write_tiny_gguf(tmp_path / "q4_1.gguf", target, tokenizer, raw)
+    with torch.device("meta"):
+        skeleton = type(target)(target.config)
+    with caplog.at_level("WARNING", logger="fly_llm.model.kernels.gguf_blocks"):
+        found = published_blocks(path, skeleton)
+    assert {name: kind for name, (kind, _) in found.items()} == {"model.layers.0.self_attn.k_proj": T.Q8_0}
+    (record,) = caplog.records
+    assert "2 Linear weights" in record.getMessage() and "(2 Q4_1)" in record.getMessage()
 
 
 def test_a_cache_from_before_gets_its_published_weights_added(q4k_gguf, tmp_path):

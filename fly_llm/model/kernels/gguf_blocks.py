@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -121,6 +122,7 @@ _T = GGMLQuantizationType
 DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], Published]] = {
     _T.Q4_K: decode_q4_k, _T.Q6_K: decode_q6_k, _T.Q8_0: decode_q8_0, _T.Q5_0: decode_q5_0, _T.Q4_0: decode_q4_0}
 """The block types taken as published, each with its decoder (raw uint8 rows -> the kernel's weight)."""
+_FLOAT_TYPES = {_T.F32, _T.F16, _T.BF16, _T.F64}
 
 
 def decode(kind: GGMLQuantizationType, blocks: torch.Tensor) -> Published:
@@ -154,17 +156,25 @@ def published_blocks(gguf: Path, model: nn.Module) -> dict[str, tuple[GGMLQuanti
     names = get_gguf_hf_weights_map(model, processor)
     linears = {f"{name}.weight": module for name, module in model.named_modules() if type(module) is nn.Linear}
     found = {}
+    rounded: Counter[str] = Counter()  # Linear weights of block types no decoder reads
     for tensor in reader.tensors:
         kind = tensor.tensor_type
-        if kind not in DECODERS or tensor.data.ndim != 2:
+        if kind in _FLOAT_TYPES or tensor.data.ndim != 2:
             continue
         rows = tensor.data.shape[0]
         mapped = _row_order(processor, tensor.name, rows, names)
         linear = linears.get(mapped[0]) if mapped else None
         if linear is None or tuple(linear.weight.shape) != (rows, int(tensor.n_elements) // rows):
             continue
+        if kind not in DECODERS:
+            rounded[kind.name] += 1
+            continue
         found[mapped[0].removesuffix(".weight")] = (
             kind, torch.from_numpy(np.ascontiguousarray(tensor.data[mapped[1]])))
+    if rounded:
+        log.warning("%s: %s Linear weights are of block types the w4a8 kernel does not read as published (%s); "
+                    "under w4a8 they are rounded to 4 bits from their dequantized values", gguf.name,
+                    sum(rounded.values()), ", ".join(f"{count} {kind}" for kind, count in sorted(rounded.items())))
     return found
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -122,7 +122,6 @@ _T = GGMLQuantizationType
 DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], Published]] = {
     _T.Q4_K: decode_q4_k, _T.Q6_K: decode_q6_k, _T.Q8_0: decode_q8_0, _T.Q5_0: decode_q5_0, _T.Q4_0: decode_q4_0}
 """The block types taken as published, each with its decoder (raw uint8 rows -> the kernel's weight)."""
-_FLOAT_TYPES = {_T.F32, _T.F16, _T.BF16, _T.F64}
 
 
 def decode(kind: GGMLQuantizationType, blocks: torch.Tensor) -> Published:
@@ -159,7 +158,7 @@ def published_blocks(gguf: Path, model: nn.Module) -> dict[str, tuple[GGMLQuanti
     rounded: Counter[str] = Counter()  # Linear weights of block types no decoder reads
     for tensor in reader.tensors:
         kind = tensor.tensor_type
-        if kind in _FLOAT_TYPES or tensor.data.ndim != 2:
+        if GGML_QUANT_SIZES[kind][0] == 1 or tensor.data.ndim != 2:  # plain numbers (F32, F16, ...): no blocks
             continue
         rows = tensor.data.shape[0]
         mapped = _row_order(processor, tensor.name, rows, names)

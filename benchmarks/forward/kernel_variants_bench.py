@@ -6,7 +6,7 @@
         now=fly_llm/model/kernels/w4a8.cpp --rows 1 --out benchmarks/results/kernel/prefetch
 
 Each variant is compiled as its own extension (the package's flags) and swapped in for the package's
-kernel; every model's w4a8 Linear layers are grouped by block type (Q4_K, Q6_K, Q5_0, Q8_0, fused mixes)
+kernel; every model's w4a8 Linear layers are grouped by block type (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0, fused mixes)
 and each group is timed over `--rows` input rows (the fastest of 3 passes in model order, so weights
 stream from memory as in a forward), the variants taking turns `--rounds` times: read the medians.
 """
@@ -42,7 +42,9 @@ def block_type(packed: w4a8.Packed) -> str:
     if isinstance(packed, w4a8.PackedSymmetric):
         return {(4, False): "Q8_0", (2, True): "Q6_K", (1, False): "Q5_0", (0, False): "Q4_0"}.get(
             (packed.bits, packed.sc is not None), f"symmetric {packed.bits} bits")
-    return "Q4_K" if packed.levels is not None else "4-bit"
+    if packed.levels is not None:
+        return "Q5_K" if packed.planes is not None else "Q4_K"
+    return "5-bit" if packed.planes is not None else "4-bit"
 
 
 def groups_of(models: dict[str, nn.Module]) -> dict[tuple[str, str], list[nn.Module]]:

@@ -28,6 +28,7 @@ CAN_BUILD = platform.machine().lower() in {"x86_64", "amd64"} and bool(shutil.wh
 has_vnni = pytest.mark.skipif(not (CAN_BUILD and w4a8.best_isa() == "avx512_vnni"), reason="no AVX-512 VNNI here")
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="the kernel needs an x86 CPU and a C++ compiler")
 ISAS = [pytest.param("avx512_vnni", marks=has_vnni), "avx2"]
+ISAS_HERE = ["avx2", "avx512_vnni"] if CAN_BUILD and w4a8.best_isa() == "avx512_vnni" else ["avx2"]
 
 
 @pytest.fixture
@@ -164,28 +165,32 @@ def test_a_w4a8_target_scores_a_token_the_same_however_it_is_scheduled(tiny_pair
 
 
 
-def _two_level(n: int, k: int, seed: int) -> w4a8.SuperBlockWeight:
-    """A random weight in GGUF Q4_K's two levels (6-bit multipliers, float16 d and m per 256 weights)."""
+def _two_level(n: int, k: int, seed: int, bits: int = 0) -> w4a8.SuperBlockWeight:
+    """A random weight in GGUF Q4_K's (bits 0) or Q5_K's (bits 1) two levels (6-bit multipliers, float16 d and
+    m per 256 weights)."""
     generator = torch.Generator().manual_seed(seed)
     supers, blocks = k // (w4a8.SUPER * w4a8.BLOCK), k // w4a8.BLOCK
     return w4a8.SuperBlockWeight(
-        torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator),
+        torch.randint(0, 16 << bits, (n, k), dtype=torch.uint8, generator=generator),
         (torch.rand(n, supers, generator=generator) * 2**-6).half(),  # products far from exact in float16
         (torch.rand(n, supers, generator=generator) * 2**-6).half(),
         torch.randint(0, 64, (n, blocks), dtype=torch.uint8, generator=generator),
-        torch.randint(0, 64, (n, blocks), dtype=torch.uint8, generator=generator))
+        torch.randint(0, 64, (n, blocks), dtype=torch.uint8, generator=generator), bits)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize(("n", "k"), [(47, 512), (16, 256), (3, 768)])
-def test_two_level_scales_give_the_one_level_output_bit_for_bit(isa, n_threads, n, k, threads):
+@pytest.mark.parametrize("bits", [0, 1], ids=["Q4_K", "Q5_K"])
+def test_two_level_scales_give_the_one_level_output_bit_for_bit(isa, n_threads, n, k, bits, threads):
     """Every row count (the kernel rebuilds the float32 d and m from the two levels), both dtypes, the same
-    output as float32 d and m per block, and the reference within its tolerance."""
+    output as float32 d and m per block, and the reference within its tolerance; 4- and 5-bit levels."""
     threads(n_threads)
-    weight = _two_level(n, k, seed=n + k)
+    weight = _two_level(n, k, seed=n + k, bits=bits)
     packed, plain = w4a8.pack(weight), w4a8.pack(weight.per_block())
     assert packed.levels is not None and packed.d is None and plain.levels is None
+    assert (packed.planes is not None) == (plain.planes is not None) == bool(bits)
+    assert int(weight.q.max()) == (16 << bits) - 1  # every bit used
     assert plain.d.dtype == torch.float32 and packed.streamed_bytes() < plain.streamed_bytes()
     assert torch.equal(packed.one_level().d, plain.d) and torch.equal(packed.one_level().m, plain.m)
     bias = torch.randn(n)
@@ -219,6 +224,47 @@ def test_the_rebuilt_scales_are_the_exact_products_as_ggml_computes_them(isa):
     assert (out - exact).abs().item() < (out - rounded).abs().item()
 
 
+@pytest.mark.parametrize("form", ["two levels", "float16 d and m"])
+def test_five_bit_levels_give_a_row_the_same_output_in_any_batch_and_on_both_paths(form, threads):
+    """Q5_K's (two levels) and Q5_1's (float16 d and m) fifth bits: a row's output is the same alone or in any
+    batch, on both paths, and is the reference's within its tolerance."""
+    weight = _two_level(33, 512, seed=9, bits=1)
+    if form != "two levels":
+        weight = w4a8.QuantizedWeight(weight.q, weight.per_block().d.half(), weight.per_block().m.half(), bits=1)
+    packed, bias = w4a8.pack(weight), torch.randn(33)
+    torch.manual_seed(10)
+    x = torch.randn(70, 512)
+    x[5] *= 1000  # one loud neighbour changes no other row
+    threads(2)
+    alone = torch.cat([w4a8.linear(x[r:r + 1], packed, bias, isa="avx2") for r in range(70)])
+    reference = w4a8.reference_linear(x, weight, bias)
+    plain = weight.per_block() if form == "two levels" else weight
+    assert ((alone.double() - reference).abs() <= _bound(x, w4a8.QuantizedWeight(plain.q, plain.d, plain.m))).all()
+    for isa in ISAS_HERE:
+        assert torch.equal(w4a8.linear(x, packed, bias, isa=isa), alone), isa
+        assert torch.equal(w4a8.linear(x[6:23], packed, bias, isa=isa), alone[6:23]), isa
+    threads(1)
+    assert torch.equal(w4a8.linear(x[:17], packed, bias, isa=ISAS_HERE[-1]), alone[:17])
+    bf16 = x[:9].bfloat16()
+    assert torch.equal(w4a8.linear(bf16, packed, bias), w4a8.linear(bf16.float(), packed, bias).bfloat16())
+
+
+def test_every_five_bit_level_packs_and_decodes_back():
+    """A one-hot input picks one weight out per column: every level 0..31 at every position of a block."""
+    levels = torch.arange(32, dtype=torch.uint8)
+    q = torch.stack([levels.roll(col) for col in range(32)]).repeat(1, 8)  # [32, 256]
+    ones = torch.ones(32, 8, dtype=torch.float16)
+    for weight in (w4a8.QuantizedWeight(q, ones, torch.zeros_like(ones), bits=1),
+                   w4a8.SuperBlockWeight(q, ones[:, :1], ones[:, :1], torch.ones(32, 8, dtype=torch.uint8),
+                                         torch.zeros(32, 8, dtype=torch.uint8), bits=1)):
+        packed = w4a8.pack(weight)
+        for isa in ISAS_HERE:
+            for i in range(0, 256, 7):
+                x = torch.zeros(1, 256)
+                x[0, i] = 1.0
+                assert torch.equal(w4a8.linear(x, packed, isa=isa)[0], q[:, i].float()), (type(weight), isa, i)
+
+
 def test_fused_weights_keep_two_levels_only_where_every_part_has_them():
     two, other = w4a8.pack(_two_level(32, 256, seed=1)), w4a8.pack(_two_level(16, 256, seed=2))
     both = w4a8.concat([two, other])
@@ -228,6 +274,12 @@ def test_fused_weights_keep_two_levels_only_where_every_part_has_them():
     x = torch.randn(2, 256)
     assert torch.equal(w4a8.linear(x, both), torch.cat([w4a8.linear(x, two), w4a8.linear(x, other)], dim=1))
     assert torch.equal(w4a8.linear(x, mixed), w4a8.linear(x, both))
+    five, five_more = w4a8.pack(_two_level(16, 256, seed=4, bits=1)), w4a8.pack(_two_level(16, 256, seed=5, bits=1))
+    with_fifth = w4a8.concat([two, five, five_more])  # the fifth bits: not joined with 4-bit levels
+    assert isinstance(with_fifth, w4a8.PackedParts) and [p.planes is not None for p in with_fifth.parts] == [False, True]
+    assert with_fifth.parts[1].n == 32 and with_fifth.parts[1].planes.shape[0] == 2
+    expected = torch.cat([w4a8.linear(x, p) for p in (two, five, five_more)], dim=1)
+    assert torch.equal(w4a8.linear(x, with_fifth), expected)
 
 
 def test_two_level_scales_of_the_wrong_shape_are_refused():
@@ -244,6 +296,11 @@ def test_two_level_scales_of_the_wrong_shape_are_refused():
         w4a8.PackedWeight(packed.q, plain.d, plain.m, 16, levels)
     with pytest.raises(RuntimeError, match="both float16 or both"):
         w4a8.linear(torch.randn(1, 256), w4a8.PackedWeight(packed.q, plain.d, plain.m.half(), 16))
+    five = w4a8.pack(_two_level(16, 256, seed=6, bits=1))
+    with pytest.raises(RuntimeError, match="fifth bits"):
+        w4a8.linear(torch.randn(1, 256), dataclasses.replace(five, planes=five.planes[:, :4]))
+    with pytest.raises(ValueError, match="4 or 5 bits"):
+        w4a8.pack(dataclasses.replace(_two_level(16, 256, seed=6), bits=2))
 
 
 def test_published_weights_are_taken_as_they_are_not_rounded_again():
@@ -305,12 +362,11 @@ def test_symmetric_blocks_give_a_row_the_same_output_in_any_batch_and_on_both_pa
     x[5] *= 1000  # one loud neighbour changes no other row
     threads(2)
     alone = torch.cat([w4a8.linear(x[r:r + 1], packed, bias, isa="avx2") for r in range(70)])
-    isas = ["avx2", "avx512_vnni"] if w4a8.best_isa() == "avx512_vnni" else ["avx2"]
-    for isa in isas:
+    for isa in ISAS_HERE:
         assert torch.equal(w4a8.linear(x, packed, bias, isa=isa), alone), isa
         assert torch.equal(w4a8.linear(x[6:23], packed, bias, isa=isa), alone[6:23]), isa
     threads(1)
-    assert torch.equal(w4a8.linear(x[:17], packed, bias, isa=isas[-1]), alone[:17])
+    assert torch.equal(w4a8.linear(x[:17], packed, bias, isa=ISAS_HERE[-1]), alone[:17])
     bf16 = x[:9].bfloat16()
     assert torch.equal(w4a8.linear(bf16, packed, bias), w4a8.linear(bf16.float(), packed, bias).bfloat16())
 

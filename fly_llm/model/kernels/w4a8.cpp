@@ -2,13 +2,16 @@
 //
 // Input float32 or bfloat16, output in the same dtype. Weights (packed by fly_llm/kernels/w4a8.py):
 // output columns in groups of 16, input features in blocks of 32. Weight w = d * q - m per (column,
-// block), q in 0..15.
+// block), q in 0..15, or 0..31 with a fifth bit (GGUF's Q5_K and Q5_1: HB = 1 bit plane).
 //   q: uint8 [groups, blocks, 4, 64]: chunk c holds k = 8c..8c+7 of the block; byte 4*col + j has
 //      k = 8c + j in its low nibble and k = 8c + 4 + j in its high nibble (col 0..15, j 0..3).
+//   planes (HB = 1 only): uint64 [groups, blocks, 4, 1, 2]: the fifth bits of chunk c's low (0) and high
+//      (1) nibble positions: bit i of the mask is byte i of that chunk's 64 bytes (as the symmetric
+//      blocks' planes below).
 // d and m come in one of three forms (`Scales`):
-//   kHalf: float16 d, m [groups, blocks, 16] (weights rounded to 4 bits here);
+//   kHalf: float16 d, m [groups, blocks, 16] (weights rounded to 4 bits here; GGUF's Q4_1 and Q5_1);
 //   kFloat: float32 d, m [groups, blocks, 16];
-//   kTwoLevel: GGUF Q4_K's two levels, top_d, top_m float16 [groups, blocks / 8, 16] per super-block of 8
+//   kTwoLevel: GGUF Q4_K's and Q5_K's two levels, top_d, top_m float16 [groups, blocks / 8, 16] per super-block of 8
 //      blocks and sc, mn uint8 [groups, blocks, 16] per block: d = float(top_d) * sc and m = float(top_m) * mn,
 //      the float32 products (exact: 11 x 8 bits), as ggml's dequantization computes them. Both paths and
 //      every row count rebuild them (296 bytes a block and group, not 320 or 384).
@@ -49,6 +52,7 @@ struct Activations {
 
 struct Weights {
   const uint8_t* q;
+  const uint64_t* planes;  // the fifth bits (HB = 1); null without them
   const void* d;  // kHalf: uint16_t (float16), kFloat: float; null for kTwoLevel
   const void* m;
   const uint16_t* top_d;  // kTwoLevel only
@@ -127,8 +131,52 @@ int32_t load4(const int8_t* p) {
   return v;
 }
 
-// Rows [row0, row0 + R) of one group over blocks [b0, b1): acc[r * 16 + col] updated in place.
-template <int R, Scales S>
+uint64_t load8(const uint64_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// Chunk c's HB high bit planes (`bits`: a block's planes) added above the nibbles lo and hi: bit p of the
+// high part is 16 << p (the bits are not set below it, so adding sets them).
+template <int HB>
+__attribute__((target("avx512f,avx512bw")))
+void add_high16(const uint64_t* bits, int c, __m512i& lo, __m512i& hi) {
+  for (int p = 0; p < HB; ++p) {
+    const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(load8(bits + (c * HB + p) * 2)), lo, bit);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(load8(bits + (c * HB + p) * 2 + 1)), hi, bit);
+  }
+}
+
+// 32 bits of a plane as 32 bytes, 0xFF where the bit is set (bit i -> byte i).
+__attribute__((target("avx2")))
+__m256i expand_bits(uint32_t mask) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
+}
+
+// The high parts (0..15 from HB planes) of chunk c's bytes [32 * ch, 32 * ch + 32) at the low (lo) and
+// high (hi) nibble positions.
+template <int HB>
+__attribute__((target("avx2")))
+void high_parts8(const uint64_t* bits, int c, int ch, __m256i& lo, __m256i& hi) {
+  lo = hi = _mm256_setzero_si256();
+  for (int p = 0; p < HB; ++p) {
+    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << p));
+    const uint32_t mlo = static_cast<uint32_t>(load8(bits + (c * HB + p) * 2) >> (32 * ch));
+    const uint32_t mhi = static_cast<uint32_t>(load8(bits + (c * HB + p) * 2 + 1) >> (32 * ch));
+    lo = _mm256_or_si256(lo, _mm256_and_si256(expand_bits(mlo), bit));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(expand_bits(mhi), bit));
+  }
+}
+
+// Rows [row0, row0 + R) of one group over blocks [b0, b1): acc[r * 16 + col] updated in place; HB = 1:
+// with the fifth bits (levels up to 31: vpdpbusd's u8 x s8 products do not saturate).
+template <int R, Scales S, int HB>
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl,f16c,fma")))
 void tile_vnni(const Weights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
                float* acc) {
@@ -138,15 +186,18 @@ void tile_vnni(const Weights& w, const Activations& a, int64_t group, int64_t ro
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t at = group * w.blocks + b;
     const uint8_t* q = w.q + at * kGroupBytes;
+    const uint64_t* bits = w.planes + at * 4 * HB * 2;
     prefetch_ahead(q, kGroupBytes, kGroupBytes / 64);
+    if constexpr (HB > 0) prefetch_ahead(bits, 64 * HB, HB);
     __m512 d, m;
     scales16<S>(w, group, b, d, m);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       const __m512i raw = _mm512_loadu_si512(q + c * 64);
-      const __m512i lo = _mm512_and_si512(raw, nibble);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+      __m512i lo = _mm512_and_si512(raw, nibble);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+      add_high16<HB>(bits, c, lo, hi);
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
         dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(load4(x)));
@@ -163,29 +214,41 @@ void tile_vnni(const Weights& w, const Activations& a, int64_t group, int64_t ro
 }
 
 // The same steps on 256-bit registers: each group as two halves of 8 columns; u8 x s8 pairs summed
-// to int16 (vpmaddubsw: at most 2 * 15 * 127 each, 8 of them per block fit int16), then to int32.
-template <int R, Scales S>
+// to int16 (vpmaddubsw: at most 2 * 15 * 127 each, 8 of them per block fit int16), then to int32. With
+// the fifth bits (HB = 1, levels up to 31) a chunk's four products per lane still fit int16 and are
+// widened to int32 chunk by chunk: the same integer sums.
+template <int R, Scales S, int HB>
 __attribute__((target("avx2,f16c,fma")))
 void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
                float* acc) {
+  static_assert(HB == 0 || HB == 1, "levels of at most 5 bits keep vpmaddubsw's pairs within int16");
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t at = group * w.blocks + b;
     const uint8_t* q = w.q + at * kGroupBytes;
+    const uint64_t* bits = w.planes + at * 4 * HB * 2;
     prefetch_ahead(q, kGroupBytes, kGroupBytes / 64);
-    __m256i dot[R][2];
+    if constexpr (HB > 0) prefetch_ahead(bits, 64 * HB, HB);
+    __m256i dot[R][2];  // int16 lanes; int32 with the fifth bits
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       for (int h = 0; h < 2; ++h) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64 + h * 32));
-        const __m256i lo = _mm256_and_si256(raw, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        __m256i lo = _mm256_and_si256(raw, nibble);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        if constexpr (HB > 0) {
+          __m256i high_lo, high_hi;
+          high_parts8<HB>(bits, c, h, high_lo, high_hi);
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(high_lo, 4));  // bytes below 16: no carry across bytes
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(high_hi, 4));
+        }
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
           const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(x))),
                                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(x + 4))));
-          dot[r][h] = _mm256_add_epi16(dot[r][h], pairs);
+          if constexpr (HB > 0) dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(pairs, ones));
+          else dot[r][h] = _mm256_add_epi16(dot[r][h], pairs);
         }
       }
     }
@@ -196,7 +259,7 @@ void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t ro
         const int64_t i = (row0 + r) * a.blocks + b;
         float* out = acc + r * kCols + h * 8;
         __m256 sum = _mm256_loadu_ps(out);
-        const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[r][h], ones));
+        const __m256 dots = _mm256_cvtepi32_ps(HB > 0 ? dot[r][h] : _mm256_madd_epi16(dot[r][h], ones));
         sum = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(a.s[i])), sum);
         sum = _mm256_fnmadd_ps(m, _mm256_set1_ps(a.ms[i]), sum);
         _mm256_storeu_ps(out, sum);
@@ -210,11 +273,12 @@ using TileOf = void (*)(const W&, const Activations&, int64_t, int64_t, int64_t,
 using Tile = TileOf<Weights>;
 constexpr int kVnniRows = 8;  // 8 int32 + 8 float accumulators + weights fit 32 zmm registers
 constexpr int kAvx2Rows = 4;  // 8 int16 accumulators + weights fit 16 ymm registers
-template <Scales S>
+template <Scales S, int HB>
 struct Tiles {
-  static constexpr Tile vnni[] = {tile_vnni<1, S>, tile_vnni<2, S>, tile_vnni<3, S>, tile_vnni<4, S>,
-                                  tile_vnni<5, S>, tile_vnni<6, S>, tile_vnni<7, S>, tile_vnni<8, S>};
-  static constexpr Tile avx2[] = {tile_avx2<1, S>, tile_avx2<2, S>, tile_avx2<3, S>, tile_avx2<4, S>};
+  static constexpr Tile vnni[] = {tile_vnni<1, S, HB>, tile_vnni<2, S, HB>, tile_vnni<3, S, HB>,
+                                  tile_vnni<4, S, HB>, tile_vnni<5, S, HB>, tile_vnni<6, S, HB>,
+                                  tile_vnni<7, S, HB>, tile_vnni<8, S, HB>};
+  static constexpr Tile avx2[] = {tile_avx2<1, S, HB>, tile_avx2<2, S, HB>, tile_avx2<3, S, HB>, tile_avx2<4, S, HB>};
 };
 
 // ---- Symmetric blocks: GGUF's Q8_0, Q5_0, Q4_0 and Q6_K as published ----
@@ -241,12 +305,6 @@ struct SymWeights {
 // The float16 d of block b of a group, its 16 columns.
 const uint16_t* block_d(const SymWeights& w, int64_t group, int64_t b) {
   return w.d + (group * (w.blocks >> w.span_shift) + (b >> w.span_shift)) * kCols;
-}
-
-uint64_t load8(const uint64_t* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
 }
 
 // Block b's sub-scales for 16 columns (halves 0 and 1) as int32.
@@ -286,11 +344,7 @@ void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int
       const __m512i raw = _mm512_loadu_si512(q + c * 64);
       __m512i lo = _mm512_and_si512(raw, nibble);
       __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-      for (int p = 0; p < HB; ++p) {  // disjoint bits: adding them sets them
-        const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
-        lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(load8(bits + (c * HB + p) * 2)), lo, bit);
-        hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(load8(bits + (c * HB + p) * 2 + 1)), hi, bit);
-      }
+      add_high16<HB>(bits, c, lo, hi);
       constexpr int kStride = kSub ? 1 : 0;  // chunks 0, 1: the first half; 2, 3: the second
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
@@ -310,16 +364,6 @@ void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * kCols, sum[r]);
-}
-
-// 32 bits of a plane as 32 bytes, 0xFF where the bit is set (bit i -> byte i).
-__attribute__((target("avx2")))
-__m256i expand_bits(uint32_t mask) {
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread);
-  return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
 }
 
 // The same steps on 256-bit registers, a group as two halves of 8 columns. A level's nibble and its
@@ -344,14 +388,8 @@ void sym_tile_avx2(const SymWeights& w, const Activations& a, int64_t group, int
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64 + ch * 32));
         const __m256i lo = _mm256_and_si256(raw, nibble);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-        __m256i high_lo = _mm256_setzero_si256(), high_hi = _mm256_setzero_si256();
-        for (int p = 0; p < HB; ++p) {
-          const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << p));
-          const uint32_t mlo = static_cast<uint32_t>(load8(bits + (c * HB + p) * 2) >> (32 * ch));
-          const uint32_t mhi = static_cast<uint32_t>(load8(bits + (c * HB + p) * 2 + 1) >> (32 * ch));
-          high_lo = _mm256_or_si256(high_lo, _mm256_and_si256(expand_bits(mlo), bit));
-          high_hi = _mm256_or_si256(high_hi, _mm256_and_si256(expand_bits(mhi), bit));
-        }
+        __m256i high_lo, high_hi;
+        high_parts8<HB>(bits, c, ch, high_lo, high_hi);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
           const __m256i xl = _mm256_set1_epi32(load4(x)), xh = _mm256_set1_epi32(load4(x + 4));
@@ -567,17 +605,23 @@ torch::Tensor run_sym(const torch::Tensor& x, const SymWeights& w, int64_t n, co
 
 int64_t cpu_isa() { return best_isa(); }
 
-// The tiles of weights whose d and m are in form S, for this path.
+// The tiles of weights whose d and m are in form S, with the fifth bits or not, for this path.
 template <Scales S>
 torch::Tensor run_scales(const torch::Tensor& x, const Weights& w, int64_t n, const float* bias, int64_t isa) {
-  if (isa == kAvx512Vnni) return run_any(x, w, n, bias, kVnniRows, Tiles<S>::vnni);
-  return run_any(x, w, n, bias, kAvx2Rows, Tiles<S>::avx2);
+  if (w.planes != nullptr) {
+    if (isa == kAvx512Vnni) return run_any(x, w, n, bias, kVnniRows, Tiles<S, 1>::vnni);
+    return run_any(x, w, n, bias, kAvx2Rows, Tiles<S, 1>::avx2);
+  }
+  if (isa == kAvx512Vnni) return run_any(x, w, n, bias, kVnniRows, Tiles<S, 0>::vnni);
+  return run_any(x, w, n, bias, kAvx2Rows, Tiles<S, 0>::avx2);
 }
 
 // y = x W^T (+ bias) for x [M, K] float32 or bfloat16 (y in the same dtype; the bias float32), W packed
 // as above with n output columns: d and m (float16 or float32, both the same) or, instead of them, the
-// two levels top_d, top_m, sc, mn (all four); isa 0 = the best this CPU has.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const c10::optional<torch::Tensor>& wd,
+// two levels top_d, top_m, sc, mn (all four); `planes` the levels' fifth bits or none; isa 0 = the best
+// this CPU has.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const c10::optional<torch::Tensor>& planes,
+                     const c10::optional<torch::Tensor>& wd,
                      const c10::optional<torch::Tensor>& wm, const c10::optional<torch::Tensor>& top_d,
                      const c10::optional<torch::Tensor>& top_m, const c10::optional<torch::Tensor>& sc,
                      const c10::optional<torch::Tensor>& mn, const c10::optional<torch::Tensor>& bias, int64_t n,
@@ -586,6 +630,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const c10:
               wq.is_contiguous(), "w4a8: packed weights must be contiguous uint8 [groups, blocks, 4, 64]");
   const int64_t groups = wq.size(0), blocks = wq.size(1);
   check_common(x, groups, blocks, n, bias);
+  TORCH_CHECK(!planes || (planes->scalar_type() == torch::kUInt8 && planes->is_contiguous() &&
+                          planes->numel() == groups * blocks * 4 * 2 * 8),
+              "w4a8: the fifth bits' planes must be contiguous uint8 [groups, blocks, 4, 1, 2, 8]");
+  const uint64_t* fifth = planes ? reinterpret_cast<const uint64_t*>(planes->data_ptr<uint8_t>()) : nullptr;
   const bool two_level = sc.has_value();
   TORCH_CHECK(top_d.has_value() == two_level && top_m.has_value() == two_level && mn.has_value() == two_level,
               "w4a8: two-level scales need all of top_d, top_m, sc and mn");
@@ -603,7 +651,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const c10:
       TORCH_CHECK(t->scalar_type() == torch::kUInt8 && t->is_contiguous() && t->numel() == groups * blocks * kCols,
                   "w4a8: sc and mn must be contiguous uint8 [groups, blocks, 16]");
     const auto half = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
-    const Weights w{wq.data_ptr<uint8_t>(), nullptr, nullptr, half(*top_d), half(*top_m), sc->data_ptr<uint8_t>(),
+    const Weights w{wq.data_ptr<uint8_t>(), fifth, nullptr, nullptr, half(*top_d), half(*top_m), sc->data_ptr<uint8_t>(),
                     mn->data_ptr<uint8_t>(), blocks};
     return run_scales<kTwoLevel>(x, w, n, b, isa);
   }
@@ -612,7 +660,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const c10:
               wd->is_contiguous() && wm->is_contiguous(), "w4a8: d and m must be contiguous, both float16 or both "
               "float32");
   TORCH_CHECK(wd->numel() == groups * blocks * kCols && wm->numel() == wd->numel(), "w4a8: scale shapes");
-  const Weights w{wq.data_ptr<uint8_t>(), wd->data_ptr(), wm->data_ptr(), nullptr, nullptr, nullptr, nullptr, blocks};
+  const Weights w{wq.data_ptr<uint8_t>(), fifth, wd->data_ptr(), wm->data_ptr(), nullptr, nullptr, nullptr, nullptr,
+                  blocks};
   return dtype == torch::kFloat32 ? run_scales<kFloat>(x, w, n, b, isa) : run_scales<kHalf>(x, w, n, b, isa);
 }
 
@@ -658,7 +707,7 @@ torch::Tensor linear_sym(const torch::Tensor& x, const torch::Tensor& lo, const 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear", &linear, "W4A8 linear: y = x W^T (+ bias)", pybind11::arg("x"), pybind11::arg("q"),
-             pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("top_d"), pybind11::arg("top_m"),
+             pybind11::arg("planes"), pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("top_d"), pybind11::arg("top_m"),
              pybind11::arg("sc"), pybind11::arg("mn"), pybind11::arg("bias"), pybind11::arg("n"), pybind11::arg("isa"));
   module.def("linear_sym", &linear_sym, "Symmetric-block linear: y = x W^T (+ bias)", pybind11::arg("x"),
              pybind11::arg("lo"), pybind11::arg("planes"), pybind11::arg("sc"), pybind11::arg("d"),

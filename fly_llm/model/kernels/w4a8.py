@@ -1,11 +1,12 @@
 """4-bit weights × int8 activations: the layout, its quantization from float, and the native matmul.
 
-A weight is w = d * q - m with q in 0..15 and a scale d and minimum m per output column and block of
-BLOCK input features (the shape of GGUF's Q4_K sub-blocks): `QuantizedWeight`, float16 d and m where
-weights are rounded here. A GGUF's published Q4_K weight stores d and m in two levels
-(`SuperBlockWeight`: a float16 per SUPER blocks and an integer multiplier per block, d and m being
-their float32 products, as ggml computes them); packed, it keeps only those (`TwoLevelScales`), and
-the kernel rebuilds each block's d and m from them on both paths and for any number of rows. GGUF's other block types are taken as published too (`SymmetricWeight`: Q8_0, Q6_K,
+A weight is w = d * q - m with q in 0..15 (or 0..31 with a fifth bit) and a scale d and minimum m per
+output column and block of BLOCK input features (the shape of GGUF's Q4_K sub-blocks): `QuantizedWeight`,
+float16 d and m where weights are rounded here (and GGUF's Q4_1). A GGUF's published Q4_K and Q5_K weights
+store d and m in two levels (`SuperBlockWeight`: a float16 per SUPER blocks and an integer multiplier per
+block, d and m being their float32 products, as ggml computes them); packed, it keeps only those
+(`TwoLevelScales`), and the kernel rebuilds each block's d and m from them on both paths and for any
+number of rows. A fifth bit (Q5_K) is packed as a bit plane beside the nibbles. GGUF's other block types are taken as published too (`SymmetricWeight`: Q8_0, Q6_K,
 Q5_0, Q4_0; w = d * sc * (q - zero) with levels of 4 + `bits` bits), packed as `PackedSymmetric`:
 the same nibbles plus bit planes for the high bits, the same bytes per weight as the file.
 Weights of different layouts over one input run side by side (`PackedParts`). Activations are
@@ -40,14 +41,19 @@ _X86 = {"x86_64", "amd64", "i686", "i386"}
 _DTYPES = (torch.float32, torch.bfloat16)  # the kernel's input and output dtypes
 
 
+FIFTH_BITS = (0, 1)  # high bits a weight of scales and minimums may have above its nibbles
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A [n, k] weight as 4-bit levels `q` (uint8 [n, k]), scales `d` and minimums `m` ([n, k/BLOCK]: float16
-    where rounded here, float32 where rebuilt from a published Q4_K's two levels)."""
+    """A [n, k] weight as levels `q` (uint8 [n, k], below 2^(4 + bits)), scales `d` and minimums `m`
+    ([n, k/BLOCK]: float16 where rounded here or read from a Q4_1, float32 where rebuilt from a published
+    Q4_K's or Q5_K's two levels)."""
 
     q: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
+    bits: int = 0
 
     def dequantize(self) -> torch.Tensor:
         """The weight these levels stand for, float32 [n, k]."""
@@ -69,19 +75,21 @@ def _rebuild(top: torch.Tensor, sub: torch.Tensor, dim: int = -1) -> torch.Tenso
 
 @dataclass(frozen=True)
 class SuperBlockWeight:
-    """A [n, k] weight as GGUF's Q4_K holds it: levels `q` (uint8 [n, k]), float16 `d` and `m` per
-    super-block of SUPER blocks ([n, k/(SUPER*BLOCK)]) and uint8 multipliers `sc`, `mn` per block
-    ([n, k/BLOCK]): block j's scale is d * sc[j], its minimum m * mn[j], in float32 (exact)."""
+    """A [n, k] weight as GGUF's Q4_K (`bits` 0) and Q5_K (`bits` 1) hold it: levels `q` (uint8 [n, k], below
+    2^(4 + bits)), float16 `d` and `m` per super-block of SUPER blocks ([n, k/(SUPER*BLOCK)]) and uint8
+    multipliers `sc`, `mn` per block ([n, k/BLOCK]): block j's scale is d * sc[j], its minimum m * mn[j], in
+    float32 (exact)."""
 
     q: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
     sc: torch.Tensor
     mn: torch.Tensor
+    bits: int = 0
 
     def per_block(self) -> QuantizedWeight:
         """The same weight with its float32 scale and minimum per block."""
-        return QuantizedWeight(self.q, _rebuild(self.d, self.sc), _rebuild(self.m, self.mn))
+        return QuantizedWeight(self.q, _rebuild(self.d, self.sc), _rebuild(self.m, self.mn), self.bits)
 
     def dequantize(self) -> torch.Tensor:
         """The weight these levels stand for, float32 [n, k]."""
@@ -144,14 +152,16 @@ class PackedWeight:
     """A weight in the kernel's layout (w4a8.cpp): groups of COLUMNS outputs, blocks of BLOCK inputs.
 
     Its scales are either `d` and `m` per block (float16 where rounded here, float32 in `one_level`) or,
-    for a published Q4_K weight, only its two `levels` (4.625 bits a weight instead of 5 or 6), from
-    which the kernel rebuilds d and m in float32 on both paths and for any number of rows."""
+    for a published Q4_K or Q5_K weight, only its two `levels` (4.625 bits a weight instead of 5 or 6), from
+    which the kernel rebuilds d and m in float32 on both paths and for any number of rows. Levels of five
+    bits keep their fifth bits in `planes`."""
 
     q: torch.Tensor  # uint8 [groups, blocks, 4, 64]
     d: torch.Tensor | None  # float16 or float32 [groups, blocks, COLUMNS]; None with levels
     m: torch.Tensor | None
     n: int  # output columns (the last group is padded with zero weights)
     levels: TwoLevelScales | None = None
+    planes: torch.Tensor | None = None  # the fifth bits: uint8 [groups, blocks, 4, 1, 2, 8] as PackedSymmetric's
 
     def __post_init__(self) -> None:
         if (self.levels is None) == (self.d is None or self.m is None):
@@ -159,29 +169,30 @@ class PackedWeight:
 
     def map(self, place: Callable[[torch.Tensor], torch.Tensor]) -> PackedWeight:
         """This weight with `place` applied to each of its tensors (e.g. to put them in other memory)."""
+        planes = None if self.planes is None else place(self.planes)
         if self.levels is not None:
-            return PackedWeight(place(self.q), None, None, self.n, self.levels.map(place))
-        return PackedWeight(place(self.q), place(self.d), place(self.m), self.n)
+            return PackedWeight(place(self.q), None, None, self.n, self.levels.map(place), planes)
+        return PackedWeight(place(self.q), place(self.d), place(self.m), self.n, None, planes)
 
     def one_level(self) -> PackedWeight:
         """The same weight with d and m per block (float32 where rebuilt from two levels): the same output."""
         if self.levels is None:
             return self
-        return PackedWeight(self.q, *self.levels.per_block(), self.n)
+        return PackedWeight(self.q, *self.levels.per_block(), self.n, None, self.planes)
 
     def streamed_bytes(self) -> int:
-        """Bytes a forward streams: the levels and the scales (two levels where kept)."""
+        """Bytes a forward streams: the levels, their fifth bits and the scales (two levels where kept)."""
         scales = (self.d, self.m) if self.levels is None else (self.levels.d, self.levels.m, self.levels.sc,
                                                                  self.levels.mn)
-        return _bytes(self.q, *scales)
+        return _bytes(self.q, *scales, *(() if self.planes is None else (self.planes,)))
 
     def weight_count(self) -> int:
         """Weights held, the padding of the last group included."""
         return self.q.numel() * 2
 
     def layout(self) -> tuple:
-        """What two weights must share to be concatenated: the form of their scales."""
-        return ("4-bit", "two levels" if self.levels is not None else self.d.dtype)
+        """What two weights must share to be concatenated: the form of their scales and the fifth bits."""
+        return ("4-bit", "two levels" if self.levels is not None else self.d.dtype, self.planes is not None)
 
 
 @dataclass(frozen=True)
@@ -257,10 +268,11 @@ def _concat_like(parts: list[PackedWeight] | list[PackedSymmetric]) -> PackedWei
                                torch.cat([p.d for p in parts]), sum(p.n for p in parts), first.bits, first.zero,
                                first.span)
     q, n = torch.cat([p.q for p in parts]), sum(p.n for p in parts)
+    planes = torch.cat([p.planes for p in parts]) if parts[0].planes is not None else None
     if parts[0].levels is not None:
         return PackedWeight(q, None, None, n, TwoLevelScales(
-            *(torch.cat([getattr(p.levels, f) for p in parts]) for f in ("d", "m", "sc", "mn"))))
-    return PackedWeight(q, torch.cat([p.d for p in parts]), torch.cat([p.m for p in parts]), n)
+            *(torch.cat([getattr(p.levels, f) for p in parts]) for f in ("d", "m", "sc", "mn"))), planes)
+    return PackedWeight(q, torch.cat([p.d for p in parts]), torch.cat([p.m for p in parts]), n, None, planes)
 
 
 def concat(parts: list[Packed]) -> Packed:
@@ -309,18 +321,31 @@ def _per_group(values: torch.Tensor, groups: int, pad: int) -> torch.Tensor:
     return F.pad(values, (0, 0, 0, pad)).reshape(groups, COLUMNS, -1).transpose(1, 2).contiguous()
 
 
+def _planes(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Bit p (p < bits) of the high parts (values >> 4) of [groups, blocks, 4, 2, 64] values as 64-bit
+    masks, little-endian bytes: uint8 [groups, blocks, 4, bits, 2, 8] (bit i of a mask: byte i)."""
+    high = values >> 4
+    planes = [(high >> p) & 1 for p in range(bits)]
+    stacked = torch.stack(planes, dim=3) if planes else high.new_zeros(*high.shape[:3], 0, *high.shape[3:])
+    weights = (1 << torch.arange(8, dtype=torch.int32))
+    return (stacked.reshape(*stacked.shape[:-1], 8, 8).int() * weights).sum(-1).to(torch.uint8).contiguous()
+
+
 def pack(weight: QuantizedWeight | SuperBlockWeight) -> PackedWeight:
-    """The kernel's layout: byte 4*col + j of chunk c holds k = 8c + j (low nibble) and 8c + 4 + j (high);
-    a SuperBlockWeight keeps its two levels only."""
+    """The kernel's layout: byte 4*col + j of chunk c holds k = 8c + j (low nibble) and 8c + 4 + j (high),
+    a fifth bit goes to a bit plane (as `pack_symmetric`'s); a SuperBlockWeight keeps its two levels only."""
     n, k = weight.q.shape
+    if weight.bits not in FIFTH_BITS:
+        raise ValueError(f"a weight of scales and minimums has levels of 4 or 5 bits, not {4 + weight.bits}")
     pad = -n % COLUMNS
     groups = (n + pad) // COLUMNS
     values = _nibble_layout(weight.q, groups, pad)
-    q = (values[..., 0, :] | (values[..., 1, :] << 4)).reshape(groups, k // BLOCK, 4, 64).contiguous()
+    q = ((values[..., 0, :] & 15) | ((values[..., 1, :] & 15) << 4)).reshape(groups, k // BLOCK, 4, 64).contiguous()
+    planes = _planes(values, weight.bits) if weight.bits else None
     if isinstance(weight, SuperBlockWeight):
         levels = TwoLevelScales(*(_per_group(getattr(weight, f), groups, pad) for f in ("d", "m", "sc", "mn")))
-        return PackedWeight(q, None, None, n, levels)
-    return PackedWeight(q, _per_group(weight.d, groups, pad), _per_group(weight.m, groups, pad), n)
+        return PackedWeight(q, None, None, n, levels, planes)
+    return PackedWeight(q, _per_group(weight.d, groups, pad), _per_group(weight.m, groups, pad), n, None, planes)
 
 
 def pack_symmetric(weight: SymmetricWeight) -> PackedSymmetric:
@@ -335,15 +360,10 @@ def pack_symmetric(weight: SymmetricWeight) -> PackedSymmetric:
     groups = (n + pad) // COLUMNS
     values = _nibble_layout(weight.q, groups, pad)  # [g, b, c, half, 64]
     lo = (values[..., 0, :] & 15) | ((values[..., 1, :] & 15) << 4)
-    high = values >> 4
-    planes = [(high >> p) & 1 for p in range(weight.bits)]
-    bits = torch.stack(planes, dim=3) if planes else high.new_zeros(*high.shape[:3], 0, *high.shape[3:])
-    weights = (1 << torch.arange(8, dtype=torch.int32))
-    planes = (bits.reshape(*bits.shape[:-1], 8, 8).int() * weights).sum(-1).to(torch.uint8)  # little-endian bytes
     sc = None
     if weight.sc is not None:
         sc = _per_group(weight.sc, groups, pad).reshape(groups, k // BLOCK, 2, COLUMNS).contiguous()
-    return PackedSymmetric(lo.reshape(groups, k // BLOCK, 4, 64).contiguous(), planes.contiguous(), sc,
+    return PackedSymmetric(lo.reshape(groups, k // BLOCK, 4, 64).contiguous(), _planes(values, weight.bits), sc,
                            _per_group(weight.d, groups, pad), n, weight.bits, weight.zero, weight.span)
 
 
@@ -450,4 +470,4 @@ def _rows(rows: torch.Tensor, weight: Packed, bias: torch.Tensor | None, code: i
                                     weight.bits, weight.zero, weight.span, code)
     levels = weight.levels
     two = (levels.d, levels.m, levels.sc, levels.mn) if levels is not None else (None, None, None, None)
-    return _native().linear(rows, weight.q, weight.d, weight.m, *two, bias, weight.n, code)
+    return _native().linear(rows, weight.q, weight.planes, weight.d, weight.m, *two, bias, weight.n, code)

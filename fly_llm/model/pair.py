@@ -3,8 +3,9 @@
 A source is a Hugging Face model id (resolved through the normal HF cache, so it works offline
 once cached), a local model directory, or a `.gguf` file (converted once to the safetensors
 cache, fly_llm.model.cache). No target means the embedded default pair (fly_llm.model.embedded).
-Under w4a8 a GGUF's Linear weights of the block types the kernel reads (Q4_K, Q6_K, Q8_0, Q5_0, Q4_0)
-are taken as published (fly_llm.model.kernels.gguf_blocks), the others rounded from their float weights.
+Under w4a8 a GGUF's Linear weights of the block types the kernel reads (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0,
+Q4_1, Q5_1) are taken as published (fly_llm.model.kernels.gguf_blocks), the others (Q2_K, Q3_K, the IQ types)
+rounded to 4 bits from their float weights, with a warning.
 """
 
 from __future__ import annotations

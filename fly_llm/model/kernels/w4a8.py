@@ -6,8 +6,9 @@ float16 d and m where weights are rounded here (and GGUF's Q4_1). A GGUF's publi
 store d and m in two levels (`SuperBlockWeight`: a float16 per SUPER blocks and an integer multiplier per
 block, d and m being their float32 products, as ggml computes them); packed, it keeps only those
 (`TwoLevelScales`), and the kernel rebuilds each block's d and m from them on both paths and for any
-number of rows. A fifth bit (Q5_K) is packed as a bit plane beside the nibbles. GGUF's other block types are taken as published too (`SymmetricWeight`: Q8_0, Q6_K,
-Q5_0, Q4_0; w = d * sc * (q - zero) with levels of 4 + `bits` bits), packed as `PackedSymmetric`:
+number of rows. A fifth bit (Q5_K, Q5_1) is packed as a bit plane beside the nibbles. GGUF's other block
+types are taken as published too (`SymmetricWeight`: Q8_0, Q6_K, Q5_0, Q4_0; w = d * sc * (q - zero) with
+levels of 4 + `bits` bits), packed as `PackedSymmetric`:
 the same nibbles plus bit planes for the high bits, the same bytes per weight as the file.
 Weights of different layouts over one input run side by side (`PackedParts`). Activations are
 quantized per row and block to int8 with scale max|x| / 127 (llama.cpp's Q8 blocks). `linear`

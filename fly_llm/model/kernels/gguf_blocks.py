@@ -17,7 +17,7 @@ formulas of llama.cpp's `dequantize_row_*`, gguf-py's `quants`):
 - Q5_0: 32 weights in 22 bytes: float16 d, 32 high bits, 16 bytes of nibbles; w = d*(q - 16).
 - Q4_0: 32 weights in 18 bytes: float16 d, 16 bytes of nibbles; w = d*(q - 8).
 
-The remaining four decode to a SymmetricWeight whose values are exactly the file's too (d*sc*(q - zero) has at
+The last four decode to a SymmetricWeight whose values are exactly the file's too (d*sc*(q - zero) has at
 most 19 significant bits: exact in float32).
 
 `published_blocks` picks the tensors of those types that are weights of a model's Linear layers,

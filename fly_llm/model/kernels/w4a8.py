@@ -153,9 +153,9 @@ class PackedWeight:
     """A weight in the kernel's layout (w4a8.cpp): groups of COLUMNS outputs, blocks of BLOCK inputs.
 
     Its scales are either `d` and `m` per block (float16 where rounded here, float32 in `one_level`) or,
-    for a published Q4_K or Q5_K weight, only its two `levels` (4.625 bits a weight instead of 5 or 6), from
-    which the kernel rebuilds d and m in float32 on both paths and for any number of rows. Levels of five
-    bits keep their fifth bits in `planes`."""
+    for a published Q4_K or Q5_K weight, only its two `levels` (Q4_K: 4.625 bits a weight instead of 5 or 6),
+    from which the kernel rebuilds d and m in float32 on both paths and for any number of rows. Levels of five
+    bits keep their fifth bits in `planes` (one more bit a weight, as the file has it)."""
 
     q: torch.Tensor  # uint8 [groups, blocks, 4, 64]
     d: torch.Tensor | None  # float16 or float32 [groups, blocks, COLUMNS]; None with levels
@@ -322,6 +322,12 @@ def _per_group(values: torch.Tensor, groups: int, pad: int) -> torch.Tensor:
     return F.pad(values, (0, 0, 0, pad)).reshape(groups, COLUMNS, -1).transpose(1, 2).contiguous()
 
 
+def _low_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """The levels' low nibbles of [groups, blocks, 4, 2, 64] values as the kernel's bytes [groups, blocks, 4, 64]
+    (half 0 in the low nibble, half 1 in the high one)."""
+    return ((values[..., 0, :] & 15) | ((values[..., 1, :] & 15) << 4)).contiguous()
+
+
 def _planes(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Bit p (p < bits) of the high parts (values >> 4) of [groups, blocks, 4, 2, 64] values as 64-bit
     masks, little-endian bytes: uint8 [groups, blocks, 4, bits, 2, 8] (bit i of a mask: byte i)."""
@@ -341,8 +347,7 @@ def pack(weight: QuantizedWeight | SuperBlockWeight) -> PackedWeight:
     pad = -n % COLUMNS
     groups = (n + pad) // COLUMNS
     values = _nibble_layout(weight.q, groups, pad)
-    q = ((values[..., 0, :] & 15) | ((values[..., 1, :] & 15) << 4)).reshape(groups, k // BLOCK, 4, 64).contiguous()
-    planes = _planes(values, weight.bits) if weight.bits else None
+    q, planes = _low_nibbles(values), _planes(values, weight.bits) if weight.bits else None
     if isinstance(weight, SuperBlockWeight):
         levels = TwoLevelScales(*(_per_group(getattr(weight, f), groups, pad) for f in ("d", "m", "sc", "mn")))
         return PackedWeight(q, None, None, n, levels, planes)
@@ -360,11 +365,10 @@ def pack_symmetric(weight: SymmetricWeight) -> PackedSymmetric:
     pad = -n % COLUMNS
     groups = (n + pad) // COLUMNS
     values = _nibble_layout(weight.q, groups, pad)  # [g, b, c, half, 64]
-    lo = (values[..., 0, :] & 15) | ((values[..., 1, :] & 15) << 4)
     sc = None
     if weight.sc is not None:
         sc = _per_group(weight.sc, groups, pad).reshape(groups, k // BLOCK, 2, COLUMNS).contiguous()
-    return PackedSymmetric(lo.reshape(groups, k // BLOCK, 4, 64).contiguous(), _planes(values, weight.bits), sc,
+    return PackedSymmetric(_low_nibbles(values), _planes(values, weight.bits), sc,
                            _per_group(weight.d, groups, pad), n, weight.bits, weight.zero, weight.span)
 
 

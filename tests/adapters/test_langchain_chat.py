@@ -20,7 +20,7 @@ from langchain_core.messages import (
 
 from langchain_fly import ChatFLy
 from langchain_fly.chat_models import to_wire
-from test_langchain_llm import TokenCounter, max_batch_seen, next_batch_size
+from test_langchain_llm import LONG, TokenCounter, max_batch_seen, next_batch_size
 
 OFFLINE = "tcp://127.0.0.1:5599"
 QUESTIONS = ["hello", "def add(a, b):", "what is 2 + 3?", "tell me about dogs", "class Stack:",
@@ -133,7 +133,7 @@ def test_stream_ends_with_usage_and_fires_callbacks(chat: ChatFLy) -> None:
 
 
 def test_batch_is_one_daemon_batch(chat: ChatFLy, batch_daemon: str) -> None:
-    chat = chat.model_copy(update={"endpoint": batch_daemon})
+    chat = chat.model_copy(update={"endpoint": batch_daemon, "max_tokens": LONG})  # all still running at the last
     n = next_batch_size(batch_daemon)
     outputs = chat.batch(QUESTIONS[:n])
     assert max_batch_seen(batch_daemon) >= n
@@ -141,7 +141,7 @@ def test_batch_is_one_daemon_batch(chat: ChatFLy, batch_daemon: str) -> None:
 
 
 async def test_abatch_is_one_daemon_batch(chat: ChatFLy, batch_daemon: str) -> None:
-    chat = chat.model_copy(update={"endpoint": batch_daemon})
+    chat = chat.model_copy(update={"endpoint": batch_daemon, "max_tokens": LONG})  # all still running at the last
     n = next_batch_size(batch_daemon)
     outputs = await chat.abatch(QUESTIONS[:n])
     assert max_batch_seen(batch_daemon) >= n

@@ -165,6 +165,23 @@ def test_a_w4a8_target_scores_a_token_the_same_however_it_is_scheduled(tiny_pair
 
 
 
+def _same_in_any_batch(packed: w4a8.Packed, bias: torch.Tensor, x: torch.Tensor, set_threads) -> torch.Tensor:
+    """Each row of x (row 5 loud) gives the same output alone on the AVX2 path as in the whole batch or a slice of
+    it, on every path here, at 2 and 1 threads, and a bfloat16 x the float32 output rounded; returns the rows'
+    outputs alone."""
+    assert x[5].abs().max() > 100 * x[6:].abs().max()  # one loud neighbour changes no other row
+    set_threads(2)
+    alone = torch.cat([w4a8.linear(x[r:r + 1], packed, bias, isa="avx2") for r in range(len(x))])
+    for isa in ISAS_HERE:
+        assert torch.equal(w4a8.linear(x, packed, bias, isa=isa), alone), isa
+        assert torch.equal(w4a8.linear(x[6:23], packed, bias, isa=isa), alone[6:23]), isa
+    set_threads(1)
+    assert torch.equal(w4a8.linear(x[:17], packed, bias, isa=ISAS_HERE[-1]), alone[:17])
+    bf16 = x[:9].bfloat16()
+    assert torch.equal(w4a8.linear(bf16, packed, bias), w4a8.linear(bf16.float(), packed, bias).bfloat16())
+    return alone
+
+
 def _two_level(n: int, k: int, seed: int, bits: int = 0) -> w4a8.SuperBlockWeight:
     """A random weight in GGUF Q4_K's (bits 0) or Q5_K's (bits 1) two levels (6-bit multipliers, float16 d and
     m per 256 weights)."""
@@ -231,22 +248,14 @@ def test_five_bit_levels_give_a_row_the_same_output_in_any_batch_and_on_both_pat
     weight = _two_level(33, 512, seed=9, bits=1)
     if form != "two levels":
         weight = w4a8.QuantizedWeight(weight.q, weight.per_block().d.half(), weight.per_block().m.half(), bits=1)
-    packed, bias = w4a8.pack(weight), torch.randn(33)
+    bias = torch.randn(33)
     torch.manual_seed(10)
     x = torch.randn(70, 512)
-    x[5] *= 1000  # one loud neighbour changes no other row
-    threads(2)
-    alone = torch.cat([w4a8.linear(x[r:r + 1], packed, bias, isa="avx2") for r in range(70)])
+    x[5] *= 1000
+    alone = _same_in_any_batch(w4a8.pack(weight), bias, x, threads)
     reference = w4a8.reference_linear(x, weight, bias)
     plain = weight.per_block() if form == "two levels" else weight
     assert ((alone.double() - reference).abs() <= _bound(x, w4a8.QuantizedWeight(plain.q, plain.d, plain.m))).all()
-    for isa in ISAS_HERE:
-        assert torch.equal(w4a8.linear(x, packed, bias, isa=isa), alone), isa
-        assert torch.equal(w4a8.linear(x[6:23], packed, bias, isa=isa), alone[6:23]), isa
-    threads(1)
-    assert torch.equal(w4a8.linear(x[:17], packed, bias, isa=ISAS_HERE[-1]), alone[:17])
-    bf16 = x[:9].bfloat16()
-    assert torch.equal(w4a8.linear(bf16, packed, bias), w4a8.linear(bf16.float(), packed, bias).bfloat16())
 
 
 def test_every_five_bit_level_packs_and_decodes_back():
@@ -356,19 +365,10 @@ def test_symmetric_blocks_match_the_reference_for_every_row_count(isa, n_threads
 @pytest.mark.parametrize("layout", list(SYMMETRIC.values()), ids=list(SYMMETRIC))
 def test_symmetric_blocks_give_a_row_the_same_output_in_any_batch_and_on_both_paths(layout, threads):
     weight = _symmetric(33, 256, layout, seed=5)
-    packed, bias = w4a8.pack_symmetric(weight), torch.randn(33)
     torch.manual_seed(6)
     x = torch.randn(70, 256)
-    x[5] *= 1000  # one loud neighbour changes no other row
-    threads(2)
-    alone = torch.cat([w4a8.linear(x[r:r + 1], packed, bias, isa="avx2") for r in range(70)])
-    for isa in ISAS_HERE:
-        assert torch.equal(w4a8.linear(x, packed, bias, isa=isa), alone), isa
-        assert torch.equal(w4a8.linear(x[6:23], packed, bias, isa=isa), alone[6:23]), isa
-    threads(1)
-    assert torch.equal(w4a8.linear(x[:17], packed, bias, isa=ISAS_HERE[-1]), alone[:17])
-    bf16 = x[:9].bfloat16()
-    assert torch.equal(w4a8.linear(bf16, packed, bias), w4a8.linear(bf16.float(), packed, bias).bfloat16())
+    x[5] *= 1000
+    _same_in_any_batch(w4a8.pack_symmetric(weight), torch.randn(33), x, threads)
 
 
 def test_the_bit_planes_hold_every_level():

@@ -8,8 +8,8 @@ in `<root>/.tmp-<key>-*` and renamed into place only when complete, so a crash l
 loads. The manifest (written last, atomically) records every file's size and sha256 — of the whole
 file below 64 MiB, of its first and last MiB above — and is checked on every load: a few MiB of
 reading, so a truncated, half-copied or overwritten cache is rebuilt instead of loaded. A cache
-built before the published weights were kept (or when only its Q4_K ones were) gets them written
-anew from the GGUF (the float weights stay).
+built before the published weights were kept (or when fewer block types were read as published) gets
+them written anew from the GGUF (the float weights stay).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def cache_problem(model_dir: Path) -> str | None:
 
 def has_published(model_dir: Path) -> bool:
     """Whether a checked cache's manifest lists its published weights in the current format (caches built
-    before them, or with Q4_K ones only, do not)."""
+    before them, or when fewer block types were read, do not)."""
     return PUBLISHED in _manifest(model_dir)["files"] and is_current(model_dir / PUBLISHED)
 
 

@@ -31,8 +31,9 @@ class W4A8Linear(PackedW4A8):
     """A Linear with 4-bit weights (blocks of 32 inputs, scale and minimum each) and int8 activations."""
 
     def __init__(self, linear: nn.Linear, weight: WeightLevels | None = None) -> None:
-        """`weight`: the linear's weight already in levels (a GGUF's published blocks: Q4_K, or Q6_K, Q8_0,
-        Q5_0, Q4_0 as symmetric blocks); None rounds `linear.weight` to 4 bits (`w4a8.quantize_weight`)."""
+        """`weight`: the linear's weight already in levels (a GGUF's published blocks: Q4_K, Q5_K, Q4_1, Q5_1,
+        or Q6_K, Q8_0, Q5_0, Q4_0 as symmetric blocks); None rounds `linear.weight` to 4 bits
+        (`w4a8.quantize_weight`)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         if weight is not None and tuple(weight.q.shape) != (self.out_features, self.in_features):

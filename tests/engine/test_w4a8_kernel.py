@@ -248,14 +248,13 @@ def test_five_bit_levels_give_a_row_the_same_output_in_any_batch_and_on_both_pat
     weight = _two_level(33, 512, seed=9, bits=1)
     if form != "two levels":
         weight = w4a8.QuantizedWeight(weight.q, weight.per_block().d.half(), weight.per_block().m.half(), bits=1)
-    bias = torch.randn(33)
     torch.manual_seed(10)
-    x = torch.randn(70, 512)
+    bias, x = torch.randn(33), torch.randn(70, 512)
     x[5] *= 1000
     alone = _same_in_any_batch(w4a8.pack(weight), bias, x, threads)
     reference = w4a8.reference_linear(x, weight, bias)
     plain = weight.per_block() if form == "two levels" else weight
-    assert ((alone.double() - reference).abs() <= _bound(x, w4a8.QuantizedWeight(plain.q, plain.d, plain.m))).all()
+    assert ((alone.double() - reference).abs() <= _bound(x, plain)).all()
 
 
 def test_every_five_bit_level_packs_and_decodes_back():
@@ -310,6 +309,8 @@ def test_two_level_scales_of_the_wrong_shape_are_refused():
         w4a8.linear(torch.randn(1, 256), dataclasses.replace(five, planes=five.planes[:, :4]))
     with pytest.raises(ValueError, match="4 or 5 bits"):
         w4a8.pack(dataclasses.replace(_two_level(16, 256, seed=6), bits=2))
+    with pytest.raises(ValueError, match="does not fit 4 bits"):  # a fifth bit would be dropped, not packed
+        w4a8.pack(dataclasses.replace(_two_level(16, 256, seed=6, bits=1), bits=0))
 
 
 def test_published_weights_are_taken_as_they_are_not_rounded_again():

@@ -14,7 +14,7 @@
 //   kTwoLevel: GGUF Q4_K's and Q5_K's two levels, top_d, top_m float16 [groups, blocks / 8, 16] per super-block of 8
 //      blocks and sc, mn uint8 [groups, blocks, 16] per block: d = float(top_d) * sc and m = float(top_m) * mn,
 //      the float32 products (exact: 11 x 8 bits), as ggml's dequantization computes them. Both paths and
-//      every row count rebuild them (296 bytes a block and group, not 320 or 384).
+//      every row count rebuild them (296 bytes a block and group, not 320 or 384; 64 more with the fifth bits).
 // Activations are quantized per row per block of 32 (as llama.cpp's Q8 blocks): s = max|x| / 127,
 // a = round(x / s) in -127..127. For a row and a block the integer sum of q * a is exact, then
 //   acc += (d * s) * sum(q * a) - m * (s * sum(a))
@@ -259,7 +259,9 @@ void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t ro
         const int64_t i = (row0 + r) * a.blocks + b;
         float* out = acc + r * kCols + h * 8;
         __m256 sum = _mm256_loadu_ps(out);
-        const __m256 dots = _mm256_cvtepi32_ps(HB > 0 ? dot[r][h] : _mm256_madd_epi16(dot[r][h], ones));
+        __m256i dot32 = dot[r][h];
+        if constexpr (HB == 0) dot32 = _mm256_madd_epi16(dot32, ones);
+        const __m256 dots = _mm256_cvtepi32_ps(dot32);
         sum = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(a.s[i])), sum);
         sum = _mm256_fnmadd_ps(m, _mm256_set1_ps(a.ms[i]), sum);
         _mm256_storeu_ps(out, sum);
@@ -272,7 +274,7 @@ template <typename W>
 using TileOf = void (*)(const W&, const Activations&, int64_t, int64_t, int64_t, int64_t, float*);
 using Tile = TileOf<Weights>;
 constexpr int kVnniRows = 8;  // 8 int32 + 8 float accumulators + weights fit 32 zmm registers
-constexpr int kAvx2Rows = 4;  // 8 int16 accumulators + weights fit 16 ymm registers
+constexpr int kAvx2Rows = 4;  // 8 accumulators (int16; int32 with the fifth bits) + weights fit 16 ymm registers
 template <Scales S, int HB>
 struct Tiles {
   static constexpr Tile vnni[] = {tile_vnni<1, S, HB>, tile_vnni<2, S, HB>, tile_vnni<3, S, HB>,

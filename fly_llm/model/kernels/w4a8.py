@@ -2,7 +2,7 @@
 
 A weight is w = d * q - m with q in 0..15 (or 0..31 with a fifth bit) and a scale d and minimum m per
 output column and block of BLOCK input features (the shape of GGUF's Q4_K sub-blocks): `QuantizedWeight`,
-float16 d and m where weights are rounded here (and GGUF's Q4_1). A GGUF's published Q4_K and Q5_K weights
+float16 d and m where weights are rounded here (and GGUF's Q4_1 and Q5_1). A GGUF's published Q4_K and Q5_K weights
 store d and m in two levels (`SuperBlockWeight`: a float16 per SUPER blocks and an integer multiplier per
 block, d and m being their float32 products, as ggml computes them); packed, it keeps only those
 (`TwoLevelScales`), and the kernel rebuilds each block's d and m from them on both paths and for any
@@ -48,7 +48,7 @@ FIFTH_BITS = (0, 1)  # high bits a weight of scales and minimums may have above 
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A [n, k] weight as levels `q` (uint8 [n, k], below 2^(4 + bits)), scales `d` and minimums `m`
-    ([n, k/BLOCK]: float16 where rounded here or read from a Q4_1, float32 where rebuilt from a published
+    ([n, k/BLOCK]: float16 where rounded here or read from a Q4_1 or Q5_1, float32 where rebuilt from a published
     Q4_K's or Q5_K's two levels)."""
 
     q: torch.Tensor
@@ -344,6 +344,8 @@ def pack(weight: QuantizedWeight | SuperBlockWeight) -> PackedWeight:
     n, k = weight.q.shape
     if weight.bits not in FIFTH_BITS:
         raise ValueError(f"a weight of scales and minimums has levels of 4 or 5 bits, not {4 + weight.bits}")
+    if weight.q.numel() and int(weight.q.max()) >= 16 << weight.bits:
+        raise ValueError(f"a level of {int(weight.q.max())} does not fit {4 + weight.bits} bits")
     pad = -n % COLUMNS
     groups = (n + pad) // COLUMNS
     values = _nibble_layout(weight.q, groups, pad)

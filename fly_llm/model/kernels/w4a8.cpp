@@ -607,15 +607,18 @@ torch::Tensor run_sym(const torch::Tensor& x, const SymWeights& w, int64_t n, co
 
 int64_t cpu_isa() { return best_isa(); }
 
-// The tiles of weights whose d and m are in form S, with the fifth bits or not, for this path.
+// The tiles of weights whose d and m are in form S, with HB bit planes, for this path.
+template <Scales S, int HB>
+torch::Tensor run_tiles(const torch::Tensor& x, const Weights& w, int64_t n, const float* bias, int64_t isa) {
+  using Table = Tiles<S, HB>;
+  if (isa == kAvx512Vnni) return run_any(x, w, n, bias, kVnniRows, Table::vnni);
+  return run_any(x, w, n, bias, kAvx2Rows, Table::avx2);
+}
+
+// The same with the fifth bits where the weights have them.
 template <Scales S>
 torch::Tensor run_scales(const torch::Tensor& x, const Weights& w, int64_t n, const float* bias, int64_t isa) {
-  if (w.planes != nullptr) {
-    if (isa == kAvx512Vnni) return run_any(x, w, n, bias, kVnniRows, Tiles<S, 1>::vnni);
-    return run_any(x, w, n, bias, kAvx2Rows, Tiles<S, 1>::avx2);
-  }
-  if (isa == kAvx512Vnni) return run_any(x, w, n, bias, kVnniRows, Tiles<S, 0>::vnni);
-  return run_any(x, w, n, bias, kAvx2Rows, Tiles<S, 0>::avx2);
+  return w.planes != nullptr ? run_tiles<S, 1>(x, w, n, bias, isa) : run_tiles<S, 0>(x, w, n, bias, isa);
 }
 
 // y = x W^T (+ bias) for x [M, K] float32 or bfloat16 (y in the same dtype; the bias float32), W packed

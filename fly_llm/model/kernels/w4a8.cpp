@@ -368,12 +368,86 @@ void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * kCols, sum[r]);
 }
 
-// The same steps on 256-bit registers, a group as two halves of 8 columns. A level's nibble and its
-// high part (0..15) are multiplied apart (vpmaddubsw pairs stay within int16: 2 * 15 * 127 each, four
-// of them per half-block) and joined in int32 as nibble + 16 * high.
+// The epilogue of a symmetric tile on 256-bit registers: columns [8 ch, 8 ch + 8) of block b, rows
+// [row0, row0 + R), from each row's two halves' int32 sums of level * activation (`dot`): subtract
+// zero * (the half's sum of activations), weigh the halves by their sub-scales (kSub), then
+// acc += float(isum) * (d * s).
+template <int R, bool kSub>
+__attribute__((target("avx2,f16c,fma"), always_inline)) inline
+void sym_store8(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b, int ch,
+                const __m256i (&dot)[R][2], float* acc) {
+  const int64_t at = group * w.blocks + b;
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block_d(w, group, b) + ch * 8)));
+  __m256i sc0 = _mm256_set1_epi32(1), sc1 = sc0;
+  if constexpr (kSub) {
+    sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + at * 2 * kCols + ch * 8)));
+    sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + at * 2 * kCols + kCols + ch * 8)));
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = (row0 + r) * a.blocks + b;
+    __m256i h[2];
+    for (int half = 0; half < 2; ++half)
+      h[half] = _mm256_sub_epi32(dot[r][half], _mm256_set1_epi32(static_cast<int32_t>(w.zero * a.hs[2 * i + half])));
+    __m256i isum;
+    if constexpr (kSub) isum = _mm256_add_epi32(_mm256_mullo_epi32(sc0, h[0]), _mm256_mullo_epi32(sc1, h[1]));
+    else isum = _mm256_add_epi32(h[0], h[1]);
+    float* out = acc + r * kCols + ch * 8;
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(a.s[i])),
+                                          _mm256_loadu_ps(out)));
+  }
+}
+
+// The same steps on 256-bit registers for levels of at most 6 bits (HB <= 2: Q6_K, Q5_0, Q4_0), a group as
+// two halves of 8 columns. A level's nibble and high part are joined before the products (nibble + 16 * high,
+// 0..63 in one byte): a vpmaddubsw pair is then at most 2 * 63 * 127 and a chunk's two (its low and high
+// nibble positions) 32004, within int16, widened to int32 chunk by chunk (vpmaddwd). One product per weight
+// and int32 sums: four rows' accumulators fit the 16 ymm registers, so a weight block is unpacked once per
+// four rows. sum(level * a) = sum(nibble * a) + 16 * sum(high * a): the same integers as
+// sym_tile_avx2_apart, then the same float steps (sym_store8), so both paths agree bit for bit.
 template <int R, int HB, bool kSub>
 __attribute__((target("avx2,f16c,fma")))
-void sym_tile_avx2(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
+void sym_tile_avx2_joined(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0,
+                          int64_t b1, float* acc) {
+  static_assert(HB <= 2, "levels of at most 6 bits keep a chunk's vpmaddubsw pairs within int16");
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t at = group * w.blocks + b;
+    const uint8_t* q = w.lo + at * kGroupBytes;
+    const uint64_t* bits = w.planes + at * 4 * HB * 2;
+    prefetch_ahead(q, kGroupBytes, kGroupBytes / 64);
+    if constexpr (HB > 0) prefetch_ahead(bits, 64 * HB, HB);
+    for (int ch = 0; ch < 2; ++ch) {
+      __m256i dot[R][2];
+      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64 + ch * 32));
+        __m256i lo = _mm256_and_si256(raw, nibble);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        if constexpr (HB > 0) {
+          __m256i high_lo, high_hi;
+          high_parts8<HB>(bits, c, ch, high_lo, high_hi);
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(high_lo, 4));  // high parts below 4: no carry across bytes
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(high_hi, 4));
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(x))),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(x + 4))));
+          dot[r][c / 2] = _mm256_add_epi32(dot[r][c / 2], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+      sym_store8<R, kSub>(w, a, group, row0, b, ch, dot, acc);
+    }
+  }
+}
+
+// The same steps on 256-bit registers for any levels (Q8_0's 8 bits), a group as two halves of 8 columns.
+// A level's nibble and its high part (0..15) are multiplied apart (vpmaddubsw pairs stay within int16:
+// 2 * 15 * 127 each, four of them per half-block) and joined in int32 as nibble + 16 * high.
+template <int R, int HB, bool kSub>
+__attribute__((target("avx2,f16c,fma")))
+void sym_tile_avx2_apart(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
                    float* acc) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -402,41 +476,38 @@ void sym_tile_avx2(const SymWeights& w, const Activations& a, int64_t group, int
                                                                                  _mm256_maddubs_epi16(high_hi, xh)));
         }
       }
-      const __m256 d =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block_d(w, group, b) + ch * 8)));
-      __m256i sc0 = _mm256_set1_epi32(1), sc1 = sc0;
-      if constexpr (kSub) {
-        sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + at * 2 * kCols + ch * 8)));
-        sc1 = _mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + at * 2 * kCols + kCols + ch * 8)));
-      }
+      __m256i sums[R][2];
       for (int r = 0; r < R; ++r) {
-        const int64_t i = (row0 + r) * a.blocks + b;
-        __m256i h[2];
         for (int half = 0; half < 2; ++half) {
-          __m256i v = _mm256_madd_epi16(dot[r][half], ones);
-          if constexpr (HB > 0) v = _mm256_add_epi32(v, _mm256_slli_epi32(_mm256_madd_epi16(high[r][half], ones), 4));
-          h[half] = _mm256_sub_epi32(v, _mm256_set1_epi32(static_cast<int32_t>(w.zero * a.hs[2 * i + half])));
+          sums[r][half] = _mm256_madd_epi16(dot[r][half], ones);
+          if constexpr (HB > 0)
+            sums[r][half] = _mm256_add_epi32(sums[r][half], _mm256_slli_epi32(_mm256_madd_epi16(high[r][half], ones), 4));
         }
-        __m256i isum;
-        if constexpr (kSub) isum = _mm256_add_epi32(_mm256_mullo_epi32(sc0, h[0]), _mm256_mullo_epi32(sc1, h[1]));
-        else isum = _mm256_add_epi32(h[0], h[1]);
-        float* out = acc + r * kCols + ch * 8;
-        _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(a.s[i])),
-                                              _mm256_loadu_ps(out)));
       }
+      sym_store8<R, kSub>(w, a, group, row0, b, ch, sums, acc);
     }
   }
 }
 
 using SymTile = TileOf<SymWeights>;
-constexpr int kSymAvx2Rows = 2;  // 8 int16 accumulators + weights fit 16 ymm registers
+constexpr int kSymApartRows = 2;   // apart: 8 int16 accumulators + weights fit 16 ymm registers
+constexpr int kSymJoinedRows = 4;  // joined: 8 int32 accumulators + 2 weights + 2 broadcasts + constants
+
+// The AVX2 tile over R rows: joined levels where they fit int16 (HB <= 2), else apart.
+template <int R, int HB, bool kSub>
+constexpr SymTile sym_tile_avx2() {
+  if constexpr (HB <= 2) return sym_tile_avx2_joined<R, HB, kSub>;
+  else return sym_tile_avx2_apart<(R < kSymApartRows ? R : kSymApartRows), HB, kSub>;
+}
+
 template <int HB, bool kSub>
 struct SymTiles {
   static constexpr SymTile vnni[] = {sym_tile_vnni<1, HB, kSub>, sym_tile_vnni<2, HB, kSub>, sym_tile_vnni<3, HB, kSub>,
                                      sym_tile_vnni<4, HB, kSub>, sym_tile_vnni<5, HB, kSub>, sym_tile_vnni<6, HB, kSub>,
                                      sym_tile_vnni<7, HB, kSub>, sym_tile_vnni<8, HB, kSub>};
-  static constexpr SymTile avx2[] = {sym_tile_avx2<1, HB, kSub>, sym_tile_avx2<2, HB, kSub>};
+  static constexpr int avx2_rows = HB <= 2 ? kSymJoinedRows : kSymApartRows;
+  static constexpr SymTile avx2[] = {sym_tile_avx2<1, HB, kSub>(), sym_tile_avx2<2, HB, kSub>(),
+                                     sym_tile_avx2<3, HB, kSub>(), sym_tile_avx2<4, HB, kSub>()};
 };
 
 int64_t best_isa() {
@@ -600,7 +671,7 @@ template <int HB, bool kSub>
 torch::Tensor run_sym(const torch::Tensor& x, const SymWeights& w, int64_t n, const float* bias, int64_t isa) {
   using Table = SymTiles<HB, kSub>;
   if (isa == kAvx512Vnni) return run_any(x, w, n, bias, kVnniRows, Table::vnni);
-  return run_any(x, w, n, bias, kSymAvx2Rows, Table::avx2);
+  return run_any(x, w, n, bias, Table::avx2_rows, Table::avx2);
 }
 
 }  // namespace

@@ -26,7 +26,7 @@ from benchmarks.harness.methods import Method, Runner
 from benchmarks.harness.quality import score
 from benchmarks.harness.report import REFERENCE
 from fly_llm.common.config import FLyConfig, SamplingParams
-from fly_llm.decoding.policy import AdaptivePolicy, Costs, PolicyState
+from fly_llm.decoding.policy import AdaptivePolicy, Costs, PolicyState, RowAsk
 from fly_llm.decoding.stages import DraftPlan, Stage
 from fly_llm.common.stats import RequestStats
 from fly_llm.model.kernels.cpu import cpu_model
@@ -114,6 +114,10 @@ class SingleStreamPolicy(AdaptivePolicy):
              offered: Sequence[Stage]) -> DraftPlan:
         """AdaptivePolicy.plan with the batch size taken as 1."""
         return super().plan(state, fly, budget, 1, offered)
+
+    def plan_round(self, asks: Sequence[RowAsk]) -> list[DraftPlan]:
+        """Every row planned alone: no round is priced at the batch's width."""
+        return [self.plan(a.state, a.fly, a.budget, 1, a.offered) for a in asks]
 
     def observe(self, state: PolicyState, plan: DraftPlan, drafted: int, accepted: int, forwards: int = 0,
                 *, loose: int = 0, window: int | None = None, batch_size: int = 1) -> None:

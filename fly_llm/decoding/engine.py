@@ -38,7 +38,7 @@ from fly_llm.decoding.grammar import CACHE_BYTES, MAX_GRAMMAR_BYTES, GrammarComp
 from fly_llm.decoding.grammar_sandbox import WORKERS
 from fly_llm.decoding.logprobs import Logprob, token_logprobs
 from fly_llm.decoding.penalties import Penalty
-from fly_llm.decoding.policy import AdaptivePolicy, PolicyState
+from fly_llm.decoding.policy import AdaptivePolicy, PolicyState, RowAsk
 from fly_llm.decoding.prefill import PromptFill
 from fly_llm.decoding.prefix_cache import PrefixCache
 from fly_llm.decoding.row_faults import RowFaults
@@ -355,8 +355,8 @@ class FLyEngine:
         behind = self._cascade.behind(contexts)  # a model round's catch-up prefill, a cost the policy weighs
         for b, req in enumerate(rows):
             req.policy.behind = {name: lags[b] for name, lags in behind.items()}
-        plans = [self.policy.plan(r.policy, r.fly, n, len(rows), self._cascade.offered(first_round=not r.output))
-                 for r, n in zip(rows, budgets)]
+        plans = self.policy.plan_round([RowAsk(r.policy, r.fly, n, self._cascade.offered(first_round=not r.output))
+                                        for r, n in zip(rows, budgets)])
         drafts = self._cascade.propose(contexts, plans, budgets, [r.fly for r in rows])
         forced = self._cascade.forced
         faults = RowFaults([r.id for r in rows])

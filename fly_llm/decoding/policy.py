@@ -72,6 +72,16 @@ early, as soon as the n-gram stage's estimate is below what a model round could 
 (while the n-gram stage does better, an unproven model is not probed at all); a warm cache is valued
 as before.
 
+A batch's round is then priced as a whole (`AdaptivePolicy.plan_round`): the verify forward pads every row
+to the longest draft, so a batch of B rows verifying up to K drafts costs c(B·(K+1)), not c(B + K); each
+draft-model forward runs over all B rows and holds them all; a catch-up pads all B rows to the backlog
+it feeds. Against a plain round (B tokens in c(B)) the round's expected tokens per unit of time are
+compared for every cap on the rows' drafts (0: plain) and with the model rows on their best lookup plan
+instead, and the best is run; a batch of one keeps its row's own plan. Each row's own plan above
+weighs the batch only through verify(K) and cannot see that one row's long draft widens everyone's
+forward: with 8 requests of prose in flight FLy served 0.92× target-only's tokens per second
+(benchmarks/results/concurrency).
+
 Rounds are never timed: the costs are fixed (the defaults, or `Costs.measure` timed once per
 machine and models and kept in the model cache: fly_llm.policy_costs), so the choices — and hence
 FLy-mode output — depend only on the tokens.
@@ -289,6 +299,17 @@ class PolicyState:
         return self.models.setdefault(stage, ModelHistory())
 
 
+@dataclass(frozen=True)
+class RowAsk:
+    """What one row's round is planned from: its history, its FLy settings, the tokens it may still draft
+    (`budget`) and the drafters the engine offers it (in cascade order)."""
+
+    state: PolicyState
+    fly: FLyConfig
+    budget: int
+    offered: Sequence[Stage]
+
+
 class AdaptivePolicy:
     """Chooses each request's DraftPlan from its acceptance history and the batch size; its `costs` are
     fixed for its life (the module docstring says why)."""
@@ -343,6 +364,65 @@ class AdaptivePolicy:
             if plan is not None:
                 return plan
         return best
+
+    def plan_round(self, asks: Sequence[RowAsk]) -> list[DraftPlan]:
+        """Every row's plan for one round of a batch of `len(asks)` rows: each row's own (`plan`), then the
+        round priced at the batch's real width (`_round_speed`) and the drafting capped where that pays
+        more tokens per unit of time: at most `cap` drafts in each adaptive row (0: a plain round), with or
+        without the draft model. A batch of one keeps its row's own plan."""
+        batch = len(asks)
+        plans = [self.plan(a.state, a.fly, a.budget, batch, a.offered) for a in asks]
+        if batch == 1 or not any(p.k for p in plans):
+            return plans
+        options = [plans]
+        if any(p.model for p in plans):  # the model rows on their best lookup plan instead: no draft forwards
+            options.append([self.plan(a.state, a.fly, a.budget, batch, [s for s in a.offered if not s.runs_model])
+                            if p.model else p for a, p in zip(asks, plans)])
+        best, best_speed = plans, 0.0
+        for option in options:
+            for cap in range(max(p.k for p in option) + 1):
+                capped = [replace(p, k=min(p.k, cap)) if a.fly.adaptive and p.k > cap else p
+                          for a, p in zip(asks, option)]
+                capped = [PLAIN if a.fly.adaptive and not p.k else p for a, p in zip(asks, capped)]
+                speed = self._round_speed(asks, capped)
+                if speed > best_speed:
+                    best, best_speed = capped, speed
+        for ask, before, after in zip(asks, plans, best):
+            if before.model and not after.model:  # a probe that does not run is not a probe
+                ask.state.model(before.drafter).probing = False
+        return best
+
+    def _round_speed(self, asks: Sequence[RowAsk], plans: Sequence[DraftPlan]) -> float:
+        """Expected tokens per unit of time (one-token target forwards) of a round of these plans, priced at
+        the batch's real width: the verify forward pads every row to the longest draft (B·(K+1) tokens,
+        c(B) when no row drafts), each draft-model forward runs over all B rows and holds the whole batch,
+        and a catch-up pads all B rows to the backlog it feeds (its share for this round's tokens)."""
+        batch = len(plans)
+        tokens, quiet, draft, catch_up = 0.0, 1.0, 0.0, 0.0
+        for ask, plan in zip(asks, plans):
+            gain, drafts = self._expected_gain(ask, plan)
+            tokens += 1 + gain
+            if plan.k:
+                quiet *= 1 - drafts
+            if plan.model:
+                history, cost = ask.state.model(plan.drafter), self.costs.of(plan.drafter)
+                draft = max(draft, plan.k * history.steps * cost.forward(batch))
+                expected = min(ask.budget + 1, max(ask.state.emitted, _PRIOR_TOKENS))
+                catch_up += cost.prefill * batch * ask.state.behind.get(plan.drafter, 0) * (1 + gain) / expected
+        widest = max(p.k for p in plans)
+        verify = quiet * self.costs.target(batch) + (1 - quiet) * self.costs.target(batch * (widest + 1))
+        return tokens / (verify + draft + catch_up)
+
+    @staticmethod
+    def _expected_gain(ask: RowAsk, plan: DraftPlan) -> tuple[float, float]:
+        """(expected draft tokens kept, chance that the row drafts at all) of `plan` for this row."""
+        if not plan.k:
+            return 0.0, 0.0
+        if plan.model:
+            loose = _Loose(ask.state.rescue.value, ask.fly.window) if ask.fly.loose else _Loose()
+            return _gain(ask.state.model(plan.drafter).alpha.value, plan.k, loose), 1.0
+        history = ask.state.lookup(plan.drafter)
+        return history.hit * _gain(history.alpha.value, plan.k), history.hit
 
     def _model_plan(self, state: PolicyState, name: str, upstream: tuple[str, ...], round_: _Round,
                     best_speed: float) -> DraftPlan | None:
@@ -449,15 +529,21 @@ def _best_k(alpha: float, verify: Sequence[float], draft_per_token: float,
             loose: _Loose = _Loose()) -> tuple[int, float]:
     """The K in 1..len(verify)-1 with the best (expected extra tokens) / time, and those extra tokens;
     a round's time is 1 + verify[K] + draft_per_token·K."""
-    rescued = alpha + (1 - alpha) * loose.rho
     best_k, best_gain, best_speed = 1, 0.0, 0.0
     for k in range(1, len(verify)):
-        m = max(k - loose.window, 0)  # positions where the rule may rescue a mismatch
-        gain = _geometric(rescued, m) + rescued ** m * _geometric(alpha, k - m)
+        gain = _gain(alpha, k, loose)
         speed = (1 + gain) / (1 + verify[k] + draft_per_token * k)
         if speed > best_speed:
             best_k, best_gain, best_speed = k, gain, speed
     return best_k, best_gain
+
+
+def _gain(alpha: float, k: int, loose: _Loose = _Loose()) -> float:
+    """Expected draft tokens kept of k at native acceptance α, FLy's rule rescuing mismatches at the
+    positions with at least W drafts after them."""
+    rescued = alpha + (1 - alpha) * loose.rho
+    m = max(k - loose.window, 0)  # positions where the rule may rescue a mismatch
+    return _geometric(rescued, m) + rescued ** m * _geometric(alpha, k - m)
 
 
 def _interpolate(points: Sequence[tuple[float, float]], width: float) -> float:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding import policy as policy_module
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding.policy import (PLAIN, AdaptivePolicy, Costs, LookupHistory, ModelHistory, PolicyState,
-                                    _Rate)
+                                    RowAsk, _Rate)
 from fly_llm.decoding.stages import DraftModelStage, DraftPlan, NgramStage
 from support.tiny_models import make_pair
 
@@ -429,3 +431,80 @@ def test_a_memory_bound_verify_makes_short_model_rounds_pay():
                                                             batch_size=1, offered=(DraftModelStage,))
     assert plans["linear", 0.7] == PLAIN and plans["timed", 0.7] == DraftPlan(1, ALONE, True)
     assert plans["timed", 0.9].k > plans["linear", 0.9].k >= 1
+
+
+def _model_row(alpha: float, **history) -> PolicyState:
+    """A request that has run the draft model at native acceptance alpha (warm cache, long answer)."""
+    return PolicyState(models={MODEL: ModelHistory(alpha=_Rate(alpha * 20, (1 - alpha) * 20), since=0, **history)},
+                       emitted=100)
+
+
+def _asks(states: list[PolicyState], fly: FLyConfig = FLyConfig(loose=False)) -> list[RowAsk]:
+    return [RowAsk(state, fly, 100, BOTH) for state in states]
+
+
+def test_a_batch_of_one_keeps_its_rows_own_plan():
+    policy = AdaptivePolicy(Costs(0.17, target_widths=MEMORY_BOUND).with_stage(MODEL, step=0.3))
+    for alpha in (0.3, 0.7, 0.9):
+        alone, in_round = _model_row(alpha), _model_row(alpha)
+        assert (policy.plan_round(_asks([in_round]))
+                == [policy.plan(alone, FLyConfig(loose=False), 100, 1, BOTH)])
+
+
+def test_a_round_priced_at_the_batchs_width_stops_drafting_where_the_padded_verify_costs_more():
+    """Eight rows with a good draft model: the verify forward pads every row to the longest draft
+    (8·(K+1) tokens, compute-bound on a CPU) and each draft forward holds all eight, so the round is plain;
+    where forwards cost the same at any width (memory-bound), the same rows draft."""
+    compute_bound = Costs(0.17, target_widths=MEMORY_BOUND).with_stage(MODEL, step=0.3)
+    flat = Costs(0.0, target_widths=((2, 1.0), (128, 1.0))).with_stage(MODEL, step=0.3)
+    for costs, drafts in ((compute_bound, False), (flat, True)):
+        policy = AdaptivePolicy(costs)
+        plans = policy.plan_round(_asks([_model_row(0.8) for _ in range(8)]))
+        assert all(p.k > 0 for p in plans) == drafts and (drafts or plans == [PLAIN] * 8)
+
+
+def test_a_round_without_the_draft_model_is_chosen_when_its_forwards_hold_the_batch():
+    """A row with reliable n-gram copies and one with a draft model: at four rows the model's forwards
+    (each over all four rows) do not pay, so the model row drafts from its lookup plan (or not at all)
+    while the n-gram row keeps drafting; its probe is released (no backoff for a round that never ran)."""
+    costs = Costs(0.17, target_widths=((2, 1.02), (4, 1.05), (8, 1.1), (16, 1.3), (32, 2.0)))
+    policy = AdaptivePolicy(costs.with_stage(MODEL, step=0.6))
+    copies = PolicyState(lookups={NGRAM: LookupHistory(alpha=_Rate(9.5, 0.5), hit=1.0)}, emitted=100)
+    model = _model_row(0.75)
+    states = [copies, model, PolicyState(emitted=100), PolicyState(emitted=100)]
+    plans = policy.plan_round(_asks(states))
+    assert plans[0].k > 0 and not plans[0].model
+    assert not any(p.model for p in plans)
+    assert not model.models[MODEL].probing
+
+
+@settings(max_examples=200, deadline=None)
+@given(alphas=st.lists(st.floats(0.05, 0.99), min_size=1, max_size=8), hits=st.lists(st.floats(0.0, 1.0), min_size=8,
+                                                                                         max_size=8),
+       slope=st.floats(0.0, 0.3), step=st.floats(0.1, 1.0), behind=st.integers(0, 400), fly_on=st.booleans())
+def test_a_round_is_never_expected_to_serve_fewer_tokens_than_a_plain_one_nor_to_draft_more_than_its_rows_plans(
+        alphas, hits, slope, step, behind, fly_on):
+    """Over random batches, histories and costs: `plan_round` only caps each row's own plan (or, for a model
+    row, its best lookup plan): it never drafts more nor adds a stage; and the round it chooses is priced at
+    least as fast as a plain round of the batch."""
+    costs = Costs(slope).with_stage(MODEL, step=step, prefill=0.05)
+    policy = AdaptivePolicy(costs)
+    states = []
+    for i, alpha in enumerate(alphas):
+        state = _model_row(alpha) if i % 2 else PolicyState(
+            lookups={NGRAM: LookupHistory(alpha=_Rate(alpha * 10, (1 - alpha) * 10), hit=hits[i])}, emitted=50)
+        state.behind = {MODEL: behind * (i % 3 == 0)}
+        states.append(state)
+    fly = FLyConfig() if fly_on else FLyConfig(loose=False)
+    asks = _asks(states, fly)
+    alone = [policy.plan(s, fly, 100, len(states), BOTH) for s in states]
+    lookup = [policy.plan(s, fly, 100, len(states), NGRAM_ONLY) for s in states]  # a model row's alternative
+    for state in states:  # plan() marks probes; plan_round plans again from the same histories
+        for history in state.models.values():
+            history.probing = False
+    plans = policy.plan_round(asks)
+    for mine, own, other in zip(plans, alone, lookup):
+        assert mine.stages in ((), own.stages) + ((other.stages,) if own.model else ())
+        assert mine.k <= (own.k if mine.stages == own.stages else other.k)
+    if len(states) > 1:
+        assert policy._round_speed(asks, plans) >= len(states) / costs.target(len(states)) - 1e-9

@@ -52,7 +52,7 @@ def serve(engine: Any, prompts: list[list[int]], in_flight: int, max_tokens: int
     """Run every prompt through `engine`, `in_flight` at a time; aggregate tokens, seconds and draft rounds."""
     waiting = deque(enumerate(prompts))
     running: set[str] = set()
-    tokens = model_rounds = ngram_rounds = 0
+    tokens = model_rounds = ngram_rounds = drafted = native = loose = 0
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     start = time.perf_counter()
     while waiting or running:
@@ -65,24 +65,32 @@ def serve(engine: Any, prompts: list[list[int]], in_flight: int, max_tokens: int
             tokens += len(out.new_token_ids)
             if out.finished:
                 running.discard(out.request_id)
-                model_rounds += out.stats.draft_model_rounds
-                ngram_rounds += out.stats.ngram_rounds
+                stats = out.stats
+                model_rounds, ngram_rounds = model_rounds + stats.draft_model_rounds, ngram_rounds + stats.ngram_rounds
+                drafted += stats.drafted
+                native, loose = native + stats.accepted_native, loose + stats.accepted_loose
     seconds = time.perf_counter() - start
-    return {"tokens": tokens, "seconds": seconds, "model_rounds": model_rounds, "ngram_rounds": ngram_rounds}
+    return {"tokens": tokens, "seconds": seconds, "model_rounds": model_rounds, "ngram_rounds": ngram_rounds,
+            "drafted": drafted, "accepted_native": native, "accepted_loose": loose}
 
 
 def report(rows: list[dict[str, Any]], methods: list[str], header: list[str]) -> str:
     """results.md: per concurrency, each method's aggregate tokens/s and its ratio to target-only's."""
     lines = [*header, "", "| in flight | method | tok/s (median over rounds) | ÷ target-only (median of paired) | "
-             "draft-model rounds | n-gram rounds |", "|---:|---|---:|---:|---:|---:|"]
+             "draft-model rounds | n-gram rounds | drafts kept / drafted | loose share of kept |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for c in sorted({r["in_flight"] for r in rows}):
         plain = {r["round"]: r for r in rows if r["in_flight"] == c and r["method"] == PLAIN.name}
         for method in [PLAIN.name, *methods]:
             mine = [r for r in rows if r["in_flight"] == c and r["method"] == method]
             speeds = [r["tokens"] / r["seconds"] for r in mine]
             ratios = [s / (plain[r["round"]]["tokens"] / plain[r["round"]]["seconds"]) for r, s in zip(mine, speeds)]
+            drafted = sum(r.get("drafted", 0) for r in mine)
+            kept = sum(r.get("accepted_native", 0) + r.get("accepted_loose", 0) for r in mine)
+            loose = sum(r.get("accepted_loose", 0) for r in mine)
             lines.append(f"| {c} | {method} | {statistics.median(speeds):.2f} | {statistics.median(ratios):.3f} | "
-                         f"{sum(r['model_rounds'] for r in mine)} | {sum(r['ngram_rounds'] for r in mine)} |")
+                         f"{sum(r['model_rounds'] for r in mine)} | {sum(r['ngram_rounds'] for r in mine)} | "
+                         f"{kept} / {drafted} | {loose / kept if kept else 0:.1%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -90,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.harness.cli import encode
     from benchmarks.harness.datasets import load
     from benchmarks.harness.environment import cpu_name
-    from fly_llm.common.config import ModelSpec
+    from fly_llm.common.config import DRAFT_WEIGHTS, ModelSpec
     from fly_llm.decoding.engine import FLyEngine
     from fly_llm.model.pair import load_models
 
@@ -102,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--draft-weights", choices=list(DRAFT_WEIGHTS), default="published",
+                   help="the draft's storage (ModelSpec.draft_weights)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -111,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     based = base.AdaptivePolicy(base.Costs.from_dict(costs))
     policies = {f"fly at {args.base}": based if hasattr(based, "plan_round") else RowByRow(based),
                 "fly here": policy_here.AdaptivePolicy(policy_here.Costs.from_dict(costs))}
-    models = load_models(ModelSpec())
+    models = load_models(ModelSpec(draft_weights=args.draft_weights))
     engine = FLyEngine(models.target, models.tokenizer, models.draft, FLY.fly,
                        context_window=models.context_window)
     prompts = [encode(models.tokenizer, item) for item in load(args.dataset, args.limit)]
@@ -132,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(row), flush=True)
     command = " ".join(["python -m benchmarks.engine.concurrency_sweep", *(argv or sys.argv[1:])])
     header = [f"# Concurrency sweep: this tree's policy against {args.base}'s ({args.dataset}, {len(prompts)} "
-              f"prompts × {args.max_tokens} tokens, {args.rounds} round(s), {args.threads} threads, {cpu_name()})",
+              f"prompts × {args.max_tokens} tokens, {args.rounds} round(s), {args.threads} threads, the draft "
+              f"{args.draft_weights}, {cpu_name()})",
               "", f"Costs from {args.costs}: {json.dumps(costs)}", "", f"    {command}"]
     text = report(rows, list(policies), header)
     (args.out / "results.md").write_text(text, encoding="utf-8")

@@ -372,12 +372,12 @@ class AdaptivePolicy:
         without the draft model. A batch of one keeps its row's own plan."""
         batch = len(asks)
         plans = [self.plan(a.state, a.fly, a.budget, batch, a.offered) for a in asks]
-        if batch == 1 or not any(p.k for p in plans):
-            return plans
+        if batch == 1 or not any(p.k and a.fly.adaptive for a, p in zip(asks, plans)):
+            return plans  # a fixed plan (`FLyConfig.adaptive` off) is the request's to choose, not the batch's
         options = [plans]
-        if any(p.model for p in plans):  # the model rows on their best lookup plan instead: no draft forwards
+        if any(p.model and a.fly.adaptive for a, p in zip(asks, plans)):  # the model rows on their best lookup plan
             options.append([self.plan(a.state, a.fly, a.budget, batch, [s for s in a.offered if not s.runs_model])
-                            if p.model else p for a, p in zip(asks, plans)])
+                            if p.model and a.fly.adaptive else p for a, p in zip(asks, plans)])
         best, best_speed = plans, 0.0
         for option in options:
             for cap in range(max(p.k for p in option) + 1):

@@ -463,6 +463,17 @@ def test_a_round_priced_at_the_batchs_width_stops_drafting_where_the_padded_veri
         assert all(p.k > 0 for p in plans) == drafts and (drafts or plans == [PLAIN] * 8)
 
 
+def test_fixed_plans_are_the_requests_own_in_any_batch():
+    """With `adaptive` off a request drafts k tokens with its stages every round: the batch's pricing neither
+    caps it nor takes its draft model away, however dear the round (the engine's exact-mode tests rely on it)."""
+    policy = AdaptivePolicy(Costs(0.5).with_stage(MODEL, step=2.0))
+    fixed = FLyConfig(k=4, loose=False, adaptive=False)
+    asks = [RowAsk(PolicyState(), fixed, 100, BOTH) for _ in range(4)]
+    assert policy.plan_round(asks) == [DraftPlan(4, CASCADE, True)] * 4
+    mixed = [*asks[:2], *_asks([_model_row(0.8), _model_row(0.8)])]
+    assert policy.plan_round(mixed)[:2] == [DraftPlan(4, CASCADE, True)] * 2
+
+
 def test_a_round_without_the_draft_model_is_chosen_when_its_forwards_hold_the_batch():
     """A row with reliable n-gram copies and one with a draft model: at four rows the model's forwards
     (each over all four rows) do not pay, so the model row drafts from its lookup plan (or not at all)

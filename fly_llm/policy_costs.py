@@ -68,6 +68,7 @@ def costs_identity(loaded: LoadedModels) -> dict[str, Any]:
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "quantization": {"target": loaded.target_quantization, "draft": loaded.draft_quantization},
         "draft_vocabulary": loaded.draft_vocabulary,
+        "draft_weights": loaded.draft_weights,
         "kernels": _kernel_keys(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -31,7 +31,7 @@ from benchmarks.harness.quality_run import (DEFAULT_BATCH, QUALITY_METHODS, Qual
                                     check_method, policy_costs, run_quality)
 from benchmarks.harness.environment import git_commit
 from benchmarks.harness.report import REFERENCE, ItemResult, compare_to_best_hf, summarize, write
-from fly_llm.common.config import QUANTIZATIONS
+from fly_llm.common.config import DRAFT_WEIGHTS, QUANTIZATIONS
 from fly_llm.model.kernels.cpu import cpu_model
 
 DEFAULT_LIMIT = 4
@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "this draft")
     p.add_argument("--draft-vocabulary", type=int, default=None,
                    help="tokens the draft's head scores, as for the daemon (default: the daemon's; 0: all)")
+    p.add_argument("--draft-weights", choices=list(DRAFT_WEIGHTS), default=None,
+                   help="the draft's weights rounded to 4 bits or as published, as for the daemon (default: the daemon's)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HumanEval test run")
     p.add_argument("--out", type=Path, default=Path("fly-bench-results"), help="output directory")
@@ -153,6 +155,7 @@ def environment(models: Any, runner: Runner) -> dict[str, Any]:
         "target": models.target_name, "draft": models.draft_name, "dtype": str(models.dtype).removeprefix("torch."),
         "target_quantization": models.target_quantization,
         "draft_quantization": models.draft_quantization, "draft_vocabulary": models.draft_vocabulary,
+        "draft_weights": models.draft_weights,
         "policy_costs": runner.policy_costs(),
         "device": str(models.device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "cpu": cpu_model(), "platform": platform.platform(), "python": platform.python_version(),
@@ -268,7 +271,8 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> int:
     models = load_models(ModelSpec(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
                                    target_quantization=args.target_quantization,
                                    draft_quantization=args.draft_quantization,
-                                   **({} if args.draft_vocabulary is None else {"draft_vocabulary": args.draft_vocabulary})))
+                                   **({} if args.draft_vocabulary is None else {"draft_vocabulary": args.draft_vocabulary}),
+                                   **({} if args.draft_weights is None else {"draft_weights": args.draft_weights})))
     float_target = None
     if TARGET_FLOAT in args.methods and models.target_quantization != "none":
         float_target = load_models(ModelSpec(target=args.target, draft="none", dtype=args.dtype, device=args.device,

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from fly_llm.client import FLyClient, build_options, default_endpoint
-from fly_llm.common.config import DRAFT_STAGES, QUANTIZATIONS, FLyConfig, ModelSpec
+from fly_llm.common.config import DRAFT_STAGES, DRAFT_WEIGHTS, QUANTIZATIONS, FLyConfig, ModelSpec
 from fly_llm.common.errors import BadRequest, FLyError, FLyUnavailable
 from fly_llm.common.protocol import GenerateResult
 from fly_llm.common.tools import offer_tools
@@ -166,6 +166,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="quantized target weights ('auto': int8 on CPU, float on GPU; docs/models.md)")
     models.add_argument("--draft-quantization", choices=list(QUANTIZATIONS),
                         help="quantized draft weights ('auto': int8 on CPU; the draft only proposes)")
+    models.add_argument("--draft-weights", choices=list(DRAFT_WEIGHTS),
+                        help="the draft's weights as 'published' (default) or 'rounded' to 4 bits for a cheaper step")
     models.add_argument("--draft-vocabulary", type=int,
                         help="tokens the draft's output head scores: the special and most frequent ones "
                              "(0: all; the draft only proposes)")

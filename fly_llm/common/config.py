@@ -132,6 +132,11 @@ QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 """Weight quantization choices for the target and the draft (fly_llm.model.quantization; docs/models.md)."""
 
 
+DraftWeights = Literal["published", "rounded"]
+DRAFT_WEIGHTS: tuple[str, ...] = get_args(DraftWeights)
+"""How the draft's weights are stored under w4a8 (fly_llm.model.pair; docs/models.md)."""
+
+
 class ModelSpec(_Settings):
     """Which models to load and where. target None = the embedded default pair."""
 
@@ -149,6 +154,11 @@ class ModelSpec(_Settings):
     draft_quantization: Quantization = Field(
         "auto", description="quantized draft weights ('auto': as for the target). "
                             "The draft only proposes, so it changes speed, never what exact mode emits.")
+    draft_weights: DraftWeights = Field(
+        "published", description="how the draft's Linear weights are stored under w4a8: 'published' as the file has "
+                                 "them, or 'rounded' to the kernel's 4-bit layout for a cheaper step (a GGUF draft's "
+                                 "5- and 8-bit blocks too). The draft only proposes, so it changes speed, never what "
+                                 "exact mode emits.")
     draft_vocabulary: int = Field(
         0, ge=0, description="the draft's output head scores only this many tokens (the special ones and the "
                              "most frequent: fly_llm.model.draft_vocabulary); 0: all. The draft only proposes, "

@@ -50,6 +50,7 @@ class LoadedModels:
     target_quantization: str = "none"
     draft_quantization: str = "none"
     draft_vocabulary: int = 0  # tokens the draft's head scores (fly_llm.model.draft_vocabulary); 0: all
+    draft_weights: str = "published"  # how its weights are stored (ModelSpec.draft_weights)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -179,12 +180,12 @@ def load_models(spec: ModelSpec, progress: bool = True) -> LoadedModels:
             draft_tokenizer = _load_tokenizer(draft_path, draft_name)
             draft = _load_model(draft_path, draft_name, dtype, device, None)
             check_shared_vocab(tokenizer, draft_tokenizer, draft, target_name, draft_name)
-            draft_published = restrict_draft_vocabulary(draft, tokenizer, spec.draft_vocabulary,
-                                                        published_weights(draft_path))
+            published = published_weights(draft_path) if spec.draft_weights == "published" else None
+            draft_published = restrict_draft_vocabulary(draft, tokenizer, spec.draft_vocabulary, published)
             draft_scheme = quantize(draft, spec.draft_quantization, device, "draft", draft_published)
     log.info("loaded target %s (%s weights), draft %s (%s weights); %s on %s", target_name, target_scheme,
              draft_name or "none", draft_scheme, dtype, device)
     return LoadedModels(target=target, draft=draft, tokenizer=tokenizer, target_name=target_name,
                         draft_name=draft_name, device=device, dtype=dtype, context_window=context_window(target),
                         target_quantization=target_scheme, draft_quantization=draft_scheme,
-                        draft_vocabulary=kept_count(draft))
+                        draft_vocabulary=kept_count(draft), draft_weights=spec.draft_weights)

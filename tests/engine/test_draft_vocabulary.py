@@ -88,7 +88,8 @@ def tiny_pair_with_q8_head(tmp_path):
 def test_a_published_head_keeps_its_kept_rows_exactly(tmp_path, monkeypatch):
     monkeypatch.setenv("FLY_CACHE_DIR", str(tmp_path / "cache"))
     target, draft = tiny_pair_with_q8_head(tmp_path)
-    spec = dict(target=str(target), draft=str(draft), dtype="float32", device="cpu", draft_quantization="w4a8")
+    spec = dict(target=str(target), draft=str(draft), dtype="float32", device="cpu", draft_quantization="w4a8",
+                draft_weights="published")
     full = load_models(ModelSpec(**spec), progress=False)
     pruned = load_models(ModelSpec(**spec, draft_vocabulary=100), progress=False)
     head = pruned.draft.lm_head

@@ -16,7 +16,6 @@ each FLy method's over target-only's of the same round.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.engine.policy_ab import FLY, PLAIN, POLICY_PATH, read_costs
+from benchmarks.engine.policy_ab import FLY, PLAIN, POLICY_PATH, ab_parser, read_costs
 from benchmarks.harness.at_commit import module_at
 from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding import policy as policy_here
@@ -102,18 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     from fly_llm.decoding.engine import FLyEngine
     from fly_llm.model.pair import load_models
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", required=True, help="the commit whose policy.py is compared with this tree's")
-    p.add_argument("--costs", type=Path, required=True, help="a kept policy-costs file (every policy uses it)")
-    p.add_argument("--dataset", default="prose")
-    p.add_argument("--limit", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p = ab_parser(__doc__.split("\n\n")[0], limit=16, rounds=1)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--draft-weights", choices=list(DRAFT_WEIGHTS), default="published",
                    help="the draft's storage (ModelSpec.draft_weights)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = module_at(args.base, POLICY_PATH)

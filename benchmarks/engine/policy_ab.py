@@ -82,22 +82,28 @@ def report(rows: list[dict[str, Any]], methods: list[str], header: list[str]) ->
     return "\n".join(lines) + "\n"
 
 
+def ab_parser(description: str, limit: int, rounds: int) -> argparse.ArgumentParser:
+    """The options every policy A/B script takes: the base commit, the kept costs, the items and the run."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--base", required=True, help="the commit whose policy.py is compared with this tree's")
+    p.add_argument("--costs", type=Path, required=True, help="a kept policy-costs file (every policy uses it)")
+    p.add_argument("--dataset", default="prose")
+    p.add_argument("--limit", type=int, default=limit)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, required=True)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.harness.cli import encode
     from benchmarks.harness.datasets import load
     from fly_llm.common.config import ModelSpec
     from fly_llm.model.pair import load_models
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", required=True, help="the commit whose policy.py is compared with this tree's")
-    p.add_argument("--costs", type=Path, required=True, help="a kept policy-costs file (both policies use it)")
+    p = ab_parser(__doc__.split("\n\n")[0], limit=10, rounds=2)
     p.add_argument("--base-costs", type=Path, help="the base policy's own costs file instead (default: --costs)")
-    p.add_argument("--dataset", default="prose")
-    p.add_argument("--limit", type=int, default=10)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = module_at(args.base, POLICY_PATH)

@@ -174,6 +174,24 @@ void high_parts8(const uint64_t* bits, int c, int ch, __m256i& lo, __m256i& hi) 
   }
 }
 
+// Chunk c's bytes [32 ch, 32 ch + 32) of a block (`q`: its 256 bytes) as levels at the low (lo) and high (hi)
+// nibble positions, the HB high bit planes (`bits`: the block's planes; HB <= 2) joined above the nibbles:
+// nibble + 16 * high (high parts below 4: no carry across bytes).
+template <int HB>
+__attribute__((target("avx2"), always_inline)) inline
+void levels8(const uint8_t* q, const uint64_t* bits, int c, int ch, __m256i& lo, __m256i& hi) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64 + ch * 32));
+  lo = _mm256_and_si256(raw, nibble);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  if constexpr (HB > 0) {
+    __m256i high_lo, high_hi;
+    high_parts8<HB>(bits, c, ch, high_lo, high_hi);
+    lo = _mm256_or_si256(lo, _mm256_slli_epi16(high_lo, 4));
+    hi = _mm256_or_si256(hi, _mm256_slli_epi16(high_hi, 4));
+  }
+}
+
 // Rows [row0, row0 + R) of one group over blocks [b0, b1): acc[r * 16 + col] updated in place; HB = 1:
 // with the fifth bits (levels up to 31: vpdpbusd's u8 x s8 products do not saturate).
 template <int R, Scales S, int HB>
@@ -222,7 +240,6 @@ __attribute__((target("avx2,f16c,fma")))
 void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
                float* acc) {
   static_assert(HB == 0 || HB == 1, "levels of at most 5 bits keep vpmaddubsw's pairs within int16");
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t at = group * w.blocks + b;
@@ -234,15 +251,8 @@ void tile_avx2(const Weights& w, const Activations& a, int64_t group, int64_t ro
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       for (int h = 0; h < 2; ++h) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64 + h * 32));
-        __m256i lo = _mm256_and_si256(raw, nibble);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-        if constexpr (HB > 0) {
-          __m256i high_lo, high_hi;
-          high_parts8<HB>(bits, c, h, high_lo, high_hi);
-          lo = _mm256_or_si256(lo, _mm256_slli_epi16(high_lo, 4));  // bytes below 16: no carry across bytes
-          hi = _mm256_or_si256(hi, _mm256_slli_epi16(high_hi, 4));
-        }
+        __m256i lo, hi;
+        levels8<HB>(q, bits, c, h, lo, hi);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
           const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(x))),
@@ -409,7 +419,6 @@ __attribute__((target("avx2,f16c,fma")))
 void sym_tile_avx2_joined(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0,
                           int64_t b1, float* acc) {
   static_assert(HB <= 2, "levels of at most 6 bits keep a chunk's vpmaddubsw pairs within int16");
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t at = group * w.blocks + b;
@@ -421,15 +430,8 @@ void sym_tile_avx2_joined(const SymWeights& w, const Activations& a, int64_t gro
       __m256i dot[R][2];
       for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64 + ch * 32));
-        __m256i lo = _mm256_and_si256(raw, nibble);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-        if constexpr (HB > 0) {
-          __m256i high_lo, high_hi;
-          high_parts8<HB>(bits, c, ch, high_lo, high_hi);
-          lo = _mm256_or_si256(lo, _mm256_slli_epi16(high_lo, 4));  // high parts below 4: no carry across bytes
-          hi = _mm256_or_si256(hi, _mm256_slli_epi16(high_hi, 4));
-        }
+        __m256i lo, hi;
+        levels8<HB>(q, bits, c, ch, lo, hi);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
           const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(x))),

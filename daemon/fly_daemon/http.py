@@ -263,7 +263,8 @@ async def _translated(client: InProcessClient, body: Translated, request: Reques
     server-sent events its shaper makes, for the client `clients` names."""
     async def start() -> tuple[EventShaper, Replies, TokenChunk | GenerateResult]:
         shaper = body.shaper(await _served_model(client, body.model))
-        [replies], [first] = await _submitted(client, [body.to_generate(shaper.id)], request, clients)
+        limit = client.limits.max_tokens_limit  # the engine clips it to what fits the context window
+        [replies], [first] = await _submitted(client, [body.to_generate(shaper.id, limit)], request, clients)
         return shaper, replies, first
 
     try:

@@ -181,8 +181,9 @@ class Translated(Protocol):
     model: str
     stream: bool
 
-    def to_generate(self, request_id: str) -> GenerateRequest:
-        """The wire request; BadRequest / TooLong (naming the field) if it is not valid."""
+    def to_generate(self, request_id: str, max_tokens_limit: int) -> GenerateRequest:
+        """The wire request, its length capped at the daemon's `max_tokens_limit` (and asking for it where the body
+        names none), as llama-server and Ollama do; BadRequest (naming the field) if it is not valid."""
 
     def shaper(self, model: str) -> EventShaper:
         """A new answer of `model` to this request."""

@@ -9,8 +9,10 @@ results, each a tool turn). `tools` (Anthropic's custom tools: `input_schema`) a
 tool, none; `disable_parallel_tool_use`) and `output_config.format` (a JSON schema) are the chat route's
 structure options, decoded under the grammar; `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`
 and FLy's options (extra body fields) its sampling options. `top_k` is the sampler's top-k (a bad value is a 400
-naming it). Refused (400): images, documents, thinking, server tools, and a last assistant turn
-(prefill: the chat template closes every turn). `cache_control` is accepted (the prefix cache is automatic).
+naming it). Refused (400): images, documents, thinking required (`enabled`; `adaptive` is answered without
+thinking), server tools, and a last assistant turn (prefill: the chat template closes every turn). Accepted
+and not used: `cache_control` (the prefix cache is automatic), `output_config.effort`, `context_management`,
+and a "system" turn among the messages is a system turn in place (Claude Code sends all of these).
 """
 
 from __future__ import annotations
@@ -65,17 +67,31 @@ Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discrim
 
 
 class AnthropicMessage(_Strict):
-    role: Literal["user", "assistant"]
+    """One turn. Besides Anthropic's user and assistant turns, a "system" turn between them (Claude Code sends
+    its reminders so) is a system turn in place: text only."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
-    def turns(self) -> list[dict[str, Any]]:
-        """The message as fly_llm.common.protocol.ChatMessage fields: an assistant turn with its calls, or a user
-        turn's tool results (tool turns) and text (user turns), in their order."""
+    @model_validator(mode="after")
+    def _blocks_in_place(self) -> "AnthropicMessage":
+        """Each block in a turn that may carry it (a 400 when the body is read, not a fault when it is served)."""
         if isinstance(self.content, str):
-            return [{"role": self.role, "content": self.content}]
+            return self
+        if self.role == "system" and not all(isinstance(b, TextBlock) for b in self.content):
+            raise ValueError("a system turn carries text blocks only")
         misplaced, name = (ToolResultBlock, "tool_result") if self.role == "assistant" else (ToolUseBlock, "tool_use")
         if any(isinstance(b, misplaced) for b in self.content):
             raise ValueError(f"a {self.role} turn cannot carry {name} blocks")
+        return self
+
+    def turns(self) -> list[dict[str, Any]]:
+        """The message as fly_llm.common.protocol.ChatMessage fields: an assistant turn with its calls, or a user
+        turn's tool results (tool turns) and text (user turns), in their order; a system turn's text."""
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        if self.role == "system":
+            return [{"role": "system", "content": "".join(b.text for b in self.content)}]
         if self.role == "assistant":
             turn: dict[str, Any] = {"role": "assistant",
                                     "content": "".join(b.text for b in self.content if isinstance(b, TextBlock))}
@@ -128,9 +144,10 @@ class AnthropicToolChoice(_Strict):
 
 
 class Thinking(_Strict):
-    """Only {"type": "disabled"}: the served models do not think."""
+    """{"type": "disabled"}, or "adaptive" (the model thinks only if it wants to: Claude Code sends it on every
+    request), which the served models answer without thinking. "enabled" (thinking required) is refused."""
 
-    type: Literal["disabled"]
+    type: Literal["disabled", "adaptive"]
 
 
 class JsonOutputFormat(_Strict):
@@ -139,10 +156,11 @@ class JsonOutputFormat(_Strict):
 
 
 class OutputConfig(_Strict):
-    """`output_config`: the answer as JSON valid under `format.schema` (`effort` is refused: nothing reasons)."""
+    """`output_config`: the answer as JSON valid under `format.schema`; `effort` is accepted and ignored (the
+    served models do not reason: every effort is the same answer)."""
 
     format: JsonOutputFormat | None = None
-    effort: None = None
+    effort: Literal["low", "medium", "high", "max"] | None = None
 
 
 class Conversation(_Strict):
@@ -158,6 +176,8 @@ class Conversation(_Strict):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     cache_control: dict[str, Any] | None = Field(None, description="Accepted: the prefix cache is automatic.")
+    context_management: dict[str, Any] | None = Field(
+        None, description="Accepted, not used: nothing is cleared from a context the client sends whole.")
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """`system` and the messages as chat turns (a list of text blocks joined)."""
@@ -193,9 +213,10 @@ class MessagesRequest(Conversation, FLyFields):
                              "end with a user turn")
         return self
 
-    def to_generate(self, request_id: str) -> GenerateRequest:
-        """The wire request this body asks for; BadRequest / TooLong (naming the field) if it is not valid."""
-        sampling, fly = build_options(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+    def to_generate(self, request_id: str, max_tokens_limit: int) -> GenerateRequest:
+        """The wire request this body asks for, `max_tokens` capped at the daemon's limit (Claude Code asks for
+        32,000); BadRequest / TooLong (naming the field) if it is not valid."""
+        sampling, fly = build_options(max_tokens=min(self.max_tokens, max_tokens_limit), temperature=self.temperature, top_p=self.top_p,
                                       top_k=self.top_k, stop=self.stop_sequences, **self.fly_options())
         choice = self.tool_choice
         output = self.output_config.format if self.output_config is not None else None

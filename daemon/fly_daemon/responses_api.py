@@ -247,9 +247,13 @@ class ResponsesRequest(FLyFields):
                 turns.append(item.turn())
         return turns
 
-    def to_generate(self, request_id: str) -> GenerateRequest:
-        """The wire request this body asks for; BadRequest / TooLong (naming the field) if it is not valid."""
-        sampling, fly = build_options(max_tokens=self.max_output_tokens, temperature=self.temperature,
+    def to_generate(self, request_id: str, max_tokens_limit: int) -> GenerateRequest:
+        """The wire request this body asks for: without `max_output_tokens` (Codex CLI never sends it) until the
+        context ends or a stop, i.e. the daemon's limit, and never above it; BadRequest / TooLong (naming the
+        field) if it is not valid."""
+        wanted = self.max_output_tokens
+        sampling, fly = build_options(max_tokens=max_tokens_limit if wanted is None else min(wanted, max_tokens_limit),
+                                      temperature=self.temperature,
                                       top_p=self.top_p, **self.fly_options())
         choice = self.tool_choice
         if isinstance(choice, NamedFunction):

@@ -19,6 +19,11 @@ MAX_TOOLS = 128
 _NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 
 
+MAX_DESCRIPTION = 1 << 17
+"""Characters of one tool's description: agents' are long (Claude Code's Bash tool: 18,780); what bounds a
+request is its prompt's tokens and its body's bytes, this only a pathological field."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -27,7 +32,7 @@ class FunctionSpec(_Strict):
     """A function the model may call: its name, what it does and a JSON Schema of its arguments."""
 
     name: str = Field(pattern=_NAME)
-    description: str = Field("", max_length=8192)
+    description: str = Field("", max_length=MAX_DESCRIPTION)
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None
 

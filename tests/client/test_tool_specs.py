@@ -14,8 +14,8 @@ from fly_llm.client.core import call_options, generate_request
 from fly_llm.common.config import REQUEST_OPTIONS
 from fly_llm.common.errors import BadRequest
 from fly_llm.common.tools import (
-    STRUCTURE_OPTIONS, FormatOptions, StructureOptions, closed_schema, closed_tool, offer_tools, schema_format,
-    tool_choice_for,
+    MAX_DESCRIPTION, STRUCTURE_OPTIONS, FormatOptions, StructureOptions, ToolSpec, closed_schema, closed_tool,
+    offer_tools, schema_format, tool_choice_for,
 )
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
@@ -137,3 +137,13 @@ def test_a_plain_prompt_takes_the_format_options():
     for name in set(STRUCTURE_OPTIONS) - set(FormatOptions.model_fields):
         with pytest.raises(ValidationError, match="Extra inputs"):
             CompletionRequest.model_validate({**body, name: OPTION_VALUES[name]})
+
+
+def test_an_agents_long_tool_description_is_accepted_and_a_pathological_one_refused():
+    """Claude Code describes its Bash tool in 18,780 characters (the prompt's token limit bounds a request, not a
+    field); past MAX_DESCRIPTION a description is refused."""
+    spec = {"type": "function", "function": {"name": "Bash", "description": "d " * 9390}}
+    assert len(ToolSpec.model_validate(spec).function.description) == 18780
+    too_long = {"type": "function", "function": {"name": "Bash", "description": "d" * (MAX_DESCRIPTION + 1)}}
+    with pytest.raises(ValidationError, match="description"):
+        ToolSpec.model_validate(too_long)

@@ -148,3 +148,69 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(tmp_path):
             while cancelled() < n and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert cancelled() == n
+
+
+class RecordingEngine(CountingEngine):
+    """The counting engine, keeping the max_tokens each request was added with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def add_request(self, request_id, prompt_ids, sampling, *args, **kwargs) -> None:
+        self.asked.append(sampling.max_tokens)
+        super().add_request(request_id, prompt_ids, sampling, *args, **kwargs)
+
+
+# Claude Code's first request, in the fields issue 64 lists (`claude -p "say hi"` against a local server): a system
+# turn after the first user turn, adaptive thinking, an effort, context management, 32,000 tokens asked for (its
+# tools' 18,780-character descriptions: tests/client/test_tool_specs.py; this double's context holds 64 tokens).
+CLAUDE_CODE_FIRST = {
+    "model": MODEL, "max_tokens": 32000, "stream": True, "metadata": {"user_id": "user_abc"},
+    "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "say hi"}]},
+                 {"role": "system", "content": "reminder: be brief"},
+                 {"role": "user", "content": "now"}],
+    "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "tools": [{"name": "Bash", "description": "Runs a command.", "input_schema": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}],
+}
+
+
+def test_claude_codes_first_request_is_served_its_length_capped_at_the_daemons_limit(tmp_path):
+    engine = RecordingEngine()
+    with double_front(tmp_path, engine) as (server, client):
+        limit = server.core.inproc.limits.max_tokens_limit
+        with client.stream("POST", "/v1/messages?beta=true", json=CLAUDE_CODE_FIRST,
+                           headers={"anthropic-beta": "claude-code-20250219"}) as r:
+            assert r.status_code == 200, r.read()
+            events = named_events(r)
+        assert events[0][0] == "message_start" and events[-1][0] == "message_stop"
+        assert engine.asked == [limit]
+        for thinking, words in (({"type": "enabled", "budget_tokens": 1024}, "thinking"),):
+            body = {**CLAUDE_CODE_FIRST, "stream": False, "thinking": thinking}
+            assert words in client.post("/v1/messages", json=body).json()["error"]["message"]
+        tool_in_system = {**CLAUDE_CODE_FIRST, "stream": False, "messages": [
+            {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "x", "content": "y"}]},
+            {"role": "user", "content": "hi"}]}
+        refused = client.post("/v1/messages", json=tool_in_system)
+        assert refused.status_code == 400 and "system turn carries text blocks only" in refused.text
+        for role, block in (("user", {"type": "tool_use", "id": "t", "name": "Bash", "input": {}}),
+                            ("assistant", {"type": "tool_result", "tool_use_id": "t", "content": "y"})):
+            misplaced = {"model": MODEL, "max_tokens": 3, "messages": [{"role": role, "content": [block]},
+                                                                      {"role": "user", "content": "hi"}]}
+            for path in ("/v1/messages", "/v1/messages/count_tokens"):  # a client's mistake: 400, not 500
+                r = client.post(path, json=misplaced)
+                assert r.status_code == 400 and f"{role} turn cannot carry" in r.text, (path, r.text)
+
+
+def test_a_responses_request_without_max_output_tokens_runs_to_the_limit_and_one_above_it_is_capped(tmp_path):
+    engine = RecordingEngine()
+    with double_front(tmp_path, engine) as (server, client):
+        limit = server.core.inproc.limits.max_tokens_limit
+        for asked in (None, 10, limit + 1000):
+            body = {k: v for k, v in RESPONSE.items() if k != "max_output_tokens"}
+            r = client.post("/v1/responses", json=body if asked is None else {**body, "max_output_tokens": asked})
+            assert r.status_code == 200, r.text
+        assert engine.asked == [limit, 10, limit]

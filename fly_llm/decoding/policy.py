@@ -79,8 +79,8 @@ it feeds. Against a plain round (B tokens in c(B)) the round's expected tokens p
 compared for every cap on the rows' drafts (0: plain) and with the model rows on their best lookup plan
 instead, and the best is run; a batch of one keeps its row's own plan. Each row's own plan above
 weighs the batch only through verify(K) and cannot see that one row's long draft widens everyone's
-forward: with 8 requests of prose in flight FLy served 0.92× target-only's tokens per second
-(benchmarks/results/concurrency).
+forward: with 8 requests of prose in flight FLy served 0.92× target-only's tokens per second (issue 62, AMD
+EPYC with AVX-512 VNNI; the sweep that measures it: benchmarks/results/concurrency).
 
 Rounds are never timed: the costs are fixed (the defaults, or `Costs.measure` timed once per
 machine and models and kept in the model cache: fly_llm.policy_costs), so the choices — and hence

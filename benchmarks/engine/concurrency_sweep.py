@@ -84,9 +84,9 @@ def report(rows: list[dict[str, Any]], methods: list[str], header: list[str]) ->
             mine = [r for r in rows if r["in_flight"] == c and r["method"] == method]
             speeds = [r["tokens"] / r["seconds"] for r in mine]
             ratios = [s / (plain[r["round"]]["tokens"] / plain[r["round"]]["seconds"]) for r, s in zip(mine, speeds)]
-            drafted = sum(r.get("drafted", 0) for r in mine)
-            kept = sum(r.get("accepted_native", 0) + r.get("accepted_loose", 0) for r in mine)
-            loose = sum(r.get("accepted_loose", 0) for r in mine)
+            drafted = sum(r["drafted"] for r in mine)
+            kept = sum(r["accepted_native"] + r["accepted_loose"] for r in mine)
+            loose = sum(r["accepted_loose"] for r in mine)
             lines.append(f"| {c} | {method} | {statistics.median(speeds):.2f} | {statistics.median(ratios):.3f} | "
                          f"{sum(r['model_rounds'] for r in mine)} | {sum(r['ngram_rounds'] for r in mine)} | "
                          f"{kept} / {drafted} | {loose / kept if kept else 0:.1%} |")

@@ -381,9 +381,8 @@ class AdaptivePolicy:
         best, best_speed = plans, 0.0
         for option in options:
             for cap in range(max(p.k for p in option) + 1):
-                capped = [replace(p, k=min(p.k, cap)) if a.fly.adaptive and p.k > cap else p
+                capped = [(replace(p, k=cap) if cap else PLAIN) if a.fly.adaptive and p.k > cap else p
                           for a, p in zip(asks, option)]
-                capped = [PLAIN if a.fly.adaptive and not p.k else p for a, p in zip(asks, capped)]
                 speed = self._round_speed(asks, capped)
                 if speed > best_speed:
                     best, best_speed = capped, speed

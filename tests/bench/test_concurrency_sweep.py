@@ -43,7 +43,7 @@ def test_a_base_policy_without_plan_round_plans_each_row_at_the_batchs_size():
 
 def test_the_report_gives_each_method_over_target_only_of_the_same_round():
     rows = [{"round": 0, "in_flight": 2, "method": "plain", "tokens": 100, "seconds": 10.0, "model_rounds": 0,
-             "ngram_rounds": 0},
+             "ngram_rounds": 0, "drafted": 0, "accepted_native": 0, "accepted_loose": 0},
             {"round": 0, "in_flight": 2, "method": "fly", "tokens": 100, "seconds": 8.0, "model_rounds": 3,
              "ngram_rounds": 4, "drafted": 20, "accepted_native": 9, "accepted_loose": 1}]
     text = report(rows, ["fly"], ["# sweep"])

@@ -27,7 +27,10 @@
 
 // No fused multiply-adds: every product is rounded as torch rounds it, and each clone below
 // computes the same bits (the AVX-512 clone would otherwise contract where the others cannot).
-#pragma GCC optimize("fp-contract=off")
+// No trapping math: the clamps and selects of these loops may then run on every lane (the values are
+// the same; only floating-point exception flags, which nothing reads, may differ), so the AVX2 clone
+// vectorizes them too (with trapping math GCC keeps them scalar there: a branch per element).
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FLY_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -62,7 +65,7 @@ inline float round_to(float x, bool bf16) {
 // exp(x) in float32 (Cephes' expf: 2^n * p(r), x = n ln 2 + r; within 2 ulp), for x clamped to
 // [-87.3, 88.3]; plain arithmetic, so that the compiler vectorizes it.
 inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.3f), 88.3f);
+  x = x < -87.3f ? -87.3f : x > 88.3f ? 88.3f : x;  // not std::min/max: those are not inlined under the pragma
   const float shifter = 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
   const float n = (x * 1.44269504088896341f + shifter) - shifter;
   float r = x - n * 0.693359375f;

@@ -190,43 +190,122 @@ struct Avx512 {
   }
 };
 
-struct Avx2 {  // plain loops the compiler vectorizes for AVX2 (any head size)
-  static void scores(const float* q, int64_t group, const float* keys, const int32_t* own, int64_t n, int64_t d,
-                     float scale, float* out, int64_t stride, int32_t first) {
-    for (int64_t r = 0; r < group; ++r) score_row(q + r * d, keys, own, n, d, scale, out + r * stride, first);
+// The AVX2 path (any head size: 8-lane chunks, then scalar columns).
+// scores: four keys at a time, each in 16 lanes (two vectors) of FMAs, summed in one fixed tree; values: each lane of acc one column, its FMAs in t order;
+// exp_sum: exp_scalar's steps on 8 lanes (bit for bit), the sum in t order. A query's bits depend on its own
+// columns only.
+struct Avx2 {
+  __attribute__((target("avx2,fma")))
+  static float sum8(__m256 x) {  // lanes (i, i + 4), then (i, i + 2), then (0, 1)
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
-  static void values(const float* p, int64_t stride, int64_t group, const float* values, const int32_t* own,
-                     int64_t n, int64_t d, float* acc, int32_t first) {
-    for (int64_t r = 0; r < group; ++r) value_row(p + r * stride, values, own, n, d, acc + r * d, first);
+  // Four keys' dot products with q, each in two 8-lane accumulators (columns l mod 16 of the 16-column chunks),
+  // an 8-column chunk left over in the first, scalar columns in a tail: the same steps for a key in any slot.
+  __attribute__((target("avx2,fma")))
+  static void dot4(const float* q, const float* const k[4], int64_t d, float out[4]) {
+    __m256 a[4], b[4];
+    for (int j = 0; j < 4; ++j) a[j] = b[j] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+      const __m256 x = _mm256_loadu_ps(q + i), y = _mm256_loadu_ps(q + i + 8);
+      for (int j = 0; j < 4; ++j) {
+        a[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[j] + i), a[j]);
+        b[j] = _mm256_fmadd_ps(y, _mm256_loadu_ps(k[j] + i + 8), b[j]);
+      }
+    }
+    if (i + 8 <= d) {
+      const __m256 x = _mm256_loadu_ps(q + i);
+      for (int j = 0; j < 4; ++j) a[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[j] + i), a[j]);
+      i += 8;
+    }
+    for (int j = 0; j < 4; ++j) {
+      float tail = 0.f;
+      for (int64_t e = i; e < d; ++e) tail = std::fma(q[e], k[j][e], tail);
+      out[j] = sum8(_mm256_add_ps(a[j], b[j])) + tail;
+    }
   }
   __attribute__((target("avx2,fma")))
-  static void score_row(const float* q, const float* keys, const int32_t* own, int64_t n, int64_t d, float scale,
-                        float* out, int32_t first) {
-    for (int64_t t = 0; t < n; ++t) {
-      const float* k = keys + (own[t] - first) * d;
-      float lanes[16] = {};
-      int64_t i = 0;
-      for (; i + 16 <= d; i += 16)
-        for (int l = 0; l < 16; ++l) lanes[l] = std::fma(q[i + l], k[i + l], lanes[l]);
-      for (int l = 0; i + l < d; ++l) lanes[l] = std::fma(q[i + l], k[i + l], lanes[l]);
-      float total = 0.f;
-      for (float lane : lanes) total += lane;
-      out[t] = total * scale;
+  static void scores(const float* q, int64_t group, const float* keys, const int32_t* own, int64_t n, int64_t d,
+                     float scale, float* out, int64_t stride, int32_t first) {
+    for (int64_t t = 0; t < n; t += 4) {
+      const float* k[4];
+      for (int j = 0; j < 4; ++j) k[j] = keys + (own[std::min(t + j, n - 1)] - first) * d;
+      for (int64_t r = 0; r < group; ++r) {
+        float four[4];
+        dot4(q + r * d, k, d, four);
+        for (int j = 0; j < 4 && t + j < n; ++j) out[r * stride + t + j] = four[j] * scale;
+      }
     }
+  }
+  __attribute__((target("avx2,fma")))
+  static __m256 exp8(__m256 x) {  // exp_scalar's steps, 8 lanes
+    x = _mm256_max_ps(x, _mm256_set1_ps(kExpLow));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i shifted = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), shifted));
   }
   __attribute__((target("avx2,fma")))
   static float exp_sum(float* s, int64_t n, float top) {
     float total = 0.f;
-    for (int64_t i = 0; i < n; ++i) total += (s[i] = exp_scalar(s[i] - top));
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(s + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(top))));
+      for (int l = 0; l < 8; ++l) total += s[i + l];
+    }
+    for (; i < n; ++i) total += (s[i] = exp_scalar(s[i] - top));
     return total;
   }
+  // H heads over L * 8 lanes from column c: H * L accumulators in registers, each value loaded once.
+  template <int H, int L>
   __attribute__((target("avx2,fma")))
-  static void value_row(const float* p, const float* values, const int32_t* own, int64_t n, int64_t d, float* acc,
-                        int32_t first) {
+  static void value_tile(const float* p, int64_t stride, const float* values, const int32_t* own, int64_t n,
+                         int64_t d, float* acc, int32_t first, int64_t c) {
+    __m256 sum[H][L];
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < L; ++j) sum[h][j] = _mm256_loadu_ps(acc + h * d + c + 8 * j);
     for (int64_t t = 0; t < n; ++t) {
-      const float* v = values + (own[t] - first) * d;
-      for (int64_t i = 0; i < d; ++i) acc[i] = std::fma(p[t], v[i], acc[i]);
+      const float* v = values + (own[t] - first) * d + c;
+      __m256 x[L];
+      for (int j = 0; j < L; ++j) x[j] = _mm256_loadu_ps(v + 8 * j);
+      for (int h = 0; h < H; ++h) {
+        const __m256 w = _mm256_set1_ps(p[h * stride + t]);
+        for (int j = 0; j < L; ++j) sum[h][j] = _mm256_fmadd_ps(w, x[j], sum[h][j]);
+      }
     }
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < L; ++j) _mm256_storeu_ps(acc + h * d + c + 8 * j, sum[h][j]);
+  }
+  template <int H>
+  __attribute__((target("avx2,fma")))
+  static void value_heads(const float* p, int64_t stride, const float* values, const int32_t* own, int64_t n,
+                          int64_t d, float* acc, int32_t first) {
+    int64_t c = 0;
+    for (; c + 32 <= d; c += 32) value_tile<H, 4>(p, stride, values, own, n, d, acc, first, c);
+    for (; c + 8 <= d; c += 8) value_tile<H, 1>(p, stride, values, own, n, d, acc, first, c);
+    for (int h = 0; h < H && c < d; ++h)
+      for (int64_t t = 0; t < n; ++t) {
+        const float* v = values + (own[t] - first) * d;
+        for (int64_t e = c; e < d; ++e) acc[h * d + e] = std::fma(p[h * stride + t], v[e], acc[h * d + e]);
+      }
+  }
+  __attribute__((target("avx2,fma")))
+  static void values(const float* p, int64_t stride, int64_t group, const float* values, const int32_t* own,
+                     int64_t n, int64_t d, float* acc, int32_t first) {
+    int64_t r = 0;  // heads in pairs (8 accumulators, 4 values, a weight: registers to spare)
+    for (; r + 2 <= group; r += 2) value_heads<2>(p + r * stride, stride, values, own, n, d, acc + r * d, first);
+    for (; r < group; ++r) value_heads<1>(p + r * stride, stride, values, own, n, d, acc + r * d, first);
   }
 };
 

@@ -407,6 +407,14 @@ def test_symmetric_weights_of_the_wrong_shape_are_refused():
     with pytest.raises(ValueError, match="power of two"):  # the kernel finds a block's d by a shift
         w4a8.pack_symmetric(w4a8.SymmetricWeight(torch.zeros(16, 96, dtype=torch.uint8),
                                                  torch.zeros(16, 1, dtype=torch.float16), None, 2, 32, 3))
+    with pytest.raises(ValueError, match="offset 128"):  # 8-bit levels are packed as whole bytes: int8 + 128
+        w4a8.pack_symmetric(_symmetric(16, 256, (4, 100, 1, False)))
+    whole = w4a8.pack_symmetric(_symmetric(16, 256, SYMMETRIC["Q8_0"]))
+    assert whole.lo.shape == (1, 8, 4, 128) and whole.planes.numel() == 0 and whole.weight_count() == 16 * 256
+    for change, message in [({"zero": 100}, "offset 128"), ({"lo": whole.lo[..., :64].contiguous()}, "4, 128"),
+                            ({"planes": torch.zeros(64, dtype=torch.uint8)}, "planes")]:
+        with pytest.raises(RuntimeError, match=message):
+            w4a8.linear(torch.randn(1, 256), dataclasses.replace(whole, **change))
     for change, message in [({"bits": 3}, "high bits"), ({"zero": 64}, "offset"), ({"span": 3}, "spans"),
                             ({"planes": packed.planes[:, :4]}, "planes"), ({"d": packed.d.float()}, "float16")]:
         wrong = dataclasses.replace(packed, **change)

@@ -301,10 +301,20 @@ struct Tiles {
 //   lo: uint8 [groups, blocks, 4, 64]: q's low nibbles, laid out as the 4-bit weights above.
 //   planes: uint64 [groups, blocks, 4, HB, 2]: bit p of q's high part, for chunk c and the low (0) and
 //      high (1) nibble positions: bit i of the mask is byte i of that chunk's 64 bytes.
+//   Levels of 8 bits (HB = kWhole: Q8_0, zero 128) are whole bytes instead, as many bytes as the nibbles and
+//   planes would take: lo uint8 [groups, blocks, 4, 128], chunk c's 64 bytes of the low nibble positions
+//   then its 64 of the high ones (each in the nibbles' order), and no planes. An AVX2 core then reads a
+//   level with one load (q ^ 128 is the file's int8 level) instead of rebuilding it from four bit planes.
 //   sc: int8 [groups, blocks, 2, 16]; d: float16 [groups, blocks / span, 16].
 // For a row and a block the integer isum = sum over halves h of sc_h * (sum_h(q * a) - zero * sum_h(a))
 // is exact (at most 2^23 in magnitude), then acc += float(isum) * (d * s), block after block: the same
 // float steps on both paths and in any batch, so both paths agree bit for bit.
+constexpr int kWhole = 4;  // HB of levels kept as whole bytes (Q8_0)
+
+// Bytes of one group and block's levels: nibbles (and planes apart), or whole bytes.
+template <int HB>
+constexpr int64_t kLevelBytes = HB == kWhole ? 2 * kGroupBytes : kGroupBytes;
+
 struct SymWeights {
   const uint8_t* lo;
   const uint64_t* planes;
@@ -338,10 +348,10 @@ void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int
   for (int r = 0; r < R; ++r) sum[r] = _mm512_loadu_ps(acc + r * kCols);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t at = group * w.blocks + b;
-    const uint8_t* q = w.lo + at * kGroupBytes;
+    const uint8_t* q = w.lo + at * kLevelBytes<HB>;
     const uint64_t* bits = w.planes + at * 4 * HB * 2;
-    prefetch_ahead(q, kGroupBytes, kGroupBytes / 64);
-    prefetch_ahead(bits, 64 * HB, HB);  // HB planes of 64 bytes a block
+    prefetch_ahead(q, kLevelBytes<HB>, kLevelBytes<HB> / 64);
+    if constexpr (HB > 0 && HB != kWhole) prefetch_ahead(bits, 64 * HB, HB);  // HB planes of 64 bytes a block
     __m512i dot[R][kSums];
     for (int r = 0; r < R; ++r) {
       const int32_t* hs = a.hs + 2 * ((row0 + r) * a.blocks + b);
@@ -353,10 +363,16 @@ void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int
       }
     }
     for (int c = 0; c < 4; ++c) {
-      const __m512i raw = _mm512_loadu_si512(q + c * 64);
-      __m512i lo = _mm512_and_si512(raw, nibble);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-      add_high16<HB>(bits, c, lo, hi);
+      __m512i lo, hi;
+      if constexpr (HB == kWhole) {
+        lo = _mm512_loadu_si512(q + c * 128);
+        hi = _mm512_loadu_si512(q + c * 128 + 64);
+      } else {
+        const __m512i raw = _mm512_loadu_si512(q + c * 64);
+        lo = _mm512_and_si512(raw, nibble);
+        hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        add_high16<HB>(bits, c, lo, hi);
+      }
       constexpr int kStride = kSub ? 1 : 0;  // chunks 0, 1: the first half; 2, 3: the second
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
@@ -380,9 +396,9 @@ void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int
 
 // The epilogue of a symmetric tile on 256-bit registers: columns [8 ch, 8 ch + 8) of block b, rows
 // [row0, row0 + R), from each row's two halves' int32 sums of level * activation (`dot`): subtract
-// zero * (the half's sum of activations), weigh the halves by their sub-scales (kSub), then
-// acc += float(isum) * (d * s).
-template <int R, bool kSub>
+// zero * (the half's sum of activations) unless kCentered (the sums are of (level - zero) * activation
+// already), weigh the halves by their sub-scales (kSub), then acc += float(isum) * (d * s).
+template <int R, bool kSub, bool kCentered = false>
 __attribute__((target("avx2,f16c,fma"), always_inline)) inline
 void sym_store8(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b, int ch,
                 const __m256i (&dot)[R][2], float* acc) {
@@ -397,7 +413,8 @@ void sym_store8(const SymWeights& w, const Activations& a, int64_t group, int64_
     const int64_t i = (row0 + r) * a.blocks + b;
     __m256i h[2];
     for (int half = 0; half < 2; ++half)
-      h[half] = _mm256_sub_epi32(dot[r][half], _mm256_set1_epi32(static_cast<int32_t>(w.zero * a.hs[2 * i + half])));
+      h[half] = kCentered ? dot[r][half]
+                          : _mm256_sub_epi32(dot[r][half], _mm256_set1_epi32(static_cast<int32_t>(w.zero * a.hs[2 * i + half])));
     __m256i isum;
     if constexpr (kSub) isum = _mm256_add_epi32(_mm256_mullo_epi32(sc0, h[0]), _mm256_mullo_epi32(sc1, h[1]));
     else isum = _mm256_add_epi32(h[0], h[1]);
@@ -412,8 +429,8 @@ void sym_store8(const SymWeights& w, const Activations& a, int64_t group, int64_
 // 0..63 in one byte): a vpmaddubsw pair is then at most 2 * 63 * 127 and a chunk's two (its low and high
 // nibble positions) 32004, within int16, widened to int32 chunk by chunk (vpmaddwd). One product per weight
 // and int32 sums: four rows' accumulators fit the 16 ymm registers, so a weight block is unpacked once per
-// four rows. sum(level * a) = sum(nibble * a) + 16 * sum(high * a): the same integers as
-// sym_tile_avx2_apart, then the same float steps (sym_store8), so both paths agree bit for bit.
+// four rows. The integer sums are sum(level * a), the VNNI tile's, then the same float steps (sym_store8), so
+// both paths agree bit for bit.
 template <int R, int HB, bool kSub>
 __attribute__((target("avx2,f16c,fma")))
 void sym_tile_avx2_joined(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0,
@@ -444,62 +461,49 @@ void sym_tile_avx2_joined(const SymWeights& w, const Activations& a, int64_t gro
   }
 }
 
-// The same steps on 256-bit registers for any levels (Q8_0's 8 bits), a group as two halves of 8 columns.
-// A level's nibble and its high part (0..15) are multiplied apart (vpmaddubsw pairs stay within int16:
-// 2 * 15 * 127 each, four of them per half-block) and joined in int32 as nibble + 16 * high.
-template <int R, int HB, bool kSub>
+// The same steps on 256-bit registers for whole-byte levels (Q8_0: zero 128), a group as two halves of 8
+// columns. q ^ 128 is the signed level l = q - 128; vpmaddubsw takes |l| (at most 128) times the activation
+// with l's sign (vpsignb), so a pair is at most 2 * 128 * 127, within int16, widened to int32 at once. The
+// sums are sum((q - zero) * a): the same integers as the other path's, then the same float steps (sym_store8).
+template <int R, bool kSub>
 __attribute__((target("avx2,f16c,fma")))
-void sym_tile_avx2_apart(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0, int64_t b1,
-                   float* acc) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
+void sym_tile_avx2_whole(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0,
+                         int64_t b1, float* acc) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = b0; b < b1; ++b) {
-    const int64_t at = group * w.blocks + b;
-    const uint8_t* q = w.lo + at * kGroupBytes;
-    const uint64_t* bits = w.planes + at * 4 * HB * 2;
-    prefetch_ahead(q, kGroupBytes, kGroupBytes / 64);
-    prefetch_ahead(bits, 64 * HB, HB);  // HB planes of 64 bytes a block
+    const uint8_t* q = w.lo + (group * w.blocks + b) * kLevelBytes<kWhole>;
+    prefetch_ahead(q, kLevelBytes<kWhole>, kLevelBytes<kWhole> / 64);
     for (int ch = 0; ch < 2; ++ch) {
-      __m256i dot[R][2], high[R][2];
-      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = high[r][0] = high[r][1] = _mm256_setzero_si256();
+      __m256i dot[R][2];
+      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64 + ch * 32));
-        const __m256i lo = _mm256_and_si256(raw, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-        __m256i high_lo, high_hi;
-        high_parts8<HB>(bits, c, ch, high_lo, high_hi);
+        const __m256i lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 128 + ch * 32)), flip);
+        const __m256i hi = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 128 + 64 + ch * 32)), flip);
+        const __m256i lo_size = _mm256_abs_epi8(lo), hi_size = _mm256_abs_epi8(hi);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
-          const __m256i xl = _mm256_set1_epi32(load4(x)), xh = _mm256_set1_epi32(load4(x + 4));
-          dot[r][c / 2] = _mm256_add_epi16(dot[r][c / 2], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
-                                                                             _mm256_maddubs_epi16(hi, xh)));
-          if constexpr (HB > 0)
-            high[r][c / 2] = _mm256_add_epi16(high[r][c / 2], _mm256_add_epi16(_mm256_maddubs_epi16(high_lo, xl),
-                                                                                 _mm256_maddubs_epi16(high_hi, xh)));
+          const __m256i xl = _mm256_sign_epi8(_mm256_set1_epi32(load4(x)), lo);
+          const __m256i xh = _mm256_sign_epi8(_mm256_set1_epi32(load4(x + 4)), hi);
+          dot[r][c / 2] = _mm256_add_epi32(dot[r][c / 2],
+                                           _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo_size, xl), ones),
+                                                            _mm256_madd_epi16(_mm256_maddubs_epi16(hi_size, xh), ones)));
         }
       }
-      __m256i sums[R][2];
-      for (int r = 0; r < R; ++r) {
-        for (int half = 0; half < 2; ++half) {
-          sums[r][half] = _mm256_madd_epi16(dot[r][half], ones);
-          if constexpr (HB > 0)
-            sums[r][half] = _mm256_add_epi32(sums[r][half], _mm256_slli_epi32(_mm256_madd_epi16(high[r][half], ones), 4));
-        }
-      }
-      sym_store8<R, kSub>(w, a, group, row0, b, ch, sums, acc);
+      sym_store8<R, kSub, true>(w, a, group, row0, b, ch, dot, acc);
     }
   }
 }
 
 using SymTile = TileOf<SymWeights>;
-constexpr int kSymApartRows = 2;   // apart: 8 int16 accumulators + weights fit 16 ymm registers
-constexpr int kSymJoinedRows = 4;  // joined: 8 int32 accumulators + 2 weights + 2 broadcasts + constants
+constexpr int kSymRows = 4;  // 8 int32 accumulators + 2 (whole: 4) weights + 2 broadcasts + constants
 
-// The AVX2 tile over R rows: joined levels where they fit int16 (HB <= 2), else apart.
+// The AVX2 tile over R rows: joined levels (HB <= 2) or whole bytes.
 template <int R, int HB, bool kSub>
 constexpr SymTile sym_tile_avx2() {
+  static_assert(HB <= 2 || HB == kWhole, "symmetric levels have 4, 5, 6 or 8 bits");
   if constexpr (HB <= 2) return sym_tile_avx2_joined<R, HB, kSub>;
-  else return sym_tile_avx2_apart<(R < kSymApartRows ? R : kSymApartRows), HB, kSub>;
+  else return sym_tile_avx2_whole<R, kSub>;
 }
 
 template <int HB, bool kSub>
@@ -507,7 +511,7 @@ struct SymTiles {
   static constexpr SymTile vnni[] = {sym_tile_vnni<1, HB, kSub>, sym_tile_vnni<2, HB, kSub>, sym_tile_vnni<3, HB, kSub>,
                                      sym_tile_vnni<4, HB, kSub>, sym_tile_vnni<5, HB, kSub>, sym_tile_vnni<6, HB, kSub>,
                                      sym_tile_vnni<7, HB, kSub>, sym_tile_vnni<8, HB, kSub>};
-  static constexpr int avx2_rows = HB <= 2 ? kSymJoinedRows : kSymApartRows;
+  static constexpr int avx2_rows = kSymRows;
   static constexpr SymTile avx2[] = {sym_tile_avx2<1, HB, kSub>(), sym_tile_avx2<2, HB, kSub>(),
                                      sym_tile_avx2<3, HB, kSub>(), sym_tile_avx2<4, HB, kSub>()};
 };
@@ -749,17 +753,20 @@ torch::Tensor linear_sym(const torch::Tensor& x, const torch::Tensor& lo, const 
                          const c10::optional<torch::Tensor>& sc, const torch::Tensor& d,
                          const c10::optional<torch::Tensor>& bias, int64_t n, int64_t bits, int64_t zero, int64_t span,
                          int64_t isa) {
-  TORCH_CHECK(lo.scalar_type() == torch::kUInt8 && lo.dim() == 4 && lo.size(2) * lo.size(3) == kGroupBytes &&
-              lo.is_contiguous(), "w4a8: symmetric levels must be contiguous uint8 [groups, blocks, 4, 64]");
+  TORCH_CHECK(bits == 0 || bits == 1 || bits == 2 || bits == kWhole, "w4a8: high bits must be 0, 1, 2 or 4, not ", bits);
+  const int64_t level_bytes = bits == kWhole ? kLevelBytes<kWhole> : kLevelBytes<0>;
+  TORCH_CHECK(lo.scalar_type() == torch::kUInt8 && lo.dim() == 4 && lo.size(2) * lo.size(3) == level_bytes &&
+              lo.is_contiguous(), "w4a8: symmetric levels must be contiguous uint8 [groups, blocks, 4, ",
+              level_bytes / 4, "]");
   const int64_t groups = lo.size(0), blocks = lo.size(1);
   check_common(x, groups, blocks, n, bias);
-  TORCH_CHECK(bits == 0 || bits == 1 || bits == 2 || bits == 4, "w4a8: high bits must be 0, 1, 2 or 4, not ", bits);
   TORCH_CHECK(zero >= 0 && zero < (int64_t{16} << bits), "w4a8: the offset ", zero, " is not a level");
+  TORCH_CHECK(bits != kWhole || zero == 128, "w4a8: whole-byte levels have the offset 128, not ", zero);
   TORCH_CHECK(span >= 1 && (span & (span - 1)) == 0 && blocks % span == 0, "w4a8: ", blocks,
               " blocks are not whole spans of ", span, " (a power of two)");
   TORCH_CHECK(planes.scalar_type() == torch::kUInt8 && planes.is_contiguous() &&
-              planes.numel() == groups * blocks * 4 * bits * 2 * 8,
-              "w4a8: planes must be contiguous uint8 [groups, blocks, 4, bits, 2, 8]");
+              planes.numel() == (bits == kWhole ? 0 : groups * blocks * 4 * bits * 2 * 8),
+              "w4a8: planes must be contiguous uint8 [groups, blocks, 4, bits, 2, 8] (none for whole bytes)");
   TORCH_CHECK(d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.numel() == groups * (blocks / span) * kCols,
               "w4a8: d must be contiguous float16 [groups, blocks / span, 16]");
   TORCH_CHECK(!sc || (sc->scalar_type() == torch::kInt8 && sc->is_contiguous() &&

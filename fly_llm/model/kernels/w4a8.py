@@ -9,7 +9,8 @@ block, d and m being their float32 products, as ggml computes them); packed, it 
 number of rows. A fifth bit (Q5_K, Q5_1) is packed as a bit plane beside the nibbles. GGUF's other block
 types are taken as published too (`SymmetricWeight`: Q8_0, Q6_K, Q5_0, Q4_0; w = d * sc * (q - zero) with
 levels of 4 + `bits` bits), packed as `PackedSymmetric`:
-the same nibbles plus bit planes for the high bits, the same bytes per weight as the file.
+the same nibbles plus bit planes for the high bits, the same bytes per weight as the file (8-bit levels as
+whole bytes: one load a level where the high bits would be four planes to rebuild).
 Weights of different layouts over one input run side by side (`PackedParts`). Activations are
 quantized per row and block to int8 with scale max|x| / 127 (llama.cpp's Q8 blocks). `linear`
 runs `w4a8.cpp` (AVX-512 VNNI, else AVX2), `reference_linear` is the same math in float64 torch.
@@ -99,6 +100,7 @@ class SuperBlockWeight:
 
 HALF = 16  # inputs per sub-scale of a SymmetricWeight (GGUF's Q6_K)
 HIGH_BITS = (0, 1, 2, 4)  # the kernel's high bits above a level's nibble
+WHOLE_BITS, WHOLE_ZERO = 4, 128  # 8-bit levels (Q8_0: int8 + 128), packed as whole bytes
 
 
 @dataclass(frozen=True)
@@ -199,10 +201,11 @@ class PackedWeight:
 @dataclass(frozen=True)
 class PackedSymmetric:
     """A SymmetricWeight in the kernel's layout (w4a8.cpp, SymWeights): the low nibbles as PackedWeight's
-    `q`, the high bits as planes of 64-bit masks, sc and d per group of COLUMNS outputs."""
+    `q`, the high bits as planes of 64-bit masks, sc and d per group of COLUMNS outputs; levels of 8 bits
+    (Q8_0) as whole bytes in the nibbles' order, without planes (the same bytes, one load a level on AVX2)."""
 
-    lo: torch.Tensor  # uint8 [groups, blocks, 4, 64]
-    planes: torch.Tensor  # uint8 [groups, blocks, 4, bits, 2, 8]
+    lo: torch.Tensor  # uint8 [groups, blocks, 4, 64]; whole bytes (bits == WHOLE_BITS): [groups, blocks, 4, 128]
+    planes: torch.Tensor  # uint8 [groups, blocks, 4, bits, 2, 8]; whole bytes: [groups, blocks, 4, 0, 2, 8]
     sc: torch.Tensor | None  # int8 [groups, blocks, 2, COLUMNS]
     d: torch.Tensor  # float16 [groups, blocks / span, COLUMNS]
     n: int
@@ -225,7 +228,8 @@ class PackedSymmetric:
 
     def weight_count(self) -> int:
         """Weights held, the padding of the last group included."""
-        return self.lo.numel() * 2
+        groups, blocks = self.lo.shape[:2]
+        return groups * blocks * COLUMNS * BLOCK
 
     def layout(self) -> tuple[int, int, int, bool]:
         """What two weights must share to be concatenated: bits, zero, span and whether sc is kept."""
@@ -358,7 +362,8 @@ def pack(weight: QuantizedWeight | SuperBlockWeight) -> PackedWeight:
 
 def pack_symmetric(weight: SymmetricWeight) -> PackedSymmetric:
     """The kernel's layout of symmetric blocks: nibbles as `pack` lays them, bit p of the high part as a
-    64-bit mask per chunk and nibble half (bit i: byte i), sc and d per group."""
+    64-bit mask per chunk and nibble half (bit i: byte i), sc and d per group; 8-bit levels (WHOLE_BITS) as
+    whole bytes in the same order, without planes."""
     n, k = weight.q.shape
     check_width(k)
     if weight.bits not in HIGH_BITS or k % (weight.span * BLOCK) or weight.span & (weight.span - 1):
@@ -370,8 +375,14 @@ def pack_symmetric(weight: SymmetricWeight) -> PackedSymmetric:
     sc = None
     if weight.sc is not None:
         sc = _per_group(weight.sc, groups, pad).reshape(groups, k // BLOCK, 2, COLUMNS).contiguous()
-    return PackedSymmetric(_low_nibbles(values), _planes(values, weight.bits), sc,
-                           _per_group(weight.d, groups, pad), n, weight.bits, weight.zero, weight.span)
+    if weight.bits == WHOLE_BITS:
+        if weight.zero != WHOLE_ZERO:
+            raise ValueError(f"levels of 8 bits have the offset {WHOLE_ZERO} (int8 levels + 128), not {weight.zero}")
+        lo, planes = values.reshape(groups, k // BLOCK, 4, 128).contiguous(), _planes(values, 0)
+    else:
+        lo, planes = _low_nibbles(values), _planes(values, weight.bits)
+    return PackedSymmetric(lo, planes, sc, _per_group(weight.d, groups, pad), n, weight.bits, weight.zero,
+                           weight.span)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

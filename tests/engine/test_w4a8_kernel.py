@@ -347,14 +347,25 @@ def _symmetric_bound(x: torch.Tensor, weight: w4a8.SymmetricWeight) -> torch.Ten
     return 1e-5 * (x_hat.abs() @ weight.dequantize().abs().T) + 1e-7
 
 
+WHOLE = [pytest.param(False, id="nibbles"), pytest.param(True, id="whole")]
+
+
+def _packed(weight: w4a8.SymmetricWeight, whole: bool) -> w4a8.PackedSymmetric:
+    """`weight` packed as nibbles and planes or as whole bytes (8-bit levels: whole bytes only)."""
+    if weight.bits == 4 and not whole:
+        pytest.skip("8-bit levels are packed as whole bytes only")
+    return w4a8.pack_symmetric(weight, whole)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("whole", WHOLE)
 @pytest.mark.parametrize("layout", list(SYMMETRIC.values()), ids=list(SYMMETRIC))
-def test_symmetric_blocks_match_the_reference_for_every_row_count(isa, n_threads, layout, threads):
+def test_symmetric_blocks_match_the_reference_for_every_row_count(isa, n_threads, whole, layout, threads):
     threads(n_threads)
     for n, k in [(47, 256), (5, 768)]:  # an N tail, and three spans of 8 blocks
         weight = _symmetric(n, k, layout)
-        packed, bias = w4a8.pack_symmetric(weight), torch.randn(n)
+        packed, bias = _packed(weight, whole), torch.randn(n)
         for rows in (1, 2, 3, 4, 5, 8, 9, 17, 33):
             x = torch.randn(rows, k)
             out = w4a8.linear(x, packed, bias, isa=isa)
@@ -363,23 +374,36 @@ def test_symmetric_blocks_match_the_reference_for_every_row_count(isa, n_threads
             assert (error <= _symmetric_bound(x, weight)).all(), f"{rows} rows: max error {error.max().item():.3g}"
 
 
+@pytest.mark.parametrize("whole", WHOLE)
 @pytest.mark.parametrize("layout", list(SYMMETRIC.values()), ids=list(SYMMETRIC))
-def test_symmetric_blocks_give_a_row_the_same_output_in_any_batch_and_on_both_paths(layout, threads):
+def test_symmetric_blocks_give_a_row_the_same_output_in_any_batch_and_on_both_paths(whole, layout, threads):
     weight = _symmetric(33, 256, layout, seed=5)
     torch.manual_seed(6)
     x = torch.randn(70, 256)
     x[5] *= 1000
-    _same_in_any_batch(w4a8.pack_symmetric(weight), torch.randn(33), x, threads)
+    _same_in_any_batch(_packed(weight, whole), torch.randn(33), x, threads)
 
 
-def test_the_bit_planes_hold_every_level():
+def test_whole_bytes_are_the_nibbles_output_bit_for_bit():
+    """The two layouts of one weight: the same integer sums and float steps, so the same bits."""
+    for name in ("Q4_0", "Q5_0", "Q6_K"):
+        weight = _symmetric(40, 512, SYMMETRIC[name], seed=7)
+        x = torch.randn(9, 512)
+        assert torch.equal(w4a8.linear(x, w4a8.pack_symmetric(weight, True)),
+                           w4a8.linear(x, w4a8.pack_symmetric(weight, False))), name
+
+
+@pytest.mark.parametrize("whole", WHOLE)
+def test_the_bit_planes_hold_every_level(whole):
     """Every level of every layout packs and decodes back: a one-hot input picks one weight out per column."""
     for bits, zero, span, _ in SYMMETRIC.values():
+        if bits == 4 and not whole:
+            continue
         levels = torch.arange(16 << bits, dtype=torch.int32).remainder(16 << bits).to(torch.uint8)
         q = levels.repeat((256 * 32) // levels.numel() + 1)[:256 * 32].reshape(32, 256)
         weight = w4a8.SymmetricWeight(q, torch.ones(32, 256 // (span * 32), dtype=torch.float16), None, bits, zero,
                                       span)
-        packed = w4a8.pack_symmetric(weight)
+        packed = w4a8.pack_symmetric(weight, whole)
         for i in (0, 5, 16, 31, 200):
             x = torch.zeros(1, 256)
             x[0, i] = 1.0
@@ -400,18 +424,20 @@ def test_layouts_side_by_side_are_each_parts_output():
 
 
 def test_symmetric_weights_of_the_wrong_shape_are_refused():
-    packed = w4a8.pack_symmetric(_symmetric(16, 256, SYMMETRIC["Q6_K"]))
+    packed = w4a8.pack_symmetric(_symmetric(16, 256, SYMMETRIC["Q6_K"]), whole=False)
     with pytest.raises(ValueError, match="whole spans"):
         w4a8.pack_symmetric(w4a8.SymmetricWeight(torch.zeros(16, 96, dtype=torch.uint8),
                                                  torch.zeros(16, 1, dtype=torch.float16), None, 2, 32, 8))
     with pytest.raises(ValueError, match="power of two"):  # the kernel finds a block's d by a shift
         w4a8.pack_symmetric(w4a8.SymmetricWeight(torch.zeros(16, 96, dtype=torch.uint8),
                                                  torch.zeros(16, 1, dtype=torch.float16), None, 2, 32, 3))
-    with pytest.raises(ValueError, match="offset 128"):  # 8-bit levels are packed as whole bytes: int8 + 128
+    with pytest.raises(ValueError, match="int8s"):  # whole bytes less the offset are int8s
         w4a8.pack_symmetric(_symmetric(16, 256, (4, 100, 1, False)))
+    with pytest.raises(ValueError, match="whole bytes"):
+        w4a8.pack_symmetric(_symmetric(16, 256, SYMMETRIC["Q8_0"]), whole=False)
     whole = w4a8.pack_symmetric(_symmetric(16, 256, SYMMETRIC["Q8_0"]))
     assert whole.lo.shape == (1, 8, 4, 128) and whole.planes.numel() == 0 and whole.weight_count() == 16 * 256
-    for change, message in [({"zero": 100}, "offset 128"), ({"lo": whole.lo[..., :64].contiguous()}, "4, 128"),
+    for change, message in [({"zero": 100}, "int8s"), ({"lo": whole.lo[..., :64].contiguous()}, "4, 128"),
                             ({"planes": torch.zeros(64, dtype=torch.uint8)}, "planes")]:
         with pytest.raises(RuntimeError, match=message):
             w4a8.linear(torch.randn(1, 256), dataclasses.replace(whole, **change))

@@ -301,15 +301,15 @@ struct Tiles {
 //   lo: uint8 [groups, blocks, 4, 64]: q's low nibbles, laid out as the 4-bit weights above.
 //   planes: uint64 [groups, blocks, 4, HB, 2]: bit p of q's high part, for chunk c and the low (0) and
 //      high (1) nibble positions: bit i of the mask is byte i of that chunk's 64 bytes.
-//   Levels of 8 bits (HB = kWhole: Q8_0, zero 128) are whole bytes instead, as many bytes as the nibbles and
-//   planes would take: lo uint8 [groups, blocks, 4, 128], chunk c's 64 bytes of the low nibble positions
-//   then its 64 of the high ones (each in the nibbles' order), and no planes. An AVX2 core then reads a
-//   level with one load (q ^ 128 is the file's int8 level) instead of rebuilding it from four bit planes.
+//   Or the levels as whole bytes (always for 8 bits, Q8_0; for 6 bits where there is no VNNI: w4a8.py's
+//   `whole_bytes`): lo uint8 [groups, blocks, 4, 128], chunk c's 64 bytes of the low nibble positions then
+//   its 64 of the high ones (each in the nibbles' order), and no planes; q - zero must be an int8. An AVX2
+//   core then reads a level with one load instead of rebuilding it from HB bit planes.
 //   sc: int8 [groups, blocks, 2, 16]; d: float16 [groups, blocks / span, 16].
 // For a row and a block the integer isum = sum over halves h of sc_h * (sum_h(q * a) - zero * sum_h(a))
 // is exact (at most 2^23 in magnitude), then acc += float(isum) * (d * s), block after block: the same
 // float steps on both paths and in any batch, so both paths agree bit for bit.
-constexpr int kWhole = 4;  // HB of levels kept as whole bytes (Q8_0)
+constexpr int kWhole = 8;  // the HB a tile is instantiated with for levels kept as whole bytes (any bits)
 
 // Bytes of one group and block's levels: nibbles (and planes apart), or whole bytes.
 template <int HB>
@@ -349,7 +349,7 @@ void sym_tile_vnni(const SymWeights& w, const Activations& a, int64_t group, int
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t at = group * w.blocks + b;
     const uint8_t* q = w.lo + at * kLevelBytes<HB>;
-    const uint64_t* bits = w.planes + at * 4 * HB * 2;
+    const uint64_t* bits = HB == kWhole ? nullptr : w.planes + at * 4 * HB * 2;
     prefetch_ahead(q, kLevelBytes<HB>, kLevelBytes<HB> / 64);
     if constexpr (HB > 0 && HB != kWhole) prefetch_ahead(bits, 64 * HB, HB);  // HB planes of 64 bytes a block
     __m512i dot[R][kSums];
@@ -461,15 +461,15 @@ void sym_tile_avx2_joined(const SymWeights& w, const Activations& a, int64_t gro
   }
 }
 
-// The same steps on 256-bit registers for whole-byte levels (Q8_0: zero 128), a group as two halves of 8
-// columns. q ^ 128 is the signed level l = q - 128; vpmaddubsw takes |l| (at most 128) times the activation
-// with l's sign (vpsignb), so a pair is at most 2 * 128 * 127, within int16, widened to int32 at once. The
-// sums are sum((q - zero) * a): the same integers as the other path's, then the same float steps (sym_store8).
+// The same steps on 256-bit registers for whole-byte levels, a group as two halves of 8 columns. l = q - zero
+// is an int8 (checked by linear_sym); vpmaddubsw takes |l| (at most 128) times the activation with l's sign
+// (vpsignb), so a pair is at most 2 * 128 * 127, within int16, widened to int32 at once. The sums are
+// sum((q - zero) * a): the same integers as the VNNI tile's, then the same float steps (sym_store8).
 template <int R, bool kSub>
 __attribute__((target("avx2,f16c,fma")))
 void sym_tile_avx2_whole(const SymWeights& w, const Activations& a, int64_t group, int64_t row0, int64_t b0,
                          int64_t b1, float* acc) {
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i zero = _mm256_set1_epi8(static_cast<char>(w.zero));
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* q = w.lo + (group * w.blocks + b) * kLevelBytes<kWhole>;
@@ -478,8 +478,8 @@ void sym_tile_avx2_whole(const SymWeights& w, const Activations& a, int64_t grou
       __m256i dot[R][2];
       for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
-        const __m256i lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 128 + ch * 32)), flip);
-        const __m256i hi = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 128 + 64 + ch * 32)), flip);
+        const __m256i lo = _mm256_sub_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 128 + ch * 32)), zero);
+        const __m256i hi = _mm256_sub_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 128 + 64 + ch * 32)), zero);
         const __m256i lo_size = _mm256_abs_epi8(lo), hi_size = _mm256_abs_epi8(hi);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a.q + (row0 + r) * a.k + b * kBlock + c * 8;
@@ -501,7 +501,7 @@ constexpr int kSymRows = 4;  // 8 int32 accumulators + 2 (whole: 4) weights + 2 
 // The AVX2 tile over R rows: joined levels (HB <= 2) or whole bytes.
 template <int R, int HB, bool kSub>
 constexpr SymTile sym_tile_avx2() {
-  static_assert(HB <= 2 || HB == kWhole, "symmetric levels have 4, 5, 6 or 8 bits");
+  static_assert(HB <= 2 || HB == kWhole, "nibbles with 0, 1 or 2 bit planes, or whole bytes");
   if constexpr (HB <= 2) return sym_tile_avx2_joined<R, HB, kSub>;
   else return sym_tile_avx2_whole<R, kSub>;
 }
@@ -748,24 +748,27 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wq, const c10:
 }
 
 // y = x W^T (+ bias) for a weight of symmetric blocks (see SymWeights): `bits` high bits above the
-// nibble (0, 1, 2 or 4), `zero` the levels' offset, `sc` per 16 inputs or none, d per `span` blocks.
+// nibble (0, 1, 2 or 4), `zero` the levels' offset, `sc` per 16 inputs or none, d per `span` blocks; the
+// levels as nibbles and planes, or as whole bytes (lo [groups, blocks, 4, 128], no planes).
 torch::Tensor linear_sym(const torch::Tensor& x, const torch::Tensor& lo, const torch::Tensor& planes,
                          const c10::optional<torch::Tensor>& sc, const torch::Tensor& d,
                          const c10::optional<torch::Tensor>& bias, int64_t n, int64_t bits, int64_t zero, int64_t span,
                          int64_t isa) {
-  TORCH_CHECK(bits == 0 || bits == 1 || bits == 2 || bits == kWhole, "w4a8: high bits must be 0, 1, 2 or 4, not ", bits);
-  const int64_t level_bytes = bits == kWhole ? kLevelBytes<kWhole> : kLevelBytes<0>;
-  TORCH_CHECK(lo.scalar_type() == torch::kUInt8 && lo.dim() == 4 && lo.size(2) * lo.size(3) == level_bytes &&
-              lo.is_contiguous(), "w4a8: symmetric levels must be contiguous uint8 [groups, blocks, 4, ",
-              level_bytes / 4, "]");
+  TORCH_CHECK(bits == 0 || bits == 1 || bits == 2 || bits == 4, "w4a8: high bits must be 0, 1, 2 or 4, not ", bits);
+  TORCH_CHECK(lo.scalar_type() == torch::kUInt8 && lo.dim() == 4 && lo.size(2) == 4 &&
+              (lo.size(3) == 64 || lo.size(3) == 128) && lo.is_contiguous(),
+              "w4a8: symmetric levels must be contiguous uint8 [groups, blocks, 4, 64] (whole bytes: 4, 128)");
+  const bool whole = lo.size(3) == 128;
+  TORCH_CHECK(whole || bits != 4, "w4a8: 8-bit levels are whole bytes [groups, blocks, 4, 128]");
   const int64_t groups = lo.size(0), blocks = lo.size(1);
   check_common(x, groups, blocks, n, bias);
   TORCH_CHECK(zero >= 0 && zero < (int64_t{16} << bits), "w4a8: the offset ", zero, " is not a level");
-  TORCH_CHECK(bits != kWhole || zero == 128, "w4a8: whole-byte levels have the offset 128, not ", zero);
+  TORCH_CHECK(!whole || (zero <= 128 && (int64_t{16} << bits) - 1 - zero <= 127), "w4a8: whole-byte levels less the "
+              "offset must be int8s, not with the offset ", zero, " for ", 4 + bits, "-bit levels");
   TORCH_CHECK(span >= 1 && (span & (span - 1)) == 0 && blocks % span == 0, "w4a8: ", blocks,
               " blocks are not whole spans of ", span, " (a power of two)");
   TORCH_CHECK(planes.scalar_type() == torch::kUInt8 && planes.is_contiguous() &&
-              planes.numel() == (bits == kWhole ? 0 : groups * blocks * 4 * bits * 2 * 8),
+              planes.numel() == (whole ? 0 : groups * blocks * 4 * bits * 2 * 8),
               "w4a8: planes must be contiguous uint8 [groups, blocks, 4, bits, 2, 8] (none for whole bytes)");
   TORCH_CHECK(d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.numel() == groups * (blocks / span) * kCols,
               "w4a8: d must be contiguous float16 [groups, blocks / span, 16]");
@@ -778,15 +781,14 @@ torch::Tensor linear_sym(const torch::Tensor& x, const torch::Tensor& lo, const 
                      reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), blocks, zero,
                      __builtin_ctzll(static_cast<unsigned long long>(span))};
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  if (whole) return sc ? run_sym<kWhole, true>(x, w, n, b, isa) : run_sym<kWhole, false>(x, w, n, b, isa);
   switch (bits * 2 + (sc ? 1 : 0)) {
     case 0: return run_sym<0, false>(x, w, n, b, isa);
     case 1: return run_sym<0, true>(x, w, n, b, isa);
     case 2: return run_sym<1, false>(x, w, n, b, isa);
     case 3: return run_sym<1, true>(x, w, n, b, isa);
     case 4: return run_sym<2, false>(x, w, n, b, isa);
-    case 5: return run_sym<2, true>(x, w, n, b, isa);
-    case 8: return run_sym<4, false>(x, w, n, b, isa);
-    default: return run_sym<4, true>(x, w, n, b, isa);
+    default: return run_sym<2, true>(x, w, n, b, isa);
   }
 }
 

@@ -9,8 +9,8 @@ block, d and m being their float32 products, as ggml computes them); packed, it 
 number of rows. A fifth bit (Q5_K, Q5_1) is packed as a bit plane beside the nibbles. GGUF's other block
 types are taken as published too (`SymmetricWeight`: Q8_0, Q6_K, Q5_0, Q4_0; w = d * sc * (q - zero) with
 levels of 4 + `bits` bits), packed as `PackedSymmetric`:
-the same nibbles plus bit planes for the high bits, the same bytes per weight as the file (8-bit levels as
-whole bytes: one load a level where the high bits would be four planes to rebuild).
+the same nibbles plus bit planes for the high bits, the same bytes per weight as the file, or the levels as
+whole bytes where rebuilding them from planes costs more than the extra bytes (`whole_bytes`).
 Weights of different layouts over one input run side by side (`PackedParts`). Activations are
 quantized per row and block to int8 with scale max|x| / 127 (llama.cpp's Q8 blocks). `linear`
 runs `w4a8.cpp` (AVX-512 VNNI, else AVX2), `reference_linear` is the same math in float64 torch.
@@ -100,7 +100,6 @@ class SuperBlockWeight:
 
 HALF = 16  # inputs per sub-scale of a SymmetricWeight (GGUF's Q6_K)
 HIGH_BITS = (0, 1, 2, 4)  # the kernel's high bits above a level's nibble
-WHOLE_BITS, WHOLE_ZERO = 4, 128  # 8-bit levels (Q8_0: int8 + 128), packed as whole bytes
 
 
 @dataclass(frozen=True)
@@ -201,10 +200,10 @@ class PackedWeight:
 @dataclass(frozen=True)
 class PackedSymmetric:
     """A SymmetricWeight in the kernel's layout (w4a8.cpp, SymWeights): the low nibbles as PackedWeight's
-    `q`, the high bits as planes of 64-bit masks, sc and d per group of COLUMNS outputs; levels of 8 bits
-    (Q8_0) as whole bytes in the nibbles' order, without planes (the same bytes, one load a level on AVX2)."""
+    `q`, the high bits as planes of 64-bit masks, sc and d per group of COLUMNS outputs; or the levels as
+    whole bytes in the nibbles' order, without planes (`whole_bytes`)."""
 
-    lo: torch.Tensor  # uint8 [groups, blocks, 4, 64]; whole bytes (bits == WHOLE_BITS): [groups, blocks, 4, 128]
+    lo: torch.Tensor  # uint8 [groups, blocks, 4, 64]; whole bytes: [groups, blocks, 4, 128]
     planes: torch.Tensor  # uint8 [groups, blocks, 4, bits, 2, 8]; whole bytes: [groups, blocks, 4, 0, 2, 8]
     sc: torch.Tensor | None  # int8 [groups, blocks, 2, COLUMNS]
     d: torch.Tensor  # float16 [groups, blocks / span, COLUMNS]
@@ -231,9 +230,14 @@ class PackedSymmetric:
         groups, blocks = self.lo.shape[:2]
         return groups * blocks * COLUMNS * BLOCK
 
-    def layout(self) -> tuple[int, int, int, bool]:
-        """What two weights must share to be concatenated: bits, zero, span and whether sc is kept."""
-        return self.bits, self.zero, self.span, self.sc is not None
+    @property
+    def whole(self) -> bool:
+        """Whether the levels are whole bytes (else nibbles and bit planes)."""
+        return self.lo.shape[-1] == 2 * 64
+
+    def layout(self) -> tuple[int, int, int, bool, bool]:
+        """What two weights must share to be concatenated: bits, zero, span, whether sc is kept, whole bytes."""
+        return self.bits, self.zero, self.span, self.sc is not None, self.whole
 
 
 @dataclass(frozen=True)
@@ -360,10 +364,18 @@ def pack(weight: QuantizedWeight | SuperBlockWeight) -> PackedWeight:
     return PackedWeight(q, _per_group(weight.d, groups, pad), _per_group(weight.m, groups, pad), n, None, planes)
 
 
-def pack_symmetric(weight: SymmetricWeight) -> PackedSymmetric:
+def whole_bytes(bits: int) -> bool:
+    """Whether `pack_symmetric` keeps levels of 4 + `bits` bits as whole bytes here: always for 8 bits (the
+    same bytes as nibbles and four planes); for 6 bits (Q6_K) where the kernel's path is AVX2, whose tiles
+    rebuild a level from its planes at 17 GB/s at one row against whole bytes' 27 GB/s, so that 30% more bytes
+    still stream sooner (benchmarks/results/kernel/avx2-whole). VNNI adds planes with mask registers: nibbles."""
+    return bits == 4 or (bits == 2 and best_isa() == "avx2")
+
+
+def pack_symmetric(weight: SymmetricWeight, whole: bool | None = None) -> PackedSymmetric:
     """The kernel's layout of symmetric blocks: nibbles as `pack` lays them, bit p of the high part as a
-    64-bit mask per chunk and nibble half (bit i: byte i), sc and d per group; 8-bit levels (WHOLE_BITS) as
-    whole bytes in the same order, without planes."""
+    64-bit mask per chunk and nibble half (bit i: byte i), sc and d per group; or, `whole` (default:
+    `whole_bytes(weight.bits)`; always for 8 bits), the levels as whole bytes in the same order, no planes."""
     n, k = weight.q.shape
     check_width(k)
     if weight.bits not in HIGH_BITS or k % (weight.span * BLOCK) or weight.span & (weight.span - 1):
@@ -375,10 +387,13 @@ def pack_symmetric(weight: SymmetricWeight) -> PackedSymmetric:
     sc = None
     if weight.sc is not None:
         sc = _per_group(weight.sc, groups, pad).reshape(groups, k // BLOCK, 2, COLUMNS).contiguous()
-    if weight.bits == WHOLE_BITS:
-        if weight.zero != WHOLE_ZERO:
-            raise ValueError(f"levels of 8 bits have the offset {WHOLE_ZERO} (int8 levels + 128), not {weight.zero}")
+    if whole if whole is not None else whole_bytes(weight.bits):
+        if not (weight.zero <= 128 and (16 << weight.bits) - 1 - weight.zero <= 127):
+            raise ValueError(f"whole-byte levels less the offset must be int8s, not with the offset {weight.zero} "
+                             f"for {4 + weight.bits}-bit levels")
         lo, planes = values.reshape(groups, k // BLOCK, 4, 128).contiguous(), _planes(values, 0)
+    elif weight.bits == 4:
+        raise ValueError("8-bit levels are packed as whole bytes")
     else:
         lo, planes = _low_nibbles(values), _planes(values, weight.bits)
     return PackedSymmetric(lo, planes, sc, _per_group(weight.d, groups, pad), n, weight.bits, weight.zero,

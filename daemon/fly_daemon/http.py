@@ -22,23 +22,20 @@ the embedding model where embeddings are served (before it loads: clients pick i
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import json
 import logging
 import re
 import secrets
 import socket
 import threading
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Any
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -46,21 +43,23 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import fly_llm
 from fly_llm.common.errors import BadRequest, FLyError, Unauthorized
-from fly_llm.common.protocol import MAX_FRAME_BYTES, GenerateRequest, GenerateResult, TokenChunk
+from fly_llm.common.protocol import MAX_FRAME_BYTES
 
 from fly_daemon.client_identity import LOCAL_TENANT, HttpClients, Network
 from fly_daemon.embeddings import EmbeddingService
 from fly_daemon.embeddings_http import openai_embeddings
 from fly_daemon.http_connections import CloseWhenBodyUnread, HttpLimits, guarded_protocol
-from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Event, EventShaper, Replies, StrictJsonRoute, Translated,
-                                    UnknownModel, error_headers, http_status, internal, refusal, unless_disconnected)
+from fly_daemon.http_common import (StrictJsonRoute, Translated, Translation, UnknownModel, error_headers, http_status,
+                                    internal, openai_error, refusal)
+from fly_daemon.http_door import serve
 from fly_daemon.inproc import InProcessClient
-from fly_daemon.llamacpp_api import InfillBody, infill_answer, infill_chunk
+from fly_daemon.llamacpp_api import InfillAnswer, InfillBody
 from fly_daemon.messages_api import CountTokensRequest, MessagesRequest
 from fly_daemon.messages_stream import anthropic_error
-from fly_daemon.ollama_http import ollama_app, ollama_error
+from fly_daemon.ollama_api import ollama_error
+from fly_daemon.ollama_http import ollama_app
 from fly_daemon.openai_api import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeBody, GenerationBody, TokenizeBody, error_body,
+    ChatCompletionRequest, Choices, CompletionRequest, DetokenizeBody, GenerationBody, TokenizeBody,
 )
 from fly_daemon.responses_api import ResponsesRequest
 from fly_daemon.runtime import host_port, is_loopback_host
@@ -102,19 +101,19 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _generate(client, body, request, clients)
+        return await serve(client, request, clients, lambda: _choices(client, body))
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _generate(client, body, request, clients)
+        return await serve(client, request, clients, lambda: _choices(client, body))
 
     @v1.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        return await _translated(client, body, request, clients)
+        return await serve(client, request, clients, lambda: _translation(client, body))
 
     @v1.post("/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
-        return await _translated(client, body, request, clients)
+        return await serve(client, request, clients, lambda: _translation(client, body))
 
     @v1.post("/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, Any]:
@@ -132,7 +131,7 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     @app.post("/infill", dependencies=guard)
     async def infill(body: InfillBody, request: Request) -> Response:
         """llama.cpp's fill-in-the-middle (fly_daemon.llamacpp_api)."""
-        return await _infill(client, body, request, clients)
+        return await serve(client, request, clients, lambda: _infill(client, body))
 
     @app.post("/tokenize", dependencies=guard)
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
@@ -218,23 +217,6 @@ def _bearer(api_key: str) -> Callable[..., Awaitable[None]]:
 
 # ---- generation ----
 
-async def _generate(client: InProcessClient, body: GenerationBody, request: Request, clients: HttpClients
-                    ) -> Response:
-    """Serve one chat or text completion (its `n` choices submitted together), whole or as server-sent
-    events, for the client `clients` names."""
-    async def start() -> tuple[dict[str, Any], list[Replies], list[TokenChunk | GenerateResult]]:
-        head = body.head(await _served_model(client, body.model))
-        return head, *await _submitted(client, body.choice_requests(head["id"]), request, clients)
-
-    try:
-        head, streams, firsts = await unless_disconnected(request, start())
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    if not body.stream:
-        return JSONResponse(body.response(head, firsts))
-    return StreamingResponse(_events(body, head, firsts, streams), media_type="text/event-stream")
-
-
 async def _served_model(client: InProcessClient, asked: str) -> str:
     """The served model's name, once loaded, if `asked` names it; else UnknownModel (404)."""
     model = await client.loaded_model()
@@ -243,168 +225,21 @@ async def _served_model(client: InProcessClient, asked: str) -> str:
     return model
 
 
-async def _submitted(client: InProcessClient, requests: list[GenerateRequest], request: Request,
-                     clients: HttpClients) -> tuple[list[Replies], list[TokenChunk | GenerateResult]]:
-    """Submit `requests` as the tenant and client `clients` names for `request`; their reply streams and first
-    replies. An error before the first reply is raised (the other requests are cancelled)."""
-    identity = clients.identity(request)
-    streams = [client.replies(r, tenant=clients.tenant, client=identity) for r in requests]
-    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
-    failed = [f for f in firsts if isinstance(f, BaseException)]
-    if failed:  # an error before the first token is a plain HTTP error (the other choices are cancelled)
-        await asyncio.gather(*(s.aclose() for s in streams))
-        raise failed[0]
-    return streams, firsts
+async def _choices(client: InProcessClient, body: GenerationBody) -> Choices:
+    """A chat or text completion's answer, once the model it names is known to be served."""
+    return Choices(body, await _served_model(client, body.model))
 
 
-async def _translated(client: InProcessClient, body: Translated, request: Request, clients: HttpClients
-                      ) -> Response:
-    """Serve a request of another API (the Responses or Messages API) as one chat request, whole or as the
-    server-sent events its shaper makes, for the client `clients` names."""
-    async def start() -> tuple[EventShaper, Replies, TokenChunk | GenerateResult]:
-        shaper = body.shaper(await _served_model(client, body.model))
-        limit = client.limits.max_tokens_limit  # the engine clips it to what fits the context window
-        [replies], [first] = await _submitted(client, [body.to_generate(shaper.id, limit)], request, clients)
-        return shaper, replies, first
-
-    try:
-        shaper, replies, first = await unless_disconnected(request, start())
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    if not body.stream:
-        await replies.aclose()
-        return JSONResponse(shaper.whole(first))  # a request without stream answers with its result
-    return StreamingResponse(_shaped(shaper, first, replies), media_type="text/event-stream")
+async def _translation(client: InProcessClient, body: Translated) -> Translation:
+    """A request of another API (the Responses or Messages API) as one chat request's answer."""
+    shaper = body.shaper(await _served_model(client, body.model))
+    limit = client.limits.max_tokens_limit  # the engine clips it to what fits the context window
+    return Translation(shaper, body.to_generate(shaper.id, limit), body.stream)
 
 
-async def _shaped(shaper: EventShaper, first: TokenChunk | GenerateResult, replies: Replies) -> AsyncIterator[str]:
-    """A translated stream's events; an error after the first is the shaper's failure events."""
-    try:
-        for event in shaper.opening():
-            yield _named_event(event)
-        reply = first
-        while isinstance(reply, TokenChunk):
-            for event in shaper.chunk(reply):
-                yield _named_event(event)
-            reply = await anext(replies)
-        for event in shaper.final(reply):
-            yield _named_event(event)
-    except FLyError as exc:
-        for event in shaper.failure(exc, http_status(exc)):
-            yield _named_event(event)
-    except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
-        for event in shaper.failure(internal(exc), 500):
-            yield _named_event(event)
-    finally:
-        await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
-
-
-async def _infill(client: InProcessClient, body: InfillBody, request: Request, clients: HttpClients) -> Response:
-    """Serve one /infill request, whole or as server-sent events in llama.cpp's shape (no `[DONE]`), for the
-    client `clients` names."""
-    async def start() -> tuple[str, Replies, TokenChunk | GenerateResult]:
-        model = await client.loaded_model()
-        no_limit = client.limits.max_tokens_limit  # clipped to what fits the context window
-        [replies], [first] = await _submitted(
-            client, [body.to_generate(f"infill-{uuid.uuid4().hex}", no_limit)], request, clients)
-        return model, replies, first
-
-    try:
-        model, replies, first = await unless_disconnected(request, start())
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    if not body.stream:
-        await replies.aclose()
-        return JSONResponse(infill_answer(first, model, first.text))
-
-    async def events() -> AsyncIterator[str]:
-        try:
-            reply = first
-            while isinstance(reply, TokenChunk):
-                if reply.text:
-                    yield _event(infill_chunk(reply.text))
-                reply = await anext(replies)
-            yield _event(infill_answer(reply, model))
-        except FLyError as exc:
-            yield _event(error_body(exc, _error_type(http_status(exc))))
-        except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
-            yield _event(error_body(internal(exc), _error_type(500)))
-        finally:
-            await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-async def _events(body: GenerationBody, head: dict[str, Any], firsts: list[TokenChunk | GenerateResult],
-                  streams: list[Replies]) -> AsyncIterator[str]:
-    """The stream's server-sent events, the choices' chunks as they come; an error after the first event is
-    sent as an `error` event."""
-    results: list[GenerateResult | None] = [None] * len(streams)
-    calls = [0] * len(streams)
-    try:
-        if body.opens_with_role:
-            for index in range(len(streams)):
-                yield _event(body.chunk(head, index))
-        async for index, reply in _merged(firsts, streams):
-            if isinstance(reply, TokenChunk):
-                indexed = list(enumerate(reply.tool_calls, calls[index]))
-                calls[index] += len(indexed)
-                yield _event(body.chunk(head, index, reply.text, calls=indexed, logprobs=reply.logprobs))
-                continue
-            results[index] = reply
-            done = None if None in results else results
-            yield _event(body.chunk(head, index, final=reply, usage=done))
-        if body.include_usage:
-            yield _event(body.usage_chunk(head, results))
-        yield "data: [DONE]\n\n"
-    except FLyError as exc:
-        yield _event(error_body(exc, _error_type(http_status(exc))))
-    except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
-        yield _event(error_body(internal(exc), _error_type(500)))
-    finally:
-        for stream in streams:
-            await stream.aclose()  # cancels the request if the stream ends early (the client disconnected)
-
-
-async def _merged(firsts: list[TokenChunk | GenerateResult],
-                  streams: list[Replies]) -> AsyncIterator[tuple[int, TokenChunk | GenerateResult]]:
-    """(choice index, reply) of all choices' streams, in the order they arrive, until each has its result;
-    a choice's error is raised."""
-    queue: asyncio.Queue[tuple[int, TokenChunk | GenerateResult | BaseException]] = asyncio.Queue()
-
-    async def pump(index: int) -> None:
-        reply: TokenChunk | GenerateResult | BaseException = firsts[index]
-        queue.put_nowait((index, reply))
-        try:
-            while isinstance(reply, TokenChunk):
-                reply = await anext(streams[index])
-                queue.put_nowait((index, reply))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait((index, exc))
-
-    pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
-    try:
-        for _ in streams:  # until each choice has its result
-            while True:
-                index, reply = await queue.get()
-                if isinstance(reply, BaseException):
-                    raise reply
-                yield index, reply
-                if not isinstance(reply, TokenChunk):
-                    break
-    finally:
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-
-
-def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-def _named_event(data: Event) -> str:
-    """A server-sent event named by its data's `type` (as the Responses and Messages APIs send them)."""
-    return f"event: {data['type']}\n{_event(data)}"
+async def _infill(client: InProcessClient, body: InfillBody) -> InfillAnswer:
+    """An /infill request's answer (the model unnamed: the served one)."""
+    return InfillAnswer(body, await client.loaded_model(), client.limits.max_tokens_limit)
 
 
 # ---- errors in OpenAI's shape (Anthropic's under MESSAGES_PREFIX) ----
@@ -437,18 +272,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _error(path: str, error: FLyError, status: int, param: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
     """The error answer to a request for `path`: Anthropic's shape under MESSAGES_PREFIX, else OpenAI's."""
-    body = anthropic_error(error, status) if _under(path, MESSAGES_PREFIX) else \
-        error_body(error, _error_type(status), param)
+    body = anthropic_error(error, status) if _under(path, MESSAGES_PREFIX) else openai_error(error, status, param)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _under(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + "/")
-
-
-def _error_type(status: int) -> str:
-    """OpenAI's error `type` for a status."""
-    return "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
 
 
 class _BodyLimit:

@@ -1,11 +1,16 @@
-"""What the HTTP front's two APIs (OpenAI's, fly_daemon.http; Ollama's, fly_daemon.ollama_http) share, shape aside.
+"""What every API of the HTTP front shares, shape aside, and the door contract each generation route serves by.
 
 Each error code's HTTP status and headers, an HTTP-level refusal as our error, the INTERNAL answer that
-hides an unexpected failure behind a request id, a body parsed whatever its Content-Type, JSON bodies read
-as strictly as the ZeroMQ frames (`StrictJsonRoute`), and a client's disconnect cancelling its request. Each API writes these in its own error shape. `Translated` and
+hides an unexpected failure behind a request id, OpenAI's error shape (the front's own), a body parsed
+whatever its Content-Type, JSON bodies read as strictly as the ZeroMQ frames (`StrictJsonRoute`), and a
+client's disconnect cancelling its request. Each API writes errors in its own shape.
+
+The door contract: an API answers a generation request as an `Answer` — the generate requests it submits,
+then its reply whole or as its stream's events, and how they are framed (`data_event`, `named_event`,
+`ndjson_line`); fly_daemon.http_door.serve runs every such route the same way. `Translated` and
 `EventShaper` are what an API served as one chat request (the Responses API, fly_daemon.responses_api;
-Anthropic's Messages API, fly_daemon.messages_api) gives the front: its wire request, and its answer whole
-or as server-sent events.
+Anthropic's Messages API, fly_daemon.messages_api) gives: its wire request and its answer's shapes, which
+`Translation` makes an Answer.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import logging
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
@@ -134,7 +139,72 @@ async def _disconnect(request: Request) -> None:
 
 
 Event = dict[str, Any]
-"""One server-sent event's data; its `type` is the event's name."""
+"""One event of a stream: a server-sent event's data (its `type` the event's name, where events are named) or
+one NDJSON line."""
+
+
+def data_event(data: Event) -> str:
+    """A server-sent event of `data` (OpenAI's and llama.cpp's streams)."""
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def named_event(data: Event) -> str:
+    """A server-sent event named by its data's `type` (as the Responses and Messages APIs send them)."""
+    return f"event: {data['type']}\n{data_event(data)}"
+
+
+def ndjson_line(data: Event) -> str:
+    """One line of a newline-delimited JSON stream (Ollama's)."""
+    return json.dumps(data, separators=(",", ":")) + "\n"
+
+
+def openai_error(error: FLyError, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape for an error answered with `status`, our stable code (fly_llm.common.errors) as `code`."""
+    kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": error.message, "type": kind, "param": param, "code": error.code}}
+
+
+class Answer(ABC):
+    """One generation request's answer in its API's shape (the door contract, run by fly_daemon.http_door.serve):
+    the generate requests it submits (one per choice), then the reply whole, or as the events of a stream —
+    opening events, each choice's chunks and its end, closing text, or the events of a failure after the stream
+    began — each framed by `frame` and sent as `media_type`."""
+
+    stream: bool
+    """Whether the client asked for a stream."""
+    media_type: ClassVar[str] = "text/event-stream"
+
+    @abstractmethod
+    def requests(self) -> list[GenerateRequest]:
+        """The generate requests to submit; none: the answer is `whole([])` at once."""
+
+    @abstractmethod
+    def whole(self, results: list[GenerateResult]) -> dict[str, Any]:
+        """The whole (non-streamed) answer, from each request's result."""
+
+    def opening(self) -> list[Event]:
+        """The events a stream opens with."""
+        return []
+
+    @abstractmethod
+    def chunk(self, index: int, chunk: TokenChunk) -> list[Event]:
+        """The events of request `index`'s new text and completed tool calls."""
+
+    @abstractmethod
+    def final(self, index: int, result: GenerateResult, results: list[GenerateResult] | None) -> list[Event]:
+        """The events that end request `index`; `results`: every request's, once this one was the last to end."""
+
+    def closing(self, results: list[GenerateResult]) -> list[str]:
+        """The framed text that ends a stream whose requests all ended."""
+        return []
+
+    @abstractmethod
+    def failure(self, error: FLyError, status: int) -> list[Event]:
+        """The events that end a stream that failed after it began (`status`: the error's HTTP status)."""
+
+    @abstractmethod
+    def frame(self, event: Event) -> str:
+        """One event as the stream's wire text."""
 
 
 class EventShaper(ABC):
@@ -173,6 +243,34 @@ class EventShaper(ABC):
     @abstractmethod
     def whole(self, result: GenerateResult) -> dict[str, Any]:
         """The whole (non-streamed) answer."""
+
+
+class Translation(Answer):
+    """A request of another API served as one chat request: its wire request and its shaper as an Answer."""
+
+    def __init__(self, shaper: EventShaper, request: GenerateRequest, stream: bool) -> None:
+        self.shaper, self.request, self.stream = shaper, request, stream
+
+    def requests(self) -> list[GenerateRequest]:
+        return [self.request]
+
+    def whole(self, results: list[GenerateResult]) -> dict[str, Any]:
+        return self.shaper.whole(results[0])
+
+    def opening(self) -> list[Event]:
+        return self.shaper.opening()
+
+    def chunk(self, index: int, chunk: TokenChunk) -> list[Event]:
+        return self.shaper.chunk(chunk)
+
+    def final(self, index: int, result: GenerateResult, results: list[GenerateResult] | None) -> list[Event]:
+        return self.shaper.final(result)
+
+    def failure(self, error: FLyError, status: int) -> list[Event]:
+        return self.shaper.failure(error, status)
+
+    def frame(self, event: Event) -> str:
+        return named_event(event)
 
 
 class Translated(Protocol):

@@ -14,14 +14,17 @@ any other field is refused (400), so a typo never passes silently.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fly_llm.client.core import build_options, checked
 from fly_llm.common.fim import Infill
-from fly_llm.common.protocol import GenerateRequest, GenerateResult
+from fly_llm.common.errors import FLyError
+from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk
 
+from fly_daemon.http_common import Answer, Event, data_event, openai_error
 from fly_daemon.ollama_api import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers
 
 IGNORED = frozenset({"cache_prompt", "id_slot", "n_keep", "n_indent", "min_keep", "penalize_nl", "t_max_predict_ms",
@@ -104,3 +107,31 @@ def infill_answer(result: GenerateResult, model: str, text: str = "") -> dict[st
                         "predicted_n": predicted_n, "predicted_ms": predicted_ms,
                         "predicted_per_second": predicted_n / (predicted_ms / 1e3) if predicted_ms else 0.0},
             "fly_stats": result.stats.model_dump()}
+
+
+class InfillAnswer(Answer):
+    """An /infill request's answer (the door contract): whole, or data events of new text and a last one with the
+    counts (no `[DONE]`); an error after the stream began is an event in OpenAI's error shape, as llama-server's."""
+
+    def __init__(self, body: InfillBody, model: str, no_limit_tokens: int) -> None:
+        """`body` asked of the served `model`; `no_limit_tokens`: what n_predict -1 asks for."""
+        self.model, self.stream = model, body.stream
+        self.request = body.to_generate(f"infill-{uuid.uuid4().hex}", no_limit_tokens)
+
+    def requests(self) -> list[GenerateRequest]:
+        return [self.request]
+
+    def whole(self, results: list[GenerateResult]) -> dict[str, Any]:
+        return infill_answer(results[0], self.model, results[0].text)
+
+    def chunk(self, index: int, chunk: TokenChunk) -> list[Event]:
+        return [infill_chunk(chunk.text)] if chunk.text else []
+
+    def final(self, index: int, result: GenerateResult, results: list[GenerateResult] | None) -> list[Event]:
+        return [infill_answer(result, self.model)]
+
+    def failure(self, error: FLyError, status: int) -> list[Event]:
+        return [openai_error(error, status)]
+
+    def frame(self, event: Event) -> str:
+        return data_event(event)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 from abc import ABC, abstractmethod
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -23,12 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fly_llm.client.core import build_options, checked
 from fly_llm.common.config import FLyOverrides
-from fly_llm.common.errors import BadRequest
+from fly_llm.common.errors import BadRequest, FLyError
 from fly_llm.common.fim import FimTokens, Infill
-from fly_llm.common.protocol import GenerateRequest, GenerateResult
+from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk
 from fly_llm.common.stats import FinishReason
 from fly_llm.common.tools import STRUCTURE_OPTIONS, ToolCall, closed_tool, schema_format
 
+from fly_daemon.http_common import Answer, Event, ndjson_line
 from fly_daemon.model_info import ModelInfo
 
 OLLAMA_VERSION = "0.9.0"
@@ -293,6 +295,46 @@ class GenerateBody(OllamaBody):
 
     def _payload(self, text: str, calls: list[tuple[int, ToolCall]]) -> dict[str, Any]:
         return {"response": text}
+
+
+class OllamaAnswer(Answer):
+    """A chat or generate request's answer (the door contract): whole, or NDJSON lines of new text and tool calls
+    and a last one with the counts; a request that only loads the model is answered at once; an error after the
+    stream began is a last `{"error", "code"}` line."""
+
+    media_type = "application/x-ndjson"
+
+    def __init__(self, body: OllamaBody, served: Served) -> None:
+        """`body` asked of the model `served` describes."""
+        self.started = time.perf_counter_ns()
+        self.body, self.stream, self.head = body, body.stream, body.head()
+        self.request = None if body.loads_only else body.to_generate(f"ollama-{uuid.uuid4().hex}", served)
+        self.calls = 0  # tool calls sent so far: the next one's index
+
+    def requests(self) -> list[GenerateRequest]:
+        return [] if self.request is None else [self.request]
+
+    def whole(self, results: list[GenerateResult]) -> dict[str, Any]:
+        return self.body.whole(self.head, results[0], self.started) if results else self.body.loaded(self.head)
+
+    def chunk(self, index: int, chunk: TokenChunk) -> list[Event]:
+        calls = list(enumerate(chunk.tool_calls, self.calls))
+        self.calls += len(calls)
+        return [self.body.line(self.head, chunk.text, calls)] if chunk.text or calls else []
+
+    def final(self, index: int, result: GenerateResult, results: list[GenerateResult] | None) -> list[Event]:
+        return [self.body.final(self.head, result, self.started)]
+
+    def failure(self, error: FLyError, status: int) -> list[Event]:
+        return [ollama_error(error)]
+
+    def frame(self, event: Event) -> str:
+        return ndjson_line(event)
+
+
+def ollama_error(error: FLyError) -> dict[str, str]:
+    """Ollama's error shape, with our stable code (fly_llm.common.errors) as `code`."""
+    return {"error": error.message, "code": error.code}
 
 
 class ShowBody(BaseModel):

@@ -14,29 +14,25 @@ failure after a stream began is its last line. Shapes and translation: fly_daemo
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.params import Depends
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from fly_llm.common.errors import BadRequest, FLyError
-from fly_llm.common.protocol import GenerateResult, TokenChunk
 
 from fly_daemon.client_identity import HttpClients
 from fly_daemon.embeddings import EmbeddingService
 from fly_daemon.embeddings_http import ollama_embeddings
-from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, Replies, StrictJsonRoute, UnknownModel, error_headers,
-                                    http_status, internal, parsed_body, refusal, unless_disconnected)
+from fly_daemon.http_common import (StrictJsonRoute, UnknownModel, error_headers, http_status, internal, parsed_body,
+                                    refusal)
+from fly_daemon.http_door import serve
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.model_info import ModelInfo
-from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaBody, Served, ShowBody, capabilities,
-                                   embedding_card, model_card, same_model, show_template)
+from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaAnswer, OllamaBody, Served, ShowBody,
+                                   capabilities, embedding_card, model_card, ollama_error, same_model, show_template)
 
 MANAGEMENT = ("/pull", "/push", "/create", "/copy", "/delete")
 """Ollama routes fly-daemon refuses: it serves the models it loaded from local files at start."""
@@ -54,11 +50,13 @@ def ollama_app(client: InProcessClient, guard: list[Depends], clients: HttpClien
 
     @app.post("/chat")
     async def chat(request: Request) -> Response:
-        return await _serve(client, await parsed_body(request, ChatBody), request, clients)
+        body = await parsed_body(request, ChatBody)
+        return await serve(client, request, clients, lambda: _answer(client, body))
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        return await _serve(client, await parsed_body(request, GenerateBody), request, clients)
+        body = await parsed_body(request, GenerateBody)
+        return await serve(client, request, clients, lambda: _answer(client, body))
 
     @app.get("/tags")
     async def tags() -> dict[str, Any]:
@@ -107,65 +105,15 @@ async def _served(client: InProcessClient, asked: str) -> ModelInfo:
     return model
 
 
-async def _serve(client: InProcessClient, body: OllamaBody, request: Request, clients: HttpClients) -> Response:
-    """Serve one chat or generate request, whole or as NDJSON lines, for the client `clients` names."""
-    started = time.perf_counter_ns()
-
-    async def start() -> tuple[Replies, TokenChunk | GenerateResult] | None:
-        model = await _served(client, body.model)
-        if body.loads_only:
-            return None
-        served = Served(context_window=model.context_window,
-                        no_limit_tokens=min(client.limits.max_tokens_limit, model.context_window),
-                        chat_template=bool(model.chat_template))
-        replies = client.replies(body.to_generate(f"ollama-{uuid.uuid4().hex}", served), tenant=clients.tenant,
-                                 client=clients.identity(request))
-        return replies, await anext(replies)  # an error before the first token is a plain HTTP error
-
-    try:
-        begun = await unless_disconnected(request, start())
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    head = body.head()
-    if begun is None:
-        return JSONResponse(body.loaded(head))
-    replies, first = begun
-    if not body.stream:
-        await replies.aclose()
-        return JSONResponse(body.whole(head, first, started))
-    return StreamingResponse(_lines(body, head, first, replies, started), media_type="application/x-ndjson")
-
-
-async def _lines(body: OllamaBody, head: dict[str, Any], first: TokenChunk | GenerateResult, replies: Replies,
-                 started: int) -> AsyncIterator[str]:
-    """The stream's lines; an error after the first line is sent as a last `{"error", "code"}` line."""
-    try:
-        reply, calls = first, 0
-        while isinstance(reply, TokenChunk):
-            indexed = list(enumerate(reply.tool_calls, calls))
-            calls += len(indexed)
-            if reply.text or indexed:
-                yield _line(body.line(head, reply.text, indexed))
-            reply = await anext(replies)
-        yield _line(body.final(head, reply, started))
-    except FLyError as exc:
-        yield _line(ollama_error(exc))
-    except Exception as exc:  # noqa: BLE001  # any failure ends this stream only, and tells nothing of itself
-        yield _line(ollama_error(internal(exc)))
-    finally:
-        await replies.aclose()  # cancels the request if the stream ends early (the client disconnected)
-
-
-def _line(data: dict[str, Any]) -> str:
-    return json.dumps(data, separators=(",", ":")) + "\n"
+async def _answer(client: InProcessClient, body: OllamaBody) -> OllamaAnswer:
+    """`body`'s answer, once the model it names is known to be served."""
+    model = await _served(client, body.model)
+    return OllamaAnswer(body, Served(context_window=model.context_window,
+                                     no_limit_tokens=min(client.limits.max_tokens_limit, model.context_window),
+                                     chat_template=bool(model.chat_template)))
 
 
 # ---- errors in Ollama's shape ----
-
-def ollama_error(error: FLyError) -> dict[str, str]:
-    """Ollama's error shape, with our stable code (fly_llm.common.errors) as `code`."""
-    return {"error": error.message, "code": error.code}
-
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(FLyError)

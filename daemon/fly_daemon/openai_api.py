@@ -9,7 +9,8 @@ tool_choice, response_format, ...) are declared once, in `fly_llm.common.tools.S
 with it: chat completions take them all, completions those of `FormatOptions`.
 
 Responses are built as plain dicts in OpenAI's shape, with `usage` and, as an extra field,
-`fly_stats` (the request's speculation counters: MAT, loose accepts, …).
+`fly_stats` (the request's speculation counters: MAT, loose accepts, …); `Choices` is a completion's answer
+as the front's door serves it (fly_daemon.http_door).
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from fly_llm.client.core import build_options, checked
 from fly_llm.common.errors import FLyError
 from fly_llm.common.fim import Infill
 from fly_llm.common.protocol import (
-    MAX_CHOICES, MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, MessageToolCall, TokenLogprob, TopLogprob,
+    MAX_CHOICES, MAX_TOP_LOGPROBS, GenerateRequest, GenerateResult, MessageToolCall, TokenChunk, TokenLogprob,
+    TopLogprob,
 )
 from fly_llm.common.stats import FinishReason, RequestStats
 from fly_llm.common.tools import FormatOptions, StructureOptions, ToolCall, structure_options
+
+from fly_daemon.http_common import Answer, Event, data_event, openai_error
 
 
 class _Strict(BaseModel):
@@ -375,6 +379,39 @@ class DetokenizeBody(_Strict):
     tokens: list[int]
 
 
-def error_body(error: FLyError, error_type: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape, with our stable code (fly_llm.common.errors) as `code`."""
-    return {"error": {"message": error.message, "type": error_type, "param": param, "code": error.code}}
+class Choices(Answer):
+    """A chat or text completion's answer (the door contract): its `n` choices, whole or as data events ending in
+    `[DONE]`; an error after the stream began is an `error` event in OpenAI's shape."""
+
+    def __init__(self, body: GenerationBody, model: str) -> None:
+        """`body` asked of the served `model`."""
+        self.body, self.stream = body, body.stream
+        self.head = body.head(model)
+        self.calls = [0] * body.n  # tool calls sent so far per choice: the next one's index
+
+    def requests(self) -> list[GenerateRequest]:
+        return self.body.choice_requests(self.head["id"])
+
+    def whole(self, results: list[GenerateResult]) -> dict[str, Any]:
+        return self.body.response(self.head, results)
+
+    def opening(self) -> list[Event]:
+        return [self.body.chunk(self.head, i) for i in range(self.body.n)] if self.body.opens_with_role else []
+
+    def chunk(self, index: int, chunk: TokenChunk) -> list[Event]:
+        calls = list(enumerate(chunk.tool_calls, self.calls[index]))
+        self.calls[index] += len(calls)
+        return [self.body.chunk(self.head, index, chunk.text, calls=calls, logprobs=chunk.logprobs)]
+
+    def final(self, index: int, result: GenerateResult, results: list[GenerateResult] | None) -> list[Event]:
+        return [self.body.chunk(self.head, index, final=result, usage=results)]
+
+    def closing(self, results: list[GenerateResult]) -> list[str]:
+        usage = [self.frame(self.body.usage_chunk(self.head, results))] if self.body.include_usage else []
+        return [*usage, "data: [DONE]\n\n"]
+
+    def failure(self, error: FLyError, status: int) -> list[Event]:
+        return [openai_error(error, status)]
+
+    def frame(self, event: Event) -> str:
+        return data_event(event)

@@ -19,23 +19,20 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from fly_llm.common.errors import BadRequest
 
 from fly_daemon.embeddings import Embedded, Embedder, EmbeddingService
 from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, StrictJsonRoute, UnknownModel, parsed_body,
                                     unless_disconnected)
+from fly_daemon.shared_fields import Strict
 
 TokenIds = Annotated[list[StrictInt], Field(max_length=1 << 16)]
 """One input as token ids of the embedding model's vocabulary (no special tokens: they are added)."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class OpenAIEmbeddingBody(_Strict):
+class OpenAIEmbeddingBody(Strict):
     """POST /v1/embeddings: OpenAI's fields (`user` is accepted and not used)."""
 
     model: StrictStr
@@ -56,7 +53,7 @@ class OpenAIEmbeddingBody(_Strict):
         return self.input
 
 
-class OllamaEmbedBody(_Strict):
+class OllamaEmbedBody(Strict):
     """POST /api/embed: Ollama's fields (`options` and `keep_alive` are accepted and not used)."""
 
     model: StrictStr
@@ -67,7 +64,7 @@ class OllamaEmbedBody(_Strict):
     keep_alive: StrictStr | float | None = None
 
 
-class OllamaEmbeddingsBody(_Strict):
+class OllamaEmbeddingsBody(Strict):
     """POST /api/embeddings (Ollama's older route): one `prompt`; `options` and `keep_alive` are not used."""
 
     model: StrictStr

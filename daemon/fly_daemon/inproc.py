@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
-from fly_llm.client.core import checked
+from fly_llm.common.options import checked
 from fly_llm.common.errors import BadRequest, NotReady, error_from_code
 from fly_llm.common.protocol import (
     ErrorReply, GenerateRequest, GenerateResult, HealthState, TokenChunk, TokenizeReply, TokenizeRequest,

@@ -7,7 +7,7 @@ text}]`), `prompt` (text after the prefix), `n_predict` (-1: no limit), `stream`
 `seed`, `stop`, the samplers (`top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`, `presence_penalty`,
 `frequency_penalty`: docs/daemon.md, "Samplers") and FLy's options (`k`, `window`, `entropy_threshold`,
 `loose`). A sampler FLy does not have
-is accepted only at the value that turns it off (fly_daemon.ollama_api.SAMPLERS_OFF: llama.cpp's names are
+is accepted only at the value that turns it off (fly_daemon.shared_fields.SAMPLERS_OFF: llama.cpp's names are
 Ollama's); llama.cpp's slot and cache settings are accepted and ignored (the prefix cache is always on);
 any other field is refused (400), so a typo never passes silently.
 """
@@ -19,13 +19,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fly_llm.client.core import build_options, checked
+from fly_llm.common.options import build_options, checked
 from fly_llm.common.fim import Infill
 from fly_llm.common.errors import FLyError
 from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk
 
 from fly_daemon.http_common import Answer, Event, data_event, openai_error
-from fly_daemon.ollama_api import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers
+from fly_daemon.shared_fields import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers
 
 IGNORED = frozenset({"cache_prompt", "id_slot", "n_keep", "n_indent", "min_keep", "penalize_nl", "t_max_predict_ms",
                      "t_max_prompt_ms", *SAMPLER_SETTINGS})

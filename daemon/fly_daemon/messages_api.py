@@ -19,27 +19,23 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from fly_llm.client.core import build_options, checked
+from fly_llm.common.options import build_options, checked
 from fly_llm.common.protocol import GenerateRequest
 
 from fly_daemon.messages_stream import MessageShaper
-from fly_daemon.openai_api import FLyFields
+from fly_daemon.shared_fields import FLyFields, Strict
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TextBlock(_Strict):
+class TextBlock(Strict):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None
     citations: list[Any] | None = Field(None, description="Accepted, not used.")
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(Strict):
     """A call an assistant turn made."""
 
     type: Literal["tool_use"]
@@ -49,7 +45,7 @@ class ToolUseBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(Strict):
     """The result of the call `tool_use_id`, in a user turn (`is_error` is accepted; the text says it)."""
 
     type: Literal["tool_result"]
@@ -66,7 +62,7 @@ class ToolResultBlock(_Strict):
 Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
 
 
-class AnthropicMessage(_Strict):
+class AnthropicMessage(Strict):
     """One turn. Besides Anthropic's user and assistant turns, a "system" turn between them (Claude Code sends
     its reminders so) is a system turn in place: text only."""
 
@@ -109,7 +105,7 @@ class AnthropicMessage(_Strict):
         return turns
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(Strict):
     """A custom tool: its name, what it does and a JSON Schema of its input."""
 
     type: Literal["custom"] | None = None
@@ -125,7 +121,7 @@ class AnthropicTool(_Strict):
                                                  "parameters": self.input_schema, "strict": self.strict}}
 
 
-class AnthropicToolChoice(_Strict):
+class AnthropicToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
@@ -143,19 +139,19 @@ class AnthropicToolChoice(_Strict):
         return {"any": "required"}.get(self.type, self.type)
 
 
-class Thinking(_Strict):
+class Thinking(Strict):
     """{"type": "disabled"}, or "adaptive" (the model thinks only if it wants to: Claude Code sends it on every
     request), which the served models answer without thinking. "enabled" (thinking required) is refused."""
 
     type: Literal["disabled", "adaptive"]
 
 
-class JsonOutputFormat(_Strict):
+class JsonOutputFormat(Strict):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Strict):
     """`output_config`: the answer as JSON valid under `format.schema`; `effort` is accepted and ignored (the
     served models do not reason: every effort is the same answer)."""
 
@@ -163,7 +159,7 @@ class OutputConfig(_Strict):
     effort: Literal["low", "medium", "high", "max"] | None = None
 
 
-class Conversation(_Strict):
+class Conversation(Strict):
     """What a Messages request and a count_tokens request share: the model, the turns and the tools."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fly_llm.client.core import build_options, checked
+from fly_llm.common.options import build_options, checked
 from fly_llm.common.config import FLyOverrides
 from fly_llm.common.errors import BadRequest, FLyError
 from fly_llm.common.fim import FimTokens, Infill
@@ -32,38 +32,17 @@ from fly_llm.common.tools import STRUCTURE_OPTIONS, ToolCall, closed_tool, schem
 
 from fly_daemon.http_common import Answer, Event, ndjson_line
 from fly_daemon.model_info import ModelInfo
+from fly_daemon.shared_fields import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers, Strict
 
 OLLAMA_VERSION = "0.9.0"
 """The Ollama release whose API these routes follow (GET /api/version): streamed tool calls (0.8), `think` (0.9)."""
 LOAD_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
                           "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep"})
 """Ollama options about loading and running a model on the hardware: accepted and ignored (they change no output)."""
-SAMPLERS_OFF = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0}
-"""Ollama samplers FLy does not have, each with the value that turns it off (the only one accepted)."""
-SAMPLER_SETTINGS = frozenset({"mirostat_tau", "mirostat_eta", "penalize_newline"})
-"""Settings accepted and ignored: mirostat's do nothing while it is off; penalize_newline is gone from Ollama's
-own engine, which (like FLy) penalizes a newline as any other token."""
 FLY_OPTIONS: tuple[str, ...] = (*FLyOverrides.model_fields, *(n for n in STRUCTURE_OPTIONS if n != "tools"))
 """FLy's options an Ollama request may add to `options` (`tools` is Ollama's own field)."""
 NO_LIMIT = (-1, -2)
 """Ollama's num_predict for 'no limit' and 'fill the context'."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class LlamaSamplers(BaseModel):
-    """The samplers llama.cpp's requests and Ollama's `options` name alike (mapped to FLy's by the routes)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = Field(None, description="FLy's repetition_penalty.")
-    repeat_last_n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
 
 
 class Options(LlamaSamplers):
@@ -92,10 +71,10 @@ class Options(LlamaSamplers):
         return {n: v for n, v in (self.model_extra or {}).items() if n in names and v is not None}
 
 
-class OllamaToolCall(_Strict):
+class OllamaToolCall(Strict):
     """A call in an assistant turn, in Ollama's shape (arguments an object; `id` and `index` optional)."""
 
-    class Function(_Strict):
+    class Function(Strict):
         name: str
         arguments: dict[str, Any] | str = Field(default_factory=dict)
         index: int | None = None
@@ -105,7 +84,7 @@ class OllamaToolCall(_Strict):
     function: Function
 
 
-class OllamaMessage(_Strict):
+class OllamaMessage(Strict):
     """A chat turn in Ollama's shape. A tool result names its tool (`tool_name`) or the call it answers
     (`tool_call_id`, as LangChain sends it); `thinking` is accepted and not sent to the model."""
 
@@ -142,7 +121,7 @@ class Served(BaseModel):
     chat_template: bool
 
 
-class OllamaBody(_Strict, ABC):
+class OllamaBody(Strict, ABC):
     """The fields /api/chat and /api/generate share. `keep_alive` is accepted and ignored (the models
     stay loaded); `think` and `logprobs` are refused when asked for."""
 

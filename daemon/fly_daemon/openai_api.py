@@ -21,9 +21,9 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from fly_llm.client.core import build_options, checked
+from fly_llm.common.options import build_options, checked
 from fly_llm.common.errors import FLyError
 from fly_llm.common.fim import Infill
 from fly_llm.common.protocol import (
@@ -34,20 +34,17 @@ from fly_llm.common.stats import FinishReason, RequestStats
 from fly_llm.common.tools import FormatOptions, StructureOptions, ToolCall, structure_options
 
 from fly_daemon.http_common import Answer, Event, data_event, openai_error
+from fly_daemon.shared_fields import FLyFields, Strict
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TextPart(_Strict):
+class TextPart(Strict):
     """One part of a message's content; only text is served (no images or audio)."""
 
     type: Literal["text"]
     text: str
 
 
-class Message(_Strict):
+class Message(Strict):
     """A chat message. 'developer' is OpenAI's newer name for 'system'; `name` is accepted and not used.
 
     An assistant message may carry the `tool_calls` it made, a tool message the `tool_call_id` it answers.
@@ -71,21 +68,8 @@ class Message(_Strict):
 
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
-
-
-class FLyFields(_Strict):
-    """FLy's own options, extra body fields on every generating route (OpenAI's, the Responses and Messages APIs)."""
-
-    k: int | None = Field(None, description="FLy: upper bound on draft tokens per round.")
-    window: int | None = Field(None, description="FLy: deferred window W.")
-    entropy_threshold: float | None = Field(None, description="FLy: entropy gate θ in nats.")
-    loose: bool | None = Field(None, description="FLy: loose acceptance (false = exact, lossless SPD).")
-
-    def fly_options(self) -> dict[str, Any]:
-        """These fields as `fly_llm.client.core.build_options` keywords."""
-        return {"k": self.k, "window": self.window, "entropy_threshold": self.entropy_threshold, "loose": self.loose}
 
 
 class GenerationBody(FLyFields, ABC):
@@ -366,14 +350,14 @@ class CompletionRequest(GenerationBody, FormatOptions):
                 "logprobs": self._logprobs(logprobs, 0)}
 
 
-class TokenizeBody(_Strict):
+class TokenizeBody(Strict):
     """POST /tokenize, as llama.cpp's server has it: the text's token ids (`add_special`: with BOS and the like)."""
 
     content: str
     add_special: bool = False
 
 
-class DetokenizeBody(_Strict):
+class DetokenizeBody(Strict):
     """POST /detokenize, as llama.cpp's server has it: the text of token ids."""
 
     tokens: list[int]

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
-from fly_llm.client.core import build_options, checked
+from fly_llm.common.options import build_options, checked
 from fly_llm.common.protocol import GenerateRequest
 
-from fly_daemon.openai_api import FLyFields
 from fly_daemon.responses_stream import ResponseShaper
+from fly_daemon.shared_fields import FLyFields, Strict
 
 STATELESS = ("previous_response_id", "conversation", "prompt", "background")
 """Fields that need a stored response, conversation or prompt (or a stored run): refused unless empty."""
@@ -31,11 +31,7 @@ UNSERVED = {"reasoning": "the served models do not reason", "top_logprobs": "log
 """Other fields refused unless empty, with why."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TextPart(_Strict):
+class TextPart(Strict):
     """A text part of a message: `input_text`, or `output_text` of an earlier answer sent back (its
     annotations and log-probabilities are accepted and not used)."""
 
@@ -45,7 +41,7 @@ class TextPart(_Strict):
     logprobs: list[Any] | None = None
 
 
-class RefusalPart(_Strict):
+class RefusalPart(Strict):
     """A refusal an earlier answer made, sent back: its text is the turn's text."""
 
     type: Literal["refusal"]
@@ -59,7 +55,7 @@ class RefusalPart(_Strict):
 Part = Annotated[Union[TextPart, RefusalPart], Field(discriminator="type")]
 
 
-class MessageItem(_Strict):
+class MessageItem(Strict):
     """A message input item (`type` may be left out); an earlier answer's message item is accepted as it came."""
 
     type: Literal["message"] = "message"
@@ -75,7 +71,7 @@ class MessageItem(_Strict):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(Strict):
     """A call an earlier answer made: `call_id` is what its result names; `arguments` JSON text."""
 
     type: Literal["function_call"]
@@ -90,7 +86,7 @@ class FunctionCallItem(_Strict):
         return {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(Strict):
     """The result of the call `call_id`: text, or text parts."""
 
     type: Literal["function_call_output"]
@@ -116,7 +112,7 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[Fu
                       Discriminator(_item_type)]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(Strict):
     """A function tool, in the Responses API's flat shape."""
 
     type: Literal["function"]
@@ -133,14 +129,14 @@ class FunctionTool(_Strict):
         return {"type": "function", "function": function}
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     """tool_choice naming one function: {"type": "function", "name": ...}."""
 
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(Strict):
     """`text.format`: free text, any JSON object, or JSON valid under `schema` (`strict` and `description`
     are accepted: the grammar holds the output to the schema either way)."""
 
@@ -163,14 +159,14 @@ class TextFormat(_Strict):
         return {"type": self.type}
 
 
-class TextConfig(_Strict):
+class TextConfig(Strict):
     """`text`: its format (`verbosity` only at OpenAI's default, 'medium': the served models have no such knob)."""
 
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     """Accepted and not used: deltas are sent without obfuscation padding."""
 
     include_obfuscation: bool | None = None

@@ -10,18 +10,17 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from fly_llm.common.config import REQUEST_OPTIONS, FLyOverrides, SamplingParams
 from fly_llm.common.errors import BadRequest, Busy, FLyUnavailable, Timeout, error_from_code
 from fly_llm.common.fim import Infill, InfillFile
+from fly_llm.common.options import build_options, checked
 from fly_llm.common.protocol import (
     ChatMessage, ErrorReply, GenerateRequest, GenerateResult, TokenChunk, TokenizeRequest, decode_reply,
-    invalid,
 )
 from fly_llm.common.tools import STRUCTURE_OPTIONS, ToolSpec, option_names
 
@@ -43,16 +42,6 @@ Tools = list[ToolSpec | dict[str, Any]]
 
 # ---- requests ----
 
-def build_options(**options: Any) -> tuple[SamplingParams, FLyOverrides]:
-    """Sampling parameters and FLy overrides from REQUEST_OPTIONS values; None keeps the daemon's default."""
-    if unknown := set(options) - set(REQUEST_OPTIONS):
-        raise TypeError(f"unknown option(s) {sorted(unknown)}; accepted: {', '.join(REQUEST_OPTIONS)}")
-    given = {name: value for name, value in options.items() if value is not None}
-    with checked():
-        return (SamplingParams(**{n: v for n, v in given.items() if n in SamplingParams.model_fields}),
-                FLyOverrides(**{n: v for n, v in given.items() if n in FLyOverrides.model_fields}))
-
-
 def call_options(fields: object, call: dict[str, Any]) -> dict[str, Any]:
     """An adapter call's client keywords: `sampling`, `fly`, `timeout`, the structure options that are set and
     `suffix` where the call gives one (a completion's: fill in the middle; never a field).
@@ -69,15 +58,6 @@ def call_options(fields: object, call: dict[str, Any]) -> dict[str, Any]:
     suffix = {"suffix": call["suffix"]} if call.get("suffix") is not None else {}
     return {"sampling": sampling, "fly": fly, "timeout": value("timeout"), **suffix,
             **{name: v for name, v in structure.items() if v is not None}}
-
-
-@contextmanager
-def checked() -> Iterator[None]:
-    """Turn pydantic's ValidationError into BadRequest (TooLong for a size cap), as the daemon does."""
-    try:
-        yield
-    except ValidationError as exc:
-        raise invalid(exc) from None
 
 
 def new_id() -> str:

@@ -124,7 +124,7 @@ class SamplingParams(_Settings):
 
 REQUEST_OPTIONS: tuple[str, ...] = (*SamplingParams.model_fields, *FLyOverrides.model_fields)
 """The options one request may set, declared once as the fields of SamplingParams and FLyOverrides
-(client.build_options, the LangChain and LlamaIndex adapters take exactly these names)."""
+(fly_llm.common.options.build_options, the LangChain and LlamaIndex adapters take exactly these names)."""
 
 
 Quantization = Literal["auto", "none", "w4a8", "int8", "int4"]

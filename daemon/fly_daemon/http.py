@@ -4,7 +4,7 @@ Requests go to the scheduler of a serving core (fly_daemon.core, which builds th
 settings) through its `InProcessClient` (the engine knows nothing of HTTP). Routes: POST
 /v1/chat/completions, POST /v1/completions (server-sent events with `"stream": true`), GET
 /v1/models, GET /health; POST /v1/embeddings (the core's embedding worker, fly_daemon.embeddings_http);
-POST /infill, /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
+POST /completion, /infill, /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
 (Prometheus); POST /v1/responses (OpenAI's Responses API, stateless: fly_daemon.responses_api) and POST
 /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API: fly_daemon.messages_api), each served as
 one chat request; Ollama's API is mounted at /api (fly_daemon.ollama_http; what they all share, shape aside,
@@ -53,7 +53,7 @@ from fly_daemon.http_common import (StrictJsonRoute, Translated, Translation, Un
                                     internal, openai_error, refusal)
 from fly_daemon.http_door import serve
 from fly_daemon.inproc import InProcessClient
-from fly_daemon.llamacpp_api import InfillAnswer, InfillBody
+from fly_daemon.llamacpp_api import CompletionBody, InfillBody, LlamaAnswer, LlamaBody
 from fly_daemon.messages_api import CountTokensRequest, MessagesRequest
 from fly_daemon.messages_stream import anthropic_error
 from fly_daemon.ollama_api import ollama_error
@@ -131,7 +131,12 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     @app.post("/infill", dependencies=guard)
     async def infill(body: InfillBody, request: Request) -> Response:
         """llama.cpp's fill-in-the-middle (fly_daemon.llamacpp_api)."""
-        return await serve(client, request, clients, lambda: _infill(client, body))
+        return await serve(client, request, clients, lambda: _llama(client, body))
+
+    @app.post("/completion", dependencies=guard)
+    async def completion(body: CompletionBody, request: Request) -> Response:
+        """llama.cpp's raw-text completion (fly_daemon.llamacpp_api)."""
+        return await serve(client, request, clients, lambda: _llama(client, body))
 
     @app.post("/tokenize", dependencies=guard)
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
@@ -237,9 +242,9 @@ async def _translation(client: InProcessClient, body: Translated) -> Translation
     return Translation(shaper, body.to_generate(shaper.id, limit), body.stream)
 
 
-async def _infill(client: InProcessClient, body: InfillBody) -> InfillAnswer:
-    """An /infill request's answer (the model unnamed: the served one)."""
-    return InfillAnswer(body, await client.loaded_model(), client.limits.max_tokens_limit)
+async def _llama(client: InProcessClient, body: LlamaBody) -> LlamaAnswer:
+    """A llama.cpp request's answer (/completion, /infill; the model unnamed: the served one)."""
+    return LlamaAnswer(body, await client.loaded_model(), client.limits.max_tokens_limit)
 
 
 # ---- errors in OpenAI's shape (Anthropic's under MESSAGES_PREFIX) ----

@@ -309,6 +309,7 @@ def plain_outcome(response: httpx.Response, error_code: Callable[[Any], str | No
 
 
 ROUTE_ANSWERS = {"/tokenize": ("tokens", list), "/detokenize": ("content", str), "/infill": ("content", str),
+                 "/completion": ("content", str),
                  "/v1/embeddings": ("data", list), "/api/embed": ("embeddings", list),
                  "/api/embeddings": ("embedding", list)}
 """What a served answer of a route of its own holds: (field, type)."""

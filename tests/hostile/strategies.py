@@ -422,7 +422,8 @@ def _detokenize_case() -> st.SearchStrategy[Case]:
 
 def _infill_case() -> st.SearchStrategy[Case]:
     """Fill-in-the-middle: POST /infill bodies (odd text, other files, n_predict at its edges, samplers on and
-    off, mistyped and unknown fields; whole answers) and `suffix` on /v1/completions. The fuzzed daemon's
+    off, mistyped and unknown fields; whole answers), `suffix` on /v1/completions, and llama.cpp's /completion
+    (odd prompts, n_predict at its edges, response_fields, /infill's fields). The fuzzed daemon's
     tiny pair has no FIM tokens, so a valid one is refused FIM_UNSUPPORTED; everything else before that."""
     files = st.lists(st.fixed_dictionaries({"filename": text(), "text": text()}), max_size=3)
     infill = st.builds(lambda prefix, suffix, extra, n, top_k: _request(input_prefix=prefix, input_suffix=suffix,
@@ -433,9 +434,16 @@ def _infill_case() -> st.SearchStrategy[Case]:
                            {"input_extra": [{"text": "t"}] * 65}, {"input_prefix": "ab " * 400_000}])
     completions = st.builds(lambda prompt, suffix: {"prompt": prompt, "suffix": suffix, "sampling": {"max_tokens": 4}},
                             st.sampled_from(PROMPTS), st.one_of(text(), st.sampled_from([None, 7, ["x"]])))
+    fields = st.sampled_from([None, ["content"], ["content", "timings/prompt_n", "nothing/here"], ["content", ""]])
+    llama = st.builds(lambda prompt, n, kept, extra: {**_request(prompt=prompt, n_predict=n, response_fields=kept),
+                                                      **extra},
+                      text(), st.sampled_from([None, -1, 0, 1, 8, -2, 10**9, *MISTYPED]), fields,
+                      st.sampled_from([{}, {"samplers": ["top_k"]}, {"input_prefix": "x"}, {"prompt": 7},
+                                       {"response_fields": "content"}, {"response_fields": ["x"] * 65}]))
     return st.one_of(infill.map(lambda body: Case("infill", body, route="/infill")),
                      bad.map(lambda body: Case("infill", body, route="/infill")),
-                     completions.map(lambda body: Case("infill", body)))
+                     completions.map(lambda body: Case("infill", body)),
+                     llama.map(lambda body: Case("infill", body, route="/completion")))
 
 
 EMBEDDING_MODEL = "tiny_embedder"

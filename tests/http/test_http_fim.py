@@ -163,6 +163,52 @@ def test_infill_whole_and_streamed_in_llamacpps_shape(client):
     assert "".join(e["content"] for e in events) == EXPECTED
 
 
+# llama.vim's requests as its source (autoload/llama.vim, ggml-org/llama.vim) builds them: a completion, and the
+# warm-up it sends every ring_update_ms with the extra context's chunks (`time` is Vim's reltime(), a list).
+LLAMA_VIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
+                    "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
+                    "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated", "tokens_cached"]
+LLAMA_VIM_EXTRA = [{"text": "def add(a, b):\n    return a + b\n", "time": [1733600000, 123456], "filename": "util.py"}]
+
+
+def test_llama_vims_completion_is_answered_with_the_fields_it_asks_for(client):
+    body = {"input_prefix": PREFIX[:10], "input_suffix": SUFFIX, "input_extra": LLAMA_VIM_EXTRA,
+            "prompt": PREFIX[10:], "n_predict": MAX_NEW, "stop": [], "n_indent": 4, "top_k": 40, "top_p": 0.90,
+            "stream": False, "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True,
+            "t_max_prompt_ms": 500, "t_max_predict_ms": 250, "response_fields": LLAMA_VIM_FIELDS}
+    answer = client.post("/infill", json=body)
+    assert answer.status_code == 200, answer.text
+    fields = answer.json()
+    assert list(fields) == LLAMA_VIM_FIELDS  # every one exists, flattened by its path, and nothing else
+    assert fields["timings/predicted_n"] >= 1 and fields["truncated"] is False
+    assert fields["content"] == client.post("/infill", json={**body, "response_fields": None}).json()["content"]
+
+
+def test_llama_vims_warm_up_evaluates_the_context_and_answers_no_text(client):
+    body = {"input_prefix": "", "input_suffix": "", "input_extra": LLAMA_VIM_EXTRA, "prompt": "", "n_predict": 0,
+            "temperature": 0.0, "stream": False, "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 1,
+            "t_max_predict_ms": 1, "response_fields": [""]}
+    answer = client.post("/infill", json=body)
+    assert answer.status_code == 200 and answer.json() == {}, answer.text  # "" names no field
+    whole = client.post("/infill", json={**body, "response_fields": None}).json()
+    assert whole["content"] == "" and whole["tokens_predicted"] == 0 and whole["tokens_evaluated"] > 0
+    streamed = sse(client.post("/infill", json={**body, "response_fields": None, "stream": True}))
+    assert "".join(e["content"] for e in streamed) == "" and streamed[-1]["stop"] is True
+
+
+def test_completion_is_v1_completions_raw_text_in_llamacpps_shape(client, model):
+    prompt = "def fibonacci(n):\n"
+    expected = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": MAX_NEW,
+                                                    "temperature": 0}).json()["choices"][0]["text"]
+    body = {"prompt": prompt, "n_predict": MAX_NEW, "temperature": 0, "samplers": ["top_k"]}
+    whole = client.post("/completion", json=body).json()
+    assert whole["content"] == expected and whole["stop"] is True and whole["tokens_evaluated"] == len(plain(prompt))
+    events = sse(client.post("/completion", json={**body, "stream": True}))
+    assert "".join(e["content"] for e in events) == expected and events[-1]["stop"] is True
+    refused = client.post("/completion", json={**body, "input_prefix": "a"})  # /infill's field, not /completion's
+    assert refused.status_code == 400 and "not a field /completion serves" in refused.json()["error"]["message"]
+
+
 def test_infill_puts_other_files_first_in_the_repository_format(client):
     extra = [{"filename": "util.py", "text": "def add(a, b):\n    return a + b\n"}]
     ids = [REPO, *plain("repository\n"), SEP, *plain("util.py\ndef add(a, b):\n    return a + b\n\n"), SEP,

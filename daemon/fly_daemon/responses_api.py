@@ -7,16 +7,19 @@ Stateless: nothing is stored, so `store: true`, `previous_response_id`, `convers
 `input` is a string (one user turn) or input items: messages (roles user/system/developer/assistant; content a
 string or `input_text` / `output_text` / `refusal` parts), `function_call` items (the calls an earlier answer
 made) and `function_call_output` items (their results). `instructions` is a system turn before them; function
-`tools`, `tool_choice`, `parallel_tool_calls` and `text.format` (text, json_object, json_schema: decoded under
-the grammar) are the chat route's structure options; `max_output_tokens`, `temperature`, `top_p` and FLy's
-options (extra body fields) are its sampling options. Any other field is a 400 naming it, as on the chat route.
+`tools` (and Codex's `namespace` tools, shown to the model as `namespace.name`), `tool_choice`,
+`parallel_tool_calls` and `text.format` (text, json_object, json_schema: decoded under the grammar) are the chat
+route's structure options; `max_output_tokens`, `temperature`, `top_p` and FLy's options (extra body fields) are
+its sampling options. What Codex CLI sends with every request and has no meaning here is accepted and not used:
+`reasoning` (answered without reasoning), `client_metadata`, `text.verbosity`, hosted tools (not given to the
+model). Any other field is a 400 naming it, as on the chat route.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from fly_llm.common.options import build_options, checked
 from fly_llm.common.protocol import GenerateRequest
@@ -26,9 +29,15 @@ from fly_daemon.shared_fields import FLyFields, Strict
 
 STATELESS = ("previous_response_id", "conversation", "prompt", "background")
 """Fields that need a stored response, conversation or prompt (or a stored run): refused unless empty."""
-UNSERVED = {"reasoning": "the served models do not reason", "top_logprobs": "log-probabilities are not served here "
-            "(POST /v1/chat/completions has them)", "max_tool_calls": "calls are not capped (use tool_choice)"}
+UNSERVED = {"top_logprobs": "log-probabilities are not served here (POST /v1/chat/completions has them)",
+            "max_tool_calls": "calls are not capped (use tool_choice)"}
 """Other fields refused unless empty, with why."""
+HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search", "code_interpreter",
+                "image_generation", "computer_use_preview", "local_shell", "custom", "mcp", "tool_search")
+"""Tools OpenAI's servers run or a client runs in a shape other than a function call (Codex sends web_search with
+every request): not given to the model, which calls only function tools here; one named by tool_choice is a 400."""
+NAMESPACE_SEPARATOR = "."
+"""Between a namespace's name and its tool's in the name the model sees (`collaboration.spawn_agent`)."""
 
 
 class TextPart(Strict):
@@ -72,26 +81,32 @@ class MessageItem(Strict):
 
 
 class FunctionCallItem(Strict):
-    """A call an earlier answer made: `call_id` is what its result names; `arguments` JSON text."""
+    """A call an earlier answer made: `call_id` is what its result names; `arguments` JSON text; a namespace's
+    tool names its `namespace` too."""
 
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None
     id: str | None = None
     status: str | None = None
 
     def call(self) -> dict[str, Any]:
-        """The call as fly_llm.common.protocol.MessageToolCall fields."""
-        return {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        """The call as fly_llm.common.protocol.MessageToolCall fields (named as the model saw its tool)."""
+        name = self.name if self.namespace is None else f"{self.namespace}{NAMESPACE_SEPARATOR}{self.name}"
+        return {"id": self.call_id, "type": "function", "function": {"name": name, "arguments": self.arguments}}
 
 
 class FunctionCallOutputItem(Strict):
-    """The result of the call `call_id`: text, or text parts."""
+    """The result of the call `call_id`: text, or text parts (the call's `name` and `namespace`, which Codex sends
+    with it, are accepted: `call_id` says which call it answers)."""
 
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextPart]
+    name: str | None = None
+    namespace: str | None = None
     id: str | None = None
     status: str | None = None
 
@@ -129,6 +144,49 @@ class FunctionTool(Strict):
         return {"type": "function", "function": function}
 
 
+class NamespaceTool(Strict):
+    """A namespace of function tools (Codex groups MCP and collaboration tools so): each is given to the model as
+    `namespace.name`, and its calls are answered with the namespace and the tool's own name apart."""
+
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[FunctionTool] = Field(max_length=128)
+
+    def specs(self) -> list[dict[str, Any]]:
+        """The namespace's tools as fly_llm.common.tools.ToolSpec fields, named as the model sees them."""
+        return [{**tool.spec(), "function": {**tool.spec()["function"],
+                                             "name": f"{self.name}{NAMESPACE_SEPARATOR}{tool.name}"}}
+                for tool in self.tools]
+
+
+class HostedTool(BaseModel):
+    """A tool of HOSTED_TOOLS (its other fields are that tool's settings): accepted, not given to the model."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal[HOSTED_TOOLS]  # type: ignore[valid-type]
+
+
+def _tool_type(tool: Any) -> Any:
+    """A tool's `type`: function, namespace, or any hosted one."""
+    kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
+    return "hosted" if kind in HOSTED_TOOLS else kind
+
+
+Tool = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[NamespaceTool, Tag("namespace")],
+                       Annotated[HostedTool, Tag("hosted")]], Discriminator(_tool_type)]
+
+
+class Reasoning(Strict):
+    """`reasoning`: how much a reasoning model may think (Codex sends it, `none` included) — accepted and answered
+    without reasoning, as the served models do not reason."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed", "none"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class NamedFunction(Strict):
     """tool_choice naming one function: {"type": "function", "name": ...}."""
 
@@ -160,10 +218,10 @@ class TextFormat(Strict):
 
 
 class TextConfig(Strict):
-    """`text`: its format (`verbosity` only at OpenAI's default, 'medium': the served models have no such knob)."""
+    """`text`: its format (`verbosity` accepted, as Codex sends it: the served models have no such knob)."""
 
     format: TextFormat | None = None
-    verbosity: Literal["medium"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class StreamOptions(Strict):
@@ -180,7 +238,7 @@ class ResponsesRequest(FLyFields):
     model: str
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=512)
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -194,6 +252,8 @@ class ResponsesRequest(FLyFields):
         None, description="Accepted: there is no reasoning to include.")
     truncation: Literal["disabled"] | None = None
     metadata: dict[str, str] | None = Field(None, description="Echoed in the answer, not used.")
+    client_metadata: dict[str, str] | None = Field(None, max_length=64, description=(
+        "Accepted and not used (Codex sends its installation and session ids with every request)."))
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = Field(None, description="Accepted: the prefix cache needs no key.")
@@ -202,7 +262,7 @@ class ResponsesRequest(FLyFields):
     conversation: Any = None
     prompt: Any = None
     background: Any = None
-    reasoning: Any = None
+    reasoning: Reasoning | None = None
     top_logprobs: Any = None
     max_tool_calls: Any = None
 
@@ -228,6 +288,36 @@ class ResponsesRequest(FLyFields):
         if value not in (None, {}, []):
             raise ValueError(f"{info.field_name} is not supported: {UNSERVED[info.field_name]}")
         return value
+
+    @model_validator(mode="after")
+    def _choice_names_a_served_tool(self) -> "ResponsesRequest":
+        if isinstance(self.tool_choice, NamedFunction) and self.tool_choice.name not in self.tool_names():
+            raise ValueError(f"tool_choice: {self.tool_choice.name!r} is not one of the function tools served here "
+                             "(hosted tools such as web_search are not)")
+        return self
+
+    def tool_specs(self) -> list[dict[str, Any]] | None:
+        """The function tools (a namespace's named `namespace.name`) as ToolSpec fields; hosted tools are left out."""
+        if self.tools is None:
+            return None
+        specs: list[dict[str, Any]] = []
+        for tool in self.tools:
+            specs += [tool.spec()] if isinstance(tool, FunctionTool) else tool.specs() \
+                if isinstance(tool, NamespaceTool) else []
+        return specs
+
+    def tool_names(self) -> set[str]:
+        """The names of the tools the model may call."""
+        return {spec["function"]["name"] for spec in self.tool_specs() or []}
+
+    def namespaced(self, name: str) -> tuple[str | None, str]:
+        """(namespace, tool name) of a called tool: a namespace's tool apart from its namespace, else (None, name)."""
+        for tool in self.tools or []:
+            if isinstance(tool, NamespaceTool) and name.startswith(tool.name + NAMESPACE_SEPARATOR):
+                child = name[len(tool.name) + len(NAMESPACE_SEPARATOR):]
+                if any(t.name == child for t in tool.tools):
+                    return tool.name, child
+        return None, name
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """`instructions` and `input` as chat turns; a call item joins the assistant turn just before it."""
@@ -258,7 +348,7 @@ class ResponsesRequest(FLyFields):
         with checked():
             return GenerateRequest(
                 id=request_id, sampling=sampling, fly=fly, stream=self.stream, messages=self.chat_messages(),
-                tools=None if self.tools is None else [t.spec() for t in self.tools], tool_choice=choice,
+                tools=self.tool_specs(), tool_choice=choice,
                 parallel_tool_calls=self.parallel_tool_calls,
                 response_format=None if text_format is None else text_format.response_format())
 

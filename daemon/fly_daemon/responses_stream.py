@@ -125,8 +125,9 @@ class ResponseShaper(EventShaper):
         """Events of one completed call: a function_call item, its arguments in one delta."""
         events = self._close_message()
         arguments = json.dumps(call.arguments)
+        namespace, name = self.body.namespaced(call.name)
         item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed", "call_id": call.id,
-                "name": call.name, "arguments": arguments}
+                "name": name, "arguments": arguments, **({} if namespace is None else {"namespace": namespace})}
         self.output.append(item)
         index = len(self.output) - 1
         where = {"item_id": item["id"], "output_index": index}
@@ -134,7 +135,7 @@ class ResponseShaper(EventShaper):
                 self._event("response.output_item.added", output_index=index,
                             item={**item, "status": "in_progress", "arguments": ""}),
                 self._event("response.function_call_arguments.delta", delta=arguments, **where),
-                self._event("response.function_call_arguments.done", arguments=arguments, name=call.name, **where),
+                self._event("response.function_call_arguments.done", arguments=arguments, name=name, **where),
                 self._event("response.output_item.done", output_index=index, item=dict(item))]
 
     def _where(self) -> dict[str, Any]:

@@ -75,7 +75,8 @@ def test_refusals_name_the_field_in_each_api_shape(tmp_path):
                             ({**RESPONSE, "previous_response_id": "resp_1"}, "previous_response_id is not supported"),
                             ({**RESPONSE, "conversation": "conv_1"}, "conversation is not supported"),
                             ({**RESPONSE, "input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
-                            ({**RESPONSE, "tools": [{"type": "web_search"}]}, "tools.0"),
+                            ({**RESPONSE, "tools": [{"type": "web_search"}],  # a hosted tool: served, not called
+                              "tool_choice": {"type": "function", "name": "web_search"}}, "tool_choice"),
                             ({**RESPONSE, "bogus": 1}, "bogus")]:
             r = client.post("/v1/responses", json=body)
             error = r.json()["error"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel
@@ -111,6 +112,78 @@ def test_a_tool_call_round_trip(client, model):
     assert done and done[0].name == "lookup" and json.loads(done[0].arguments)["key"] in ("fox", "dog")
     streamed = [item for item in final.output if item.type == "function_call"]
     assert [c.arguments for c in streamed] == [e.arguments for e in done]
+
+
+# Codex CLI's request as its source (codex-rs, ResponsesApiRequest) builds it for a custom provider: instructions,
+# function tools, a namespace of tools, the hosted web_search tool, reasoning (effort none too), text verbosity,
+# include, prompt_cache_key and client_metadata on every request, no max_output_tokens.
+CODEX_TOOLS = [{"type": "function", "name": "shell", "description": "Runs a shell command.", "strict": False,
+                "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+                               "required": ["command"], "additionalProperties": False}},
+               {"type": "namespace", "name": "collaboration", "description": "Agents.",
+                "tools": [{"type": "function", "name": "spawn_agent", "description": "Spawns an agent.",
+                           "parameters": {"type": "object", "properties": {"message": {"type": "string", "maxLength": 8}},
+                                          "required": ["message"]}}]},  # short: the random model's string ends
+               {"type": "web_search", "external_web_access": False}]
+
+
+def codex_body(model, **changes):
+    return {"model": model, "instructions": SYSTEM, "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+        "tools": CODEX_TOOLS, "tool_choice": "auto", "parallel_tool_calls": False,
+        "reasoning": {"effort": "none"}, "store": False, "stream": True, "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "thread-1", "text": {"verbosity": "low"},
+        "client_metadata": {"x-codex-installation-id": "i-1", "session_id": "s-1"}, **changes}
+
+
+def codex(base_url, body) -> dict:
+    """POST `body` to /v1/responses as Codex does (no SDK: its own client): the final response object (a stream's
+    last event's)."""
+    answer = httpx.post(f"{base_url}/responses", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    if not body["stream"]:
+        return answer.json()
+    events = [json.loads(line[len("data: "):]) for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    return events[-1]["response"]
+
+
+def test_codex_clis_request_is_served(base_url, model):
+    for changes in ({}, {"reasoning": {"effort": "medium", "summary": "auto"}}, {"stream": False}):
+        final = codex(base_url, codex_body(model, **changes))
+        assert final["status"] in ("completed", "incomplete")
+        assert [t["type"] for t in final["tools"]] == ["function", "namespace", "web_search"]
+
+
+def test_a_namespaces_tool_is_called_by_its_own_name_in_its_namespace(base_url, client, model):
+    """The model sees `collaboration.spawn_agent`; its call comes back as Codex names it (namespace apart), and that
+    call sent back continues the conversation as the chat route continues the same turns."""
+    forced = {"type": "function", "name": "collaboration.spawn_agent"}
+    answer = codex(base_url, codex_body(model, stream=False, tool_choice=forced, max_output_tokens=200))
+    calls = [item for item in answer["output"] if item["type"] == "function_call"]
+    assert calls, answer
+    call = calls[0]
+    assert (call["namespace"], call["name"]) == ("collaboration", "spawn_agent")
+    assert isinstance(json.loads(call["arguments"])["message"], str)
+    follow = [*codex_body(model)["input"], call, {"type": "function_call_output", "call_id": call["call_id"],
+                                                  "name": "spawn_agent", "namespace": "collaboration", "output": "ok"}]
+    reply = codex(base_url, codex_body(model, stream=False, input=follow, max_output_tokens=6, **EXACT))
+    turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": call["call_id"], "type": "function",
+              "function": {"name": "collaboration.spawn_agent", "arguments": call["arguments"]}}]},
+             {"role": "tool", "tool_call_id": call["call_id"], "content": "ok"}]
+    chat_tools = [{"type": "function", "function": {"name": "shell", "description": "Runs a shell command.",
+                                                    "strict": False, "parameters": CODEX_TOOLS[0]["parameters"]}},
+                  {"type": "function", "function": {"name": "collaboration.spawn_agent",
+                                                    "description": "Spawns an agent.",
+                                                    "parameters": CODEX_TOOLS[1]["tools"][0]["parameters"]}}]
+    same = client.chat.completions.create(model=model, messages=turns, max_tokens=6, extra_body=EXACT,
+                                          tools=chat_tools, parallel_tool_calls=False)
+    texts = [part["text"] for item in reply["output"] if item["type"] == "message" for part in item["content"]]
+    assert "".join(texts) == (same.choices[0].message.content or "")
+    refused = httpx.post(f"{base_url}/responses", json=codex_body(model, stream=False, tool_choice={
+        "type": "function", "name": "web_search"}), timeout=60)
+    assert refused.status_code == 400 and "hosted tools such as web_search" in refused.json()["error"]["message"]
 
 
 def test_text_format_is_decoded_under_the_grammar(client, model):

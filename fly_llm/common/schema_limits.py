@@ -7,6 +7,8 @@
 - `hoist_defs(schema, prefix)`: a tool's parameters made fit to sit inside a bigger schema: their
   `$defs` / `definitions` (renamed `<prefix>:<name>`) to hoist to the root, and their local `$ref`s
   rewritten to point there (`#` itself too, for a schema that recurses through its root).
+- `loosened(schema)`: the schema without the keywords the grammar engine (llguidance) does not implement
+  (`UNIMPLEMENTED`): it accepts every value the schema accepts, and more.
 
 Only keywords whose values are schemas are walked; `const`, `enum`, `default` and `examples` are
 data, never rewritten.
@@ -14,7 +16,7 @@ data, never rewritten.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from urllib.parse import unquote
 
@@ -29,6 +31,9 @@ MAP_KEYS = ("properties", "patternProperties", "dependentSchemas")
 """Keywords whose value maps names to schemas (definitions aside)."""
 DEFS_KEYS = ("$defs", "definitions")
 """Keywords that hold named schemas for `$ref`s."""
+UNIMPLEMENTED = ("propertyNames", "dependentRequired", "dependentSchemas", "if", "then", "else", "contains",
+                 "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "not", "uniqueItems")
+"""Keywords llguidance 1.x refuses to compile ("Unimplemented keys"); each only restricts what a schema accepts."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,29 @@ def subschemas(node: dict) -> Iterator[object]:
         value = node.get(key)
         if isinstance(value, dict):
             yield from value.values()
+
+
+def with_subschemas(node: dict, change: Callable[[object], object], defs: bool = True) -> dict:
+    """A copy of `node` with `change` applied to each schema directly inside it (its definitions too, if `defs`)."""
+    out = dict(node)
+    for key in SCHEMA_KEYS:
+        if isinstance(node.get(key), dict):
+            out[key] = change(node[key])
+    for key in LIST_KEYS:
+        if isinstance(node.get(key), list):
+            out[key] = [change(value) for value in node[key]]
+    for key in MAP_KEYS + (DEFS_KEYS if defs else ()):
+        if isinstance(node.get(key), dict):
+            out[key] = {name: change(value) for name, value in node[key].items()}
+    return out
+
+
+def loosened(schema: object) -> object:
+    """`schema` without the UNIMPLEMENTED keywords, at any depth (definitions included): a schema the grammar
+    engine compiles that accepts every value `schema` accepts. Walk it with `check_schema` first (its depth)."""
+    if not isinstance(schema, dict):
+        return schema
+    return with_subschemas({key: value for key, value in schema.items() if key not in UNIMPLEMENTED}, loosened)
 
 
 def definitions(node: dict) -> Iterator[tuple[str, str, object]]:
@@ -181,18 +209,12 @@ def hoist_defs(schema: object, prefix: str) -> tuple[object, dict[str, object]]:
     def rewrite(node: object) -> object:
         if not isinstance(node, dict):
             return node
-        out = {k: v for k, v in node.items() if not (node is schema and k in DEFS_KEYS)}
+        out = with_subschemas(node, rewrite, defs=node is not schema)
+        if node is schema:
+            for key in DEFS_KEYS:
+                out.pop(key, None)
         if isinstance(node.get("$ref"), str):
             out["$ref"] = target(node["$ref"])
-        for key in SCHEMA_KEYS:
-            if isinstance(node.get(key), dict):
-                out[key] = rewrite(node[key])
-        for key in LIST_KEYS:
-            if isinstance(node.get(key), list):
-                out[key] = [rewrite(v) for v in node[key]]
-        for key in MAP_KEYS + (DEFS_KEYS if node is not schema else ()):
-            if isinstance(node.get(key), dict):
-                out[key] = {name: rewrite(v) for name, v in node[key].items()}
         return out
 
     body = rewrite(schema)

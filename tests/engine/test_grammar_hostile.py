@@ -30,7 +30,7 @@ from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.decoding import grammar_sandbox
 from fly_llm.decoding.grammar_sandbox import GrammarSandbox, public_message
-from fly_llm.common.schema_limits import SchemaCaps, check_schema, hoist_defs
+from fly_llm.common.schema_limits import UNIMPLEMENTED, SchemaCaps, check_schema, hoist_defs, loosened
 from fly_llm.common.errors import BadRequest
 from fly_llm.common.tool_formats import Constraints
 from fly_llm.common.tool_formats.hermes import split_tool_calls
@@ -423,3 +423,16 @@ def test_cached_tokens_count_whole_blocks_and_scopes_do_not_share(pair):
 def test_grammar_engine_errors_reach_clients_as_one_line_without_paths(raw, public):
     """Issue 45 finding 6: llguidance panic messages (with build paths) were returned to clients."""
     assert public_message(raw) == public
+
+
+def test_loosening_drops_only_the_unimplemented_keywords_at_any_depth():
+    deep = {"type": "object", "properties": {"a": {"anyOf": [{"type": "array", "items": {"type": "string"},
+                                                              "uniqueItems": True, "contains": {"const": "x"}}]}},
+            "$defs": {"D": {"type": "object", "propertyNames": {"maxLength": 3}, "not": {"required": ["z"]}}},
+            "if": {"required": ["a"]}, "then": {"required": ["b"]}, "else": {}, "enum": [{"not": 1}]}
+    loose = loosened(deep)
+    assert loose == {"type": "object", "properties": {"a": {"anyOf": [{"type": "array", "items": {"type": "string"}}]}},
+                     "$defs": {"D": {"type": "object"}}, "enum": [{"not": 1}]}  # enum values are data, untouched
+    assert "uniqueItems" in deep["properties"]["a"]["anyOf"][0]  # a copy: the request's schema is unchanged
+    plain = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}, "required": ["n"]}
+    assert loosened(plain) == plain and set(UNIMPLEMENTED) >= {"propertyNames", "uniqueItems", "not", "if"}

@@ -1,6 +1,8 @@
 """Untrusted schemas at the HTTP front (issue 33 findings 1, 4, 5): the OpenAI SDK's
 `pydantic_function_tool` over nested models works; a `$ref` chain that crashed the grammar
 compiler, an empty language and a grammar that dies mid-output are 400s, and the daemon goes on.
+A tool whose schema uses keywords the grammar engine does not implement (Claude Code's `propertyNames`) is
+served loosened under tool_choice auto, and refused, naming them, when a call to it is forced (issue 64).
 """
 
 from __future__ import annotations
@@ -66,3 +68,28 @@ def test_a_grammar_that_fails_mid_output_is_a_400_not_a_silent_stop(client, mode
     with pytest.raises(openai.BadRequestError, match="no continuation"):
         client.chat.completions.create(model=model, messages=ASK, max_tokens=40, response_format={
             "type": "json_schema", "json_schema": {"name": "dead", "schema": dead_end}})
+
+
+# What llguidance refuses ("Unimplemented keys"), as Claude Code's tools and pydantic's models write them.
+UNCOMPILED = {"type": "object", "properties": {
+    "env": {"type": "object", "propertyNames": {"pattern": "^[A-Z_]+$"}, "additionalProperties": {"type": "string"}},
+    "tags": {"type": "array", "items": {"enum": ["fox", "dog"]}, "uniqueItems": True, "maxItems": 2},
+    "mode": {"enum": ["a", "b"]}}, "required": ["mode"], "dependentRequired": {"env": ["mode"]},
+    "if": {"properties": {"mode": {"const": "a"}}}, "then": {"required": ["tags"]}, "additionalProperties": False}
+LOOSE_TOOLS = [{"type": "function", "function": {"name": "run", "description": "Run.", "parameters": UNCOMPILED}},
+               {"type": "function", "function": {"name": "ping", "description": "Ping.",
+                                                 "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_a_tool_the_grammar_engine_cannot_compile_is_loosened_under_auto(client, model):
+    """On the old code: 400 "tool 'run': its parameters schema cannot be used: ... Unimplemented keys"."""
+    for choice in ("auto", None):
+        answer = client.chat.completions.create(model=model, messages=ASK, tools=LOOSE_TOOLS, max_tokens=200,
+                                                **({} if choice is None else {"tool_choice": choice}))
+        for call in answer.choices[0].message.tool_calls or ():
+            arguments = json.loads(call.function.arguments)
+            if call.function.name == "run":  # held to the schema's other keywords
+                assert arguments["mode"] in ("a", "b") and set(arguments) <= {"env", "tags", "mode"}
+    with pytest.raises(openai.BadRequestError, match="Unimplemented keys"):
+        client.chat.completions.create(model=model, messages=ASK, tools=LOOSE_TOOLS, max_tokens=20,
+                                       tool_choice={"type": "function", "function": {"name": "run"}})

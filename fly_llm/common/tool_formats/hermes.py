@@ -23,7 +23,7 @@ from typing import Any
 
 from fly_llm.common.constraints import Constraint, json_lexeme
 from fly_llm.common.json_text import loads, loads_objects
-from fly_llm.common.schema_limits import SchemaCaps, check_schema, hoist_defs
+from fly_llm.common.schema_limits import SchemaCaps, check_schema, hoist_defs, loosened
 from fly_llm.common.tools import NamedToolChoice, Structure, ToolCall, UnparsedCall
 
 TOOL_OPEN = "<tool_call>"
@@ -75,7 +75,7 @@ def _tools_grammar(structure: Structure, tools: list, special_tags: frozenset[st
                 f"TEXT: /(?s:.*)/ & ~/(?s:.*){_regex_literal(TOOL_OPEN)}(?s:.*)/\n")
     for f in tools:  # each on its own first: the hoisting below then recurses no deeper than the caps
         check_schema(f.parameters, caps)
-    schema = _calls_schema(tools)
+    schema = _calls_schema(tools, loosen=bare_calls_allowed(structure))
     check_schema(schema, caps)
     body = f"body: {json_lexeme(schema)}\n"
     open_tag, close_tag = (f"<{t[1:-1]}>" if t in special_tags else json.dumps(t) for t in (TOOL_OPEN, TOOL_CLOSE))
@@ -96,14 +96,17 @@ def _tools_grammar(structure: Structure, tools: list, special_tags: frozenset[st
     return f'start: {calls} "\\n"?\n' + call + body  # the model may end its last call with a newline
 
 
-def _calls_schema(tools: list) -> dict:
+def _calls_schema(tools: list, loosen: bool) -> dict:
     """One call object of the tools: `{"name": …, "arguments": …}` with each tool's parameters as its
     arguments; their `$defs` / `definitions` hoisted to the root (as `<tool name>:<name>`; a name
-    holds no colon) and their local `$ref`s rewritten, so pydantic's nested models work one level down."""
+    holds no colon) and their local `$ref`s rewritten, so pydantic's nested models work one level down.
+    `loosen` (tool_choice auto): a schema keyword the grammar engine does not implement (Claude Code sends
+    `propertyNames`) is left out of that tool's arguments, which the grammar then holds to the rest of its
+    schema, instead of the whole request failing."""
     hoisted: dict = {}
     variants = []
     for f in tools:
-        arguments, definitions = hoist_defs(f.parameters, f.name)
+        arguments, definitions = hoist_defs(loosened(f.parameters) if loosen else f.parameters, f.name)
         hoisted.update(definitions)
         variants.append({"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments},
                          "required": ["name", "arguments"], "additionalProperties": False})

@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="cap on the sum of prompt + max_tokens over the running batch")
     serve.add_argument("--newcomer-rows", type=int,
                        help="rows a client with none running may add to a full batch, so it starts at once (0: none)")
-    serve.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask for")
+    serve.add_argument("--max-tokens-limit", type=int,
+                       help="most tokens one request generates (a larger max_tokens is capped)")
     serve.add_argument("--max-prompt-tokens", type=int, help="default: the context window - 1")
     serve.add_argument("--max-prompt-chars", type=int,
                        help="characters a prompt may have before it is tokenized (default: 16 x the token limit)")

@@ -17,7 +17,8 @@ name, its bound host or an allowed host (a web page reaching it by DNS rebinding
 others get 421, in the error shape of the API asked for. An unexpected failure answers INTERNAL
 with a request id that the log's traceback carries, never the exception's text. Connections are timed
 out and capped by fly_daemon.http_connections (the `http_*` settings). GET /v1/models lists the target, and
-the embedding model where embeddings are served (before it loads: clients pick it from the list).
+the embedding model where embeddings are served (before it loads: clients pick it from the list). One model
+generates, so a generation request's `model` may name any: it answers to every name, as llama-server does.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
 
     @v1.post("/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, Any]:
-        await _served_model(client, body.model)
+        await client.loaded_model()
         reply = await client.tokenize(messages=body.chat_messages(), tools=body.tool_specs())
         return {"input_tokens": reply.count}
 
@@ -222,22 +223,16 @@ def _bearer(api_key: str) -> Callable[..., Awaitable[None]]:
 
 # ---- generation ----
 
-async def _served_model(client: InProcessClient, asked: str) -> str:
-    """The served model's name, once loaded, if `asked` names it; else UnknownModel (404)."""
-    model = await client.loaded_model()
-    if asked != model:
-        raise UnknownModel(f"model {asked!r} is not served here; GET /v1/models lists {model!r}")
-    return model
-
-
 async def _choices(client: InProcessClient, body: GenerationBody) -> Choices:
-    """A chat or text completion's answer, once the model it names is known to be served."""
-    return Choices(body, await _served_model(client, body.model))
+    """A chat or text completion's answer by the served model (once loaded), whatever model the body names: one
+    model generates here, so every name answers to it, as llama-server's do."""
+    return Choices(body, await client.loaded_model(), client.limits.max_tokens_limit)
 
 
 async def _translation(client: InProcessClient, body: Translated) -> Translation:
-    """A request of another API (the Responses or Messages API) as one chat request's answer."""
-    shaper = body.shaper(await _served_model(client, body.model))
+    """A request of another API (the Responses or Messages API) as one chat request's answer, by the served model
+    whatever the body names (Claude Code and Codex send their own default model names)."""
+    shaper = body.shaper(await client.loaded_model())
     limit = client.limits.max_tokens_limit  # the engine clips it to what fits the context window
     return Translation(shaper, body.to_generate(shaper.id, limit), body.stream)
 

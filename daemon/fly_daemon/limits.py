@@ -21,7 +21,8 @@ class Limits(BaseModel):
                                "batch, beyond max_batch_size (and max_batch_tokens by as many rows' share of "
                                "it), so its first request starts at once however full one client keeps the "
                                "batch; 0 = a newcomer waits for a row to end.")
-    max_tokens_limit: int = Field(4096, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
+    max_tokens_limit: int = Field(4096, ge=1, le=1_000_000, description=(
+        "Most tokens one request generates: a larger max_tokens is capped to it; a request without one asks for it."))
     max_prompt_tokens: int | None = Field(None, ge=1, description="None = the context window - 1.")
     max_prompt_chars: int | None = Field(None, ge=1, description="Longest prompt in characters (messages and "
                                          "tools included), refused before tokenizing; None = 16 × the prompt "

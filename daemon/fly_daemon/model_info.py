@@ -7,7 +7,9 @@ doors through fly_daemon.inproc) describe the model with it and never reach into
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 from fly_llm.common.config import FLyConfig
@@ -29,7 +31,7 @@ class ModelInfo:
     architecture: str
     """The target's config's model_type (Ollama's model family)."""
     parameter_count: int
-    """Values in the target's parameters (packed quantized weights count as stored)."""
+    """The target's weights: its parameters' values, and each packed 4-bit layer's in x out."""
     size_bytes: int
     """The target's parameters and buffers in bytes."""
     quantization: str
@@ -49,13 +51,37 @@ class ModelInfo:
         """The facts of a loaded engine's models."""
         template = getattr(engine.tokenizer, "chat_template", None) or ""
         target = getattr(engine, "target", None)  # a test double of the engine has no model
-        return cls(name=engine.target_name, draft=engine.draft_name, context_window=engine.context_window,
+        draft = engine.draft_name
+        return cls(name=served_id(engine.target_name), draft=None if draft is None else served_id(draft),
+                   context_window=engine.context_window,
                    chat_template=template if isinstance(template, str) else json.dumps(template),
-                   architecture=_architecture(target), parameter_count=_count(target, "parameters"),
+                   architecture=_architecture(target), parameter_count=_weights(target),
                    size_bytes=_count(target, "parameters", "buffers", in_bytes=True),
                    quantization=engine.target_quantization, draft_quantization=engine.draft_quantization,
                    device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
                    fly_defaults=engine.config, fim=getattr(engine, "fim", None))
+
+
+_CACHE_KEY = re.compile(r"-[0-9a-f]{12}$")
+"""The key the model cache (fly_llm.model.cache) appends to a converted GGUF's directory name."""
+
+
+def served_id(name_or_path: str) -> str:
+    """The id a model is served under, never a path: a path's last part, without `.gguf` and without the model
+    cache's key (`~/.cache/fly-llm/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M-cc324af070c2` is
+    `Qwen2.5-Coder-1.5B-Instruct-Q4_K_M`)."""
+    base = PurePath(name_or_path).name or name_or_path
+    stem = base[:-len(".gguf")] if base.lower().endswith(".gguf") else base
+    return _CACHE_KEY.sub("", stem) or base
+
+
+def _weights(target: Any) -> int:
+    """The target's weights: its parameters' values, plus in x out for each layer of packed 4-bit weights (stored
+    as buffers: counted as parameters they made a 1.5B model 233M)."""
+    if target is None:
+        return 0
+    packed = sum(m.in_features * m.out_features for m in target.modules() if getattr(m, "packed", None) is not None)
+    return _count(target, "parameters") + packed
 
 
 def _architecture(target: Any) -> str:

@@ -14,6 +14,7 @@ at the value that turns it off; any other option is refused, so a typo never pas
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -31,7 +32,7 @@ from fly_llm.common.stats import FinishReason
 from fly_llm.common.tools import STRUCTURE_OPTIONS, ToolCall, closed_tool, schema_format
 
 from fly_daemon.http_common import Answer, Event, ndjson_line
-from fly_daemon.model_info import ModelInfo
+from fly_daemon.model_info import ModelInfo, served_id
 from fly_daemon.shared_fields import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers, Strict
 
 OLLAMA_VERSION = "0.9.0"
@@ -355,8 +356,22 @@ def done_reason(finish: FinishReason) -> str:
 
 
 def same_model(asked: str, served: str) -> bool:
-    """Whether a request's model names the served one (Ollama's implicit ':latest' tag allowed)."""
-    return asked in (served, f"{served}:latest")
+    """Whether a request's model names the served one: its id (Ollama's implicit ':latest' tag allowed), the path
+    it was loaded from, or its Ollama-style alias (`ollama_alias`: `qwen2.5-coder:1.5b`), any case."""
+    names = {served.lower(), f"{served.lower()}:latest"}
+    alias = ollama_alias(served)
+    return (asked.lower() in (names if alias is None else names | {alias})
+            or served_id(asked).lower() == served.lower())
+
+
+_FAMILY_SIZE = re.compile(r"^(?P<family>.+?)-(?P<size>\d+(?:\.\d+)?[bm])(?:-|$)", re.IGNORECASE)
+
+
+def ollama_alias(name: str) -> str | None:
+    """The Ollama library's name of a model served as `name`: family and size as a tag, lower case
+    (`Qwen2.5-Coder-1.5B-Instruct-Q4_K_M` is `qwen2.5-coder:1.5b`); None when the name says no size."""
+    found = _FAMILY_SIZE.match(name)
+    return None if found is None else f"{found['family']}:{found['size']}".lower()
 
 
 def model_card(model: ModelInfo, started: float) -> dict[str, Any]:

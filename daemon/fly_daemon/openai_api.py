@@ -121,10 +121,12 @@ class GenerationBody(FLyFields, ABC):
     def asked_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
-    def to_generate(self, request_id: str) -> GenerateRequest:
-        """The wire request this body asks for; BadRequest / TooLong (naming the field) if it is not valid."""
+    def to_generate(self, request_id: str, max_tokens_limit: int) -> GenerateRequest:
+        """The wire request this body asks for: without max_tokens until the context ends or a stop (the daemon's
+        `max_tokens_limit`, as llama-server and vLLM do); BadRequest / TooLong (naming the field) if it is not
+        valid."""
         sampling, fly = build_options(
-            max_tokens=self._wire_max_tokens(),
+            max_tokens=self._wire_max_tokens(max_tokens_limit),
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, repeat_last_n=self.repeat_last_n, seed=self.seed,
@@ -133,16 +135,16 @@ class GenerationBody(FLyFields, ABC):
             return GenerateRequest(id=request_id, sampling=sampling, fly=fly, stream=self.stream,
                                    **structure_options(self), **self._source(), **self._logprob_fields())
 
-    def _wire_max_tokens(self) -> int | None:
-        return self.asked_max_tokens
+    def _wire_max_tokens(self, limit: int) -> int:
+        return limit if self.asked_max_tokens is None else self.asked_max_tokens
 
     @abstractmethod
     def _logprob_fields(self) -> dict[str, Any]:
         """GenerateRequest's logprobs and prompt_logprobs, as this body asks for them."""
 
-    def choice_requests(self, request_id: str) -> list[GenerateRequest]:
+    def choice_requests(self, request_id: str, max_tokens_limit: int) -> list[GenerateRequest]:
         """One wire request per choice (`n`): ids `request_id` (n = 1) or `request_id-i`, seeds `seed + i`."""
-        first = self.to_generate(request_id)
+        first = self.to_generate(request_id, max_tokens_limit)
         if self.n == 1:
             return [first]
         seeds = [None if self.seed is None else (self.seed + i) % 2**63 for i in range(self.n)]
@@ -310,8 +312,8 @@ class CompletionRequest(GenerationBody, FormatOptions):
         """max_tokens 0 with echo: the prompt (and its log-probabilities), no completion."""
         return self.asked_max_tokens == 0
 
-    def _wire_max_tokens(self) -> int | None:
-        return 1 if self.scores_only else self.asked_max_tokens  # one token is decoded, and dropped
+    def _wire_max_tokens(self, limit: int) -> int:
+        return 1 if self.scores_only else super()._wire_max_tokens(limit)  # scores only: one token decoded, dropped
 
     def _logprob_fields(self) -> dict[str, Any]:
         if self.logprobs is None:
@@ -367,14 +369,14 @@ class Choices(Answer):
     """A chat or text completion's answer (the door contract): its `n` choices, whole or as data events ending in
     `[DONE]`; an error after the stream began is an `error` event in OpenAI's shape."""
 
-    def __init__(self, body: GenerationBody, model: str) -> None:
-        """`body` asked of the served `model`."""
-        self.body, self.stream = body, body.stream
+    def __init__(self, body: GenerationBody, model: str, max_tokens_limit: int) -> None:
+        """`body` asked of the served `model`; `max_tokens_limit`: what a body without max_tokens asks for."""
+        self.body, self.stream, self.limit = body, body.stream, max_tokens_limit
         self.head = body.head(model)
         self.calls = [0] * body.n  # tool calls sent so far per choice: the next one's index
 
     def requests(self) -> list[GenerateRequest]:
-        return self.body.choice_requests(self.head["id"])
+        return self.body.choice_requests(self.head["id"], self.limit)
 
     def whole(self, results: list[GenerateResult]) -> dict[str, Any]:
         return self.body.response(self.head, results)

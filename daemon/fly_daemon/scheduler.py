@@ -33,7 +33,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from itertools import count
 from typing import TYPE_CHECKING
 
-from fly_llm.common.errors import Cancelled, FLyError, Internal, NotReady, TooLong, contained
+from fly_llm.common.errors import Cancelled, FLyError, Internal, NotReady, contained
 from fly_llm.common.protocol import ErrorReply, GenerateRequest, HealthState, TokenizeReply, TokenizeRequest
 from fly_llm.common.stats import GrammarCacheStats
 from fly_llm.common.tool_formats import Constraints
@@ -103,14 +103,16 @@ class Scheduler:
 
     def submit(self, envelope: Envelope, request: GenerateRequest, *, tenant: str = LOCAL_TENANT,
                client: str | None = None) -> None:
-        """Queue a request (while models load too); raises NotReady, TooLong, BadRequest (duplicate id) or Busy.
+        """Queue a request (while models load too); raises NotReady, BadRequest (duplicate id) or Busy.
+        A max_tokens above the daemon's limit is capped to it, as llama-server and Ollama do (every door: the
+        HTTP APIs and the ZeroMQ socket).
 
         `tenant` names the credential it came with (its prefix cache scope); `client` what the
         per-client cap counts (default: the envelope, one ZeroMQ socket).
         """
-        if request.sampling.max_tokens > self.limits.max_tokens_limit:
-            raise TooLong(f"max_tokens {request.sampling.max_tokens} exceeds the daemon's limit "
-                          f"{self.limits.max_tokens_limit}")
+        limit = self.limits.max_tokens_limit
+        if request.sampling.max_tokens > limit:
+            request = request.model_copy(update={"sampling": request.sampling.model_copy(update={"max_tokens": limit})})
         now = time.monotonic()
         with self._lock:
             self._life.check_open()

@@ -113,7 +113,7 @@ def test_each_structure_option_reaches_the_request_from_the_client_and_the_adapt
     assert call_options(unset, {name: value})[name] == value  # a call's keyword
     assert call_options(SimpleNamespace(**vars(unset), **{name: value}), {})[name] == value  # an adapter's field
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **needs, name: value})
-    assert body.to_generate("h").structure == sent.structure  # the HTTP front's chat completions
+    assert body.to_generate("h", 4096).structure == sent.structure  # the HTTP front's chat completions
 
 
 def test_unknown_structure_keywords_are_type_errors_and_bad_values_bad_requests():
@@ -132,7 +132,7 @@ def test_a_plain_prompt_takes_the_format_options():
     assert request.structure.response_format.type == "json_object"
     body = {"model": "m", "prompt": "x"}
     for name in FormatOptions.model_fields:
-        completion = CompletionRequest.model_validate({**body, name: OPTION_VALUES[name]}).to_generate("c")
+        completion = CompletionRequest.model_validate({**body, name: OPTION_VALUES[name]}).to_generate("c", 4096)
         assert getattr(completion.structure, name) is not None
     for name in set(STRUCTURE_OPTIONS) - set(FormatOptions.model_fields):
         with pytest.raises(ValidationError, match="Extra inputs"):

@@ -22,7 +22,7 @@ def client(tiny_daemon):
 def test_health_info_status(client, tiny_pair_dirs):
     assert client.health().state == "ready"
     info = client.info()
-    assert info.target == str(tiny_pair_dirs[0]) and info.draft == str(tiny_pair_dirs[1])
+    assert info.target == tiny_pair_dirs[0].name and info.draft == tiny_pair_dirs[1].name  # ids, never paths
     assert info.dtype == "float32" and info.context_window == 512
     assert info.target_quantization == info.draft_quantization == "none"
     assert info.max_prompt_tokens == 511 and info.max_tokens_limit == 4096
@@ -98,8 +98,6 @@ def test_stop_strings_and_seeded_sampling(client):
 def test_errors_are_raised_as_their_class(client):
     with pytest.raises(TooLong):
         client.generate("a " * 2000, *build_options(max_tokens=4))
-    with pytest.raises(TooLong):
-        client.generate("hello", *build_options(max_tokens=100_000))
     with pytest.raises(BadRequest):
         client.tokenize()
 

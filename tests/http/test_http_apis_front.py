@@ -82,7 +82,7 @@ def test_refusals_name_the_field_in_each_api_shape(tmp_path):
             error = r.json()["error"]
             assert (r.status_code, error["code"], error["type"]) == (400, "BAD_REQUEST", "invalid_request_error")
             assert words in error["message"], (words, error["message"])
-        assert client.post("/v1/responses", json={**RESPONSE, "model": "gpt-5"}).status_code == 404
+        assert client.post("/v1/responses", json={**RESPONSE, "model": "gpt-5"}).status_code == 200  # any name
         for body, words in [({k: v for k, v in MESSAGE.items() if k != "max_tokens"}, "max_tokens"),
                             ({**MESSAGE, "top_k": -1}, "top_k"),
                             ({**MESSAGE, "messages": [{"role": "assistant", "content": "Sure"}]}, "prefill"),
@@ -93,8 +93,7 @@ def test_refusals_name_the_field_in_each_api_shape(tmp_path):
             error = r.json()["error"]
             assert (error["type"], error["code"]) == ("invalid_request_error", "BAD_REQUEST")
             assert words in error["message"], (words, error["message"])
-        unknown = client.post("/v1/messages", json={**MESSAGE, "model": "claude-x"})
-        assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+        assert client.post("/v1/messages", json={**MESSAGE, "model": "claude-x"}).status_code == 200  # any name
         broken = client.post("/v1/messages", content=b"{", headers={"content-type": "application/json"})
         assert broken.status_code == 400 and broken.json()["error"]["type"] == "invalid_request_error"
         assert client.post("/v1/messages/nothing", json={}).json()["error"]["type"] == "not_found_error"

@@ -53,7 +53,7 @@ def zmq_client(ollama_daemon):
 @pytest.fixture(scope="module")
 def model(client, tiny_pair_dirs) -> str:
     models = client.list().models
-    assert [m.model for m in models] == [str(tiny_pair_dirs[0]), "all-MiniLM-L6-v2"]  # the embedding model, unloaded
+    assert [m.model for m in models] == [tiny_pair_dirs[0].name, "all-MiniLM-L6-v2"]  # ids, not paths; the embedder unloaded
     return models[0].model
 
 
@@ -197,9 +197,12 @@ def test_options_kept_and_ignored(client, model):
 def test_error_body_carries_the_stable_code(ollama_daemon, model):
     answer = httpx.post(f"{ollama_daemon[1]}/api/chat", content=b"{not json", timeout=10)
     assert answer.status_code == 400 and answer.json()["code"] == "BAD_REQUEST" and "JSON" in answer.json()["error"]
-    answer = httpx.post(f"{ollama_daemon[1]}/api/chat", json={"model": model, "messages": MESSAGES,
-                                                              "options": {"num_predict": 5000}}, timeout=10)
+    answer = httpx.post(f"{ollama_daemon[1]}/api/chat", json={"model": model, "messages": [
+        {"role": "user", "content": "x " * 2000}]}, timeout=10)  # over the 512-token window
     assert answer.status_code == 400 and answer.json()["code"] == "TOO_LONG"
+    capped = httpx.post(f"{ollama_daemon[1]}/api/chat", json={"model": model, "messages": MESSAGES, "stream": False,
+                                                              "options": {"num_predict": 5000}}, timeout=60)
+    assert capped.status_code == 200 and capped.json()["eval_count"] < 512  # over the limit: capped, as Ollama does
     missing = httpx.get(f"{ollama_daemon[1]}/api/nothing", timeout=10)
     assert missing.status_code == 404 and set(missing.json()) == {"error", "code"}
     assert httpx.get(f"{ollama_daemon[1]}/api/version", timeout=10).json()["version"]

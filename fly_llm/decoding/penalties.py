@@ -52,7 +52,9 @@ class Penalty:
         present = counts > 0
         penalized = torch.where(seen > 0, seen / self.repetition, seen * self.repetition)
         penalized = torch.where(present, penalized, seen) - counts * self.frequency - present.to(seen.dtype) * self.presence
-        logits.scatter_(1, columns, penalized)
+        # A tiny repetition penalty (1e-40) overflows a positive logit to inf, and sampling over inf fails: it is the
+        # largest finite one instead (-inf stays: a token the grammar masked).
+        logits.scatter_(1, columns, penalized.clamp(max=torch.finfo(seen.dtype).max))
 
 
 def window_counts(context: Sequence[int], drafts: Sequence[int], last_n: int, positions: int,

@@ -143,6 +143,17 @@ def test_penalties_match_the_reference_at_every_position(penalty, context, draft
         assert penalized[i].tolist() == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tiny_repetition_penalty_keeps_logits_finite_and_their_order(dtype):
+    """Issue 65: repetition_penalty 1e-40 (in range) turned a repeated token's positive logit into inf, and sampling
+    over inf failed the request (500). It is the largest finite logit instead; the distribution is a distribution."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]], dtype=dtype)
+    Penalty(1e-40, 0.0, 0.0, -1).apply_(logits, [0, 1], [])
+    assert torch.isfinite(logits).all() and logits[0, 0] == torch.finfo(dtype).max and logits[0, 1] <= 0
+    probs = distributions(logits.float()[None].clone(), [1.0], [1.0], [0], [0.0])
+    assert torch.isfinite(probs).all() and probs.argmax(-1).item() == 0 and abs(probs.sum().item() - 1) < 1e-5
+
+
 @pytest.mark.parametrize("settings_, off", [
     (dict(), True), (dict(repetition_penalty=1.1), False), (dict(presence_penalty=-0.5), False),
     (dict(frequency_penalty=0.2, repeat_last_n=0), True), (dict(frequency_penalty=0.2, repeat_last_n=-1), False),

@@ -80,6 +80,29 @@ def test_token_ids_embed_as_their_text(served):
     close([one["data"][0]["embedding"]], expected[:1])
 
 
+def test_ollama_embed_without_input_loads_and_embeds_nothing(served):
+    """As Ollama answers its load request (issue 65: one vector came back, of an empty text)."""
+    for body in ({"model": NAME}, {"model": NAME, "input": ""}, {"model": NAME, "input": []}):
+        answer = post(served, "/api/embed", body)
+        assert answer.status_code == 200 and answer.json()["embeddings"] == [], answer.text
+    assert post(served, "/api/embed", {"model": "nomic-embed-text"}).status_code == 404
+
+
+def test_ollama_show_describes_the_embedding_model_tags_lists(served):
+    listed = [m["name"] for m in httpx.get(f"{served[0]}/api/tags", timeout=30).json()["models"]]
+    assert NAME in listed
+    shown = post(served, "/api/show", {"model": NAME})
+    assert shown.status_code == 200 and shown.json()["capabilities"] == ["embedding"], shown.text
+
+
+def test_another_tokenizers_ids_are_refused_with_the_fix(served):
+    """LangChain's OpenAIEmbeddings at its defaults sends tiktoken (cl100k) ids: `[9906, 1917, 50256]` is
+    "Hello world" and more, from a vocabulary three times the encoder's; the 400 names the setting to change."""
+    refused = post(served, "/v1/embeddings", {"model": NAME, "input": [[9906, 1917, 50256]]})
+    assert refused.status_code == 400
+    assert "check_embedding_ctx_length=False" in refused.json()["error"]["message"]
+
+
 def test_langchain_openai_and_ollama_embeddings(served):
     from langchain_ollama import OllamaEmbeddings
     from langchain_openai import OpenAIEmbeddings

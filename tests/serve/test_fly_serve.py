@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from pathlib import Path
 
 import pytest
 
@@ -63,7 +64,7 @@ def served(tiny_pair_dirs):
         serve.run(app, name="fly", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url)
-        CHAT["model"] = str(target)  # the served model's name: the target's path
+        CHAT["model"] = Path(target).name  # the served model's id: its directory's name, never a path
         yield url
     finally:
         serve.shutdown()

@@ -128,7 +128,8 @@ class EngineLoop:
                                         request.fly.apply(self.engine.config), prepared.constraint,
                                         matcher=prepared.matcher,
                                         cache_scope=entry.cache_scope(self._limits.share_prefix_cache),
-                                        logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
+                                        logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs,
+                                        min_indent=request.infill.min_indent if request.infill else 0)
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the model thread
                 self.end(entry, error_of(exc, f"admitting request {request.id} failed"))
                 continue

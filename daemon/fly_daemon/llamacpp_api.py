@@ -32,7 +32,7 @@ from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk
 from fly_daemon.http_common import Answer, Event, data_event, openai_error
 from fly_daemon.shared_fields import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers
 
-IGNORED = frozenset({"cache_prompt", "id_slot", "n_keep", "n_indent", "min_keep", "penalize_nl", "t_max_predict_ms",
+IGNORED = frozenset({"cache_prompt", "id_slot", "n_keep", "min_keep", "penalize_nl", "t_max_predict_ms",
                      "t_max_prompt_ms", "samplers", *SAMPLER_SETTINGS})
 """llama.cpp fields accepted and ignored: slots and caching (ours is automatic), time caps, the sampler order
 (FLy's is fixed), sampler settings that do nothing while their sampler is off."""
@@ -110,10 +110,13 @@ class InfillBody(LlamaBody):
     input_suffix: str = ""
     input_extra: list[ExtraFile] = Field(default_factory=list, description="Other files of the repository.")
     prompt: str = Field("", description="Text after the prefix (llama.cpp's).")
+    n_indent: int | None = Field(None, ge=0, description=(
+        "Stop at the first line after the first indented less than this (the cursor line's indentation)."))
 
     def _source(self) -> dict[str, Any]:
         return {"infill": Infill(prefix=self.input_prefix, suffix=self.input_suffix, prompt=self.prompt,
-                                 files=[f.model_dump(include={"filename", "text"}) for f in self.input_extra])}
+                                 files=[f.model_dump(include={"filename", "text"}) for f in self.input_extra],
+                                 min_indent=self.n_indent or 0)}
 
 
 class CompletionBody(LlamaBody):

@@ -45,6 +45,8 @@ class Infill(_Strict):
     files: list[InfillFile] = Field(default_factory=list, max_length=MAX_INFILL_FILES)
     filename: str = Field("", max_length=4096, description="The file being edited (named after the other files).")
     repo_name: str = Field("", max_length=4096)
+    min_indent: int = Field(0, ge=0, le=4096, description=(
+        "Stop at the first line after the first that is indented less than this (llama.cpp's n_indent); 0: off."))
 
     @property
     def chars(self) -> int:

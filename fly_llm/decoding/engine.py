@@ -224,7 +224,8 @@ class FLyEngine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     fly: FLyConfig | None = None, constraint: Constraint | None = None, *, matcher=None,
-                    cache_scope: str = "", logprobs: int | None = None, prompt_logprobs: bool = False) -> None:
+                    cache_scope: str = "", logprobs: int | None = None, prompt_logprobs: bool = False,
+                    min_indent: int = 0) -> None:
         """Queue a request; it is prefilled and joins the batch in the next step().
 
         `logprobs`: its outputs carry the target's log-probability of each emitted token and of this
@@ -235,7 +236,9 @@ class FLyEngine:
         `constraint` (a grammar, regex or JSON Schema) constrains its output through a grammar
         compiled here, so a bad one raises BadRequest before the request is queued; a `matcher` from
         `compile_constraint` is used as it is instead. `cache_scope`: the prefix-cache scope (tenant)
-        whose cached prefixes (and compiled grammars) it may use and where its own are kept.
+        whose cached prefixes (and compiled grammars) it may use and where its own are kept. `min_indent` > 0: it
+        also stops at the first line after the first indented less than that (a code completion leaving its
+        block: fly_llm.decoding.text.StopChecker).
         """
         if not prompt_ids:
             raise BadRequest("the prompt is empty")
@@ -256,7 +259,7 @@ class FLyEngine:
         self._waiting.append(_Request(
             id=request_id, prompt=list(prompt_ids), sampling=sampling, fly=fly,
             max_new=min(sampling.max_tokens, room), detok=Detokenizer(self.tokenizer, prompt_ids),
-            stops=StopChecker(sampling.stop), seed=seed, matcher=matcher, tokens=list(prompt_ids),
+            stops=StopChecker(sampling.stop, min_indent), seed=seed, matcher=matcher, tokens=list(prompt_ids),
             stats=RequestStats(grammar_s=self.grammars.compile_s - compiled_before), scope=cache_scope,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs and logprobs is not None))
 

@@ -63,32 +63,60 @@ def _complete(text: str, before: str) -> bool:
 
 
 class StopChecker:
-    """Accumulates a request's text, cuts it at the first stop string, releases safe deltas."""
+    """Accumulates a request's text, cuts it at the first stop string, releases safe deltas.
 
-    def __init__(self, stops: list[str]) -> None:
+    With `min_indent` > 0 it also stops where a code completion leaves its block, as llama-server's `n_indent`
+    does: at the first line after the first whose indentation (spaces and tabs) is below `min_indent` (a blank
+    line included), the text cut before that line (its newline kept)."""
+
+    def __init__(self, stops: list[str], min_indent: int = 0) -> None:
         self.stops = list(stops)
         self.longest = max((len(s) for s in stops), default=0)
+        self.min_indent = min_indent
         self.text = ""
         self.released = 0
         self.hit = False  # a stop string was found; later text is ignored
+        self._lines_from = -1  # where the lines after the first begin (after its newline); -1: none yet
 
     @property
     def active(self) -> bool:
-        """Whether there are stop strings to look for."""
-        return bool(self.stops)
+        """Whether there are stop strings (or an indentation) to look for."""
+        return bool(self.stops) or self.min_indent > 0
 
     def feed(self, delta: str) -> bool:
-        """Add text; True (and the text cut before it) when a stop string now appears."""
+        """Add text; True (and the text cut before it) when a stop string now appears, or a line leaves the block."""
         if not delta or self.hit:
             return False
         start = max(0, len(self.text) - self.longest + 1)
+        searched = len(self.text)
         self.text += delta
         hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if self.min_indent > 0:
+            hits += self._dedents(searched)
         if hits:
             self.text = self.text[:min(hits)]
             self.hit = True
             return True
         return False
+
+    def _dedents(self, searched: int) -> list[int]:
+        """The start of the first line (after the first) that begins below `min_indent`, among those that have
+        their first character other than a space or tab since `searched`; [] if none."""
+        if self._lines_from < 0:
+            first = self.text.find("\n")
+            if first < 0:
+                return []
+            self._lines_from = first + 1
+        line = max(self._lines_from, self.text.rfind("\n", 0, max(searched, self._lines_from)) + 1)
+        while line < len(self.text):
+            indent = len(self.text) - line - len(self.text[line:].lstrip(" \t"))
+            if line + indent < len(self.text) and indent < self.min_indent:
+                return [line]
+            end = self.text.find("\n", line)
+            if end < 0:
+                return []
+            line = end + 1
+        return []
 
     def release(self, finished: bool) -> str:
         """Text not yet released that no continuation can turn into a stop string (all if finished)."""
@@ -98,7 +126,12 @@ class StopChecker:
         return delta
 
     def _held_back(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        """Length of the longest suffix of the text that is a proper prefix of a stop string, or (with
+        `min_indent`) the whitespace that begins a line after the first, which may yet leave the block."""
+        if self.min_indent > 0 and self._lines_from >= 0:
+            line = self.text.rfind("\n") + 1
+            if line >= self._lines_from and not self.text[line:].strip(" \t"):
+                return len(self.text) - line
         for n in range(min(self.longest - 1, len(self.text)), 0, -1):
             suffix = self.text[-n:]
             if any(s.startswith(suffix) for s in self.stops):

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fly_llm.decoding.text import Detokenizer, StopChecker
+from support.blocks import left_block_at
 from support.tiny_models import make_tokenizer
 
 
@@ -86,3 +90,36 @@ def test_a_character_split_across_a_speculative_round_is_not_cut():
     deltas = [detok.add(ids[:cut]), detok.add(ids[cut:]), detok.flush()]
     assert all("\ufffd" not in d for d in deltas) and "".join(deltas) == text
     assert deltas[0].startswith("ab 🙂 cd")  # what precedes the incomplete character is not held back
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(st.sampled_from("ab \t\n"), max_size=40), min_indent=st.integers(1, 5),
+       cuts=st.lists(st.integers(0, 40), max_size=8), stops=st.sampled_from([[], ["ab"]]))
+def test_a_completion_stops_where_it_leaves_its_block_however_its_text_arrives(text, min_indent, cuts, stops):
+    """llama.cpp's n_indent (issue 64): fed in any pieces, the released text is the reference's cut (with a stop
+    string too: whichever comes first), and nothing past the cut was ever released."""
+    checker = StopChecker(stops, min_indent)
+    released, start = "", 0
+    for end in sorted({c for c in cuts if c <= len(text)} | {len(text)}):
+        hit = checker.feed(text[start:end])
+        released += checker.release(False)
+        start = end
+        if hit:
+            break
+    released += checker.release(True)
+    expected = left_block_at(text, min_indent)
+    for stop in stops:
+        at = expected.find(stop)
+        expected = expected if at < 0 else expected[:at]
+    assert released == expected
+
+
+def test_a_blank_line_or_a_dedent_ends_the_block_not_the_first_line():
+    for pieces, expected in [(["return a", " + b\n", "\n", "x = 1"], "return a + b\n"),
+                             (["return a + b\n    y", " = 2\nz"], "return a + b\n    y = 2\n"),
+                             (["x\n  ", "  b\n  ", "c"], "x\n    b\n"), (["no newline at all"], "no newline at all")]:
+        checker, out = StopChecker([], 4), ""
+        for piece in pieces:
+            checker.feed(piece)  # after the cut, text is ignored
+            out += checker.release(False)
+        assert out + checker.release(True) == expected, pieces

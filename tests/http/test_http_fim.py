@@ -26,6 +26,7 @@ from fly_llm.common.errors import FimUnsupported
 from fly_llm.common.fim import MAX_INFILL_CHARS, MAX_INFILL_FILES
 from fly_llm.common.protocol import GenerateResult, TokenChunk
 from fly_llm.decoding.engine import FLyEngine
+from support.blocks import left_block_at
 from support.engine_double import serving
 from support.http_double import started
 from support.tiny_models import greedy_tokens, make_pair
@@ -194,6 +195,20 @@ def test_llama_vims_warm_up_evaluates_the_context_and_answers_no_text(client):
     assert whole["content"] == "" and whole["tokens_predicted"] == 0 and whole["tokens_evaluated"] > 0
     streamed = sse(client.post("/infill", json={**body, "response_fields": None, "stream": True}))
     assert "".join(e["content"] for e in streamed) == "" and streamed[-1]["stop"] is True
+
+
+def test_n_indent_stops_the_middle_where_it_leaves_its_block(client):
+    """llama.vim sends its cursor line's indentation as n_indent; the answer is the one without it, cut before
+    the first line (after the first) indented less, as llama-server cuts it (issue 64)."""
+    body = {"input_prefix": "def f(x):\n    ", "input_suffix": "\n", "n_predict": 60, "temperature": 0,
+            "loose": False}  # the tiny model's middle: a first line, then lines indented by 3 spaces
+    free = client.post("/infill", json=body).json()["content"]
+    shorter = 0
+    for n_indent in (2, 4, 8):
+        cut = client.post("/infill", json={**body, "n_indent": n_indent}).json()["content"]
+        assert cut == left_block_at(free, n_indent), n_indent
+        shorter += len(cut) < len(free)
+    assert shorter == 2  # 4 and 8 cut it (3 < 4); 2 does not
 
 
 def test_completion_is_v1_completions_raw_text_in_llamacpps_shape(client, model):

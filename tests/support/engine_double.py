@@ -100,7 +100,7 @@ class CountingEngine:
         return None
 
     def add_request(self, request_id, prompt_ids, sampling, fly=None, constraint=None, *, matcher=None,
-                    cache_scope: str = "", logprobs=None, prompt_logprobs=False) -> None:
+                    cache_scope: str = "", logprobs=None, prompt_logprobs=False, min_indent: int = 0) -> None:
         if len(prompt_ids) >= self.context_window:
             raise TooLong("prompt does not fit")
         self.rows[request_id] = [sampling.max_tokens, 0, len(prompt_ids)]

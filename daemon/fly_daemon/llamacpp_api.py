@@ -30,7 +30,7 @@ from fly_llm.common.errors import FLyError
 from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk
 
 from fly_daemon.http_common import Answer, Event, data_event, openai_error
-from fly_daemon.shared_fields import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers
+from fly_daemon.shared_fields import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers, check_sampler_off
 
 IGNORED = frozenset({"cache_prompt", "id_slot", "n_keep", "min_keep", "penalize_nl", "t_max_predict_ms",
                      "t_max_prompt_ms", "samplers", *SAMPLER_SETTINGS})
@@ -72,9 +72,7 @@ class LlamaBody(LlamaSamplers, ABC):
     def _known(self) -> "LlamaBody":
         for name, value in (self.model_extra or {}).items():
             if name in SAMPLERS_OFF:
-                if value is not None and value != SAMPLERS_OFF[name]:
-                    raise ValueError(f"{name} {value!r}: FLy has no such sampler (leave it out, or set it to "
-                                     f"{SAMPLERS_OFF[name]!r}: off)")
+                check_sampler_off(name, value)
             elif name not in IGNORED:
                 raise ValueError(f"{name}: not a field {self.route} serves")
         return self

@@ -33,7 +33,7 @@ from fly_llm.common.tools import STRUCTURE_OPTIONS, ToolCall, closed_tool, schem
 
 from fly_daemon.http_common import Answer, Event, ndjson_line
 from fly_daemon.model_info import ModelInfo, served_id
-from fly_daemon.shared_fields import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers, Strict
+from fly_daemon.shared_fields import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers, Strict, check_sampler_off
 
 OLLAMA_VERSION = "0.9.0"
 """The Ollama release whose API these routes follow (GET /api/version): streamed tool calls (0.8), `think` (0.9)."""
@@ -60,9 +60,7 @@ class Options(LlamaSamplers):
     def _known(self) -> "Options":
         for name, value in (self.model_extra or {}).items():
             if name in SAMPLERS_OFF:
-                if value is not None and value != SAMPLERS_OFF[name]:
-                    raise ValueError(f"{name} {value!r}: FLy has no such sampler (leave it out, or set it to "
-                                     f"{SAMPLERS_OFF[name]!r}: off)")
+                check_sampler_off(name, value)
             elif name not in (*LOAD_OPTIONS, *SAMPLER_SETTINGS, *FLY_OPTIONS):
                 raise ValueError(f"unknown option {name!r}; FLy's own: {', '.join(FLY_OPTIONS)}")
         return self

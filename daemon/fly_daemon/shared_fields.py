@@ -1,7 +1,7 @@
 """The body fields several HTTP APIs share, declared once so that no API's module imports another's.
 
 `Strict`: the base of every body that refuses unknown fields (a typo, or a feature we do not have, is
-answered 400 with the field named, never ignored). `FLyFields`: FLy's own options, extra body fields on every
+answered 400 with the field named, never ignored) and values of the wrong JSON type (no coercion). `FLyFields`: FLy's own options, extra body fields on every
 generating route. `LlamaSamplers`: the samplers llama.cpp's requests and Ollama's `options` name alike, with
 the samplers FLy does not have (`SAMPLERS_OFF`, accepted only at the value that turns them off) and the
 settings that do nothing while those are off (`SAMPLER_SETTINGS`, accepted and ignored).
@@ -21,10 +21,19 @@ SAMPLER_SETTINGS = frozenset({"mirostat_tau", "mirostat_eta", "penalize_newline"
 own engine, which (like FLy) penalizes a newline as any other token."""
 
 
-class Strict(BaseModel):
-    """A body (or part of one) that refuses fields it does not declare."""
+def check_sampler_off(name: str, value: Any) -> None:
+    """ValueError unless `value` of the sampler `name` (one of SAMPLERS_OFF) is unset or its off value, a number
+    (Ollama's `typical_p: true` is not 1.0)."""
+    off = SAMPLERS_OFF[name]
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value != off):
+        raise ValueError(f"{name} {value!r}: FLy has no such sampler (leave it out, or set it to {off!r}: off)")
 
-    model_config = ConfigDict(extra="forbid")
+
+class Strict(BaseModel):
+    """A body (or part of one) that refuses fields it does not declare, and values of another JSON type than the
+    field's (`"max_tokens": true` or `"8"` is a 400, not 1 or 8; an integer is a number where a float is asked)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class FLyFields(Strict):

@@ -112,6 +112,8 @@ def test_bad_input_gets_4xx_in_openai_shape_while_others_are_served(tmp_path):
             (client.post(post, content=b'{"model": "counting", "messages": [{"role": "user", "content": "a\\ud83d"}]}',
                          headers=JSON), 400, "BAD_REQUEST", None, "not valid JSON"),  # a lone surrogate
             (client.post(post, json={**CHAT, "max_tokens": "many"}), 400, "BAD_REQUEST", "max_tokens", "integer"),
+            (client.post(post, json={**CHAT, "max_tokens": True}), 400, "BAD_REQUEST", "max_tokens", "integer"),
+            (client.post(post, json={**CHAT, "max_tokens": "8"}), 400, "BAD_REQUEST", "max_tokens", "integer"),
             (client.post(post, json={"model": MODEL, "messages": "hi"}), 400, "BAD_REQUEST", "messages", "list"),
             (client.post(post, json={**CHAT, "logprobs": True, "top_logprobs": 21}), 400, "BAD_REQUEST",
              "top_logprobs", "20"),

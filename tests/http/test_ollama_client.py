@@ -170,6 +170,7 @@ def test_load_request_answers_at_once(client, model):
     (lambda c, m: c.chat(model="llama3.2", messages=MESSAGES), 404, "not found"),
     (lambda c, m: c.chat(model=m, messages=MESSAGES, options={"num_ctx": 4096}), 400, "context window of 512"),
     (lambda c, m: c.chat(model=m, messages=MESSAGES, options={"mirostat": 2}), 400, "mirostat"),
+    (lambda c, m: c.chat(model=m, messages=MESSAGES, options={"typical_p": True}), 400, "typical_p"),  # not 1.0
     (lambda c, m: c.chat(model=m, messages=MESSAGES, options={"lose": False}), 400, "unknown option 'lose'"),
     (lambda c, m: c.chat(model=m, messages=MESSAGES, options={"num_predict": 10**7}), 400, "max_tokens"),
     (lambda c, m: c.chat(model=m, messages=MESSAGES, think=True), 400, "does not think"),

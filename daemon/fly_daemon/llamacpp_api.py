@@ -128,12 +128,12 @@ class CompletionBody(LlamaBody):
         return {"prompt": self.prompt}
 
 
-def infill_chunk(text: str) -> dict[str, Any]:
+def completion_chunk(text: str) -> dict[str, Any]:
     """One event of a stream: new text, not the last."""
     return {"content": text, "stop": False}
 
 
-def infill_answer(result: GenerateResult, model: str, text: str = "", predicted: bool = True) -> dict[str, Any]:
+def completion_answer(result: GenerateResult, model: str, text: str = "", predicted: bool = True) -> dict[str, Any]:
     """The whole answer (`text`: all of it), or the last event of a stream (no text), as llama.cpp's /completion:
     `stop_type` 'limit' at n_predict, else 'eos' (an EOS token or a stop string: the result does not tell which).
     Not `predicted` (a warm-up, n_predict 0): no tokens predicted."""
@@ -186,14 +186,14 @@ class LlamaAnswer(Answer):
 
     def whole(self, results: list[GenerateResult]) -> dict[str, Any]:
         result, predicted = results[0], not self.body.warm_up
-        return only_fields(infill_answer(result, self.model, result.text if predicted else "", predicted),
+        return only_fields(completion_answer(result, self.model, result.text if predicted else "", predicted),
                            self.body.response_fields)
 
     def chunk(self, index: int, chunk: TokenChunk) -> list[Event]:
-        return [infill_chunk(chunk.text)] if chunk.text and not self.body.warm_up else []
+        return [completion_chunk(chunk.text)] if chunk.text and not self.body.warm_up else []
 
     def final(self, index: int, result: GenerateResult, results: list[GenerateResult] | None) -> list[Event]:
-        return [only_fields(infill_answer(result, self.model, predicted=not self.body.warm_up),
+        return [only_fields(completion_answer(result, self.model, predicted=not self.body.warm_up),
                             self.body.response_fields)]
 
     def failure(self, error: FLyError, status: int) -> list[Event]:

@@ -136,12 +136,13 @@ class FunctionTool(Strict):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    def spec(self) -> dict[str, Any]:
-        """The tool as fly_llm.common.tools.ToolSpec fields."""
-        function: dict[str, Any] = {"name": self.name, "description": self.description or "", "strict": self.strict}
+    def specs(self, prefix: str = "") -> list[dict[str, Any]]:
+        """The tool as fly_llm.common.tools.ToolSpec fields, its name after `prefix` (a namespace's)."""
+        function: dict[str, Any] = {"name": prefix + self.name, "description": self.description or "",
+                                    "strict": self.strict}
         if self.parameters is not None:
             function["parameters"] = self.parameters
-        return {"type": "function", "function": function}
+        return [{"type": "function", "function": function}]
 
 
 class NamespaceTool(Strict):
@@ -155,9 +156,7 @@ class NamespaceTool(Strict):
 
     def specs(self) -> list[dict[str, Any]]:
         """The namespace's tools as fly_llm.common.tools.ToolSpec fields, named as the model sees them."""
-        return [{**tool.spec(), "function": {**tool.spec()["function"],
-                                             "name": f"{self.name}{NAMESPACE_SEPARATOR}{tool.name}"}}
-                for tool in self.tools]
+        return [spec for tool in self.tools for spec in tool.specs(self.name + NAMESPACE_SEPARATOR)]
 
 
 class HostedTool(BaseModel):
@@ -166,6 +165,10 @@ class HostedTool(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: Literal[HOSTED_TOOLS]  # type: ignore[valid-type]
+
+    def specs(self) -> list[dict[str, Any]]:
+        """None: the model is not offered it."""
+        return []
 
 
 def _tool_type(tool: Any) -> Any:
@@ -298,13 +301,7 @@ class ResponsesRequest(FLyFields):
 
     def tool_specs(self) -> list[dict[str, Any]] | None:
         """The function tools (a namespace's named `namespace.name`) as ToolSpec fields; hosted tools are left out."""
-        if self.tools is None:
-            return None
-        specs: list[dict[str, Any]] = []
-        for tool in self.tools:
-            specs += [tool.spec()] if isinstance(tool, FunctionTool) else tool.specs() \
-                if isinstance(tool, NamespaceTool) else []
-        return specs
+        return None if self.tools is None else [spec for tool in self.tools for spec in tool.specs()]
 
     def tool_names(self) -> set[str]:
         """The names of the tools the model may call."""

@@ -109,8 +109,10 @@ class StopChecker:
             self._lines_from = first + 1
         line = max(self._lines_from, self.text.rfind("\n", 0, max(searched, self._lines_from)) + 1)
         while line < len(self.text):
-            indent = len(self.text) - line - len(self.text[line:].lstrip(" \t"))
-            if line + indent < len(self.text) and indent < self.min_indent:
+            first = line  # the line's first character other than a space or tab
+            while first < len(self.text) and self.text[first] in " \t":
+                first += 1
+            if first < len(self.text) and first - line < self.min_indent:
                 return [line]
             end = self.text.find("\n", line)
             if end < 0:

@@ -39,7 +39,7 @@ from fly_llm.common.config import FLyConfig, ModelSpec, SamplingParams
 from fly_llm.decoding.engine import FLyEngine
 from fly_llm.common.protocol import ErrorReply, GenerateRequest, GenerateResult, TokenizeReply, TokenizeRequest
 
-from fly_daemon.scheduler import CHARS_PER_TOKEN, Limits, Scheduler
+from fly_daemon.scheduling.scheduler import CHARS_PER_TOKEN, Limits, Scheduler
 
 STREAM_PROMPT = "def add(a, b):"  # the tiny pair's greedy answer to it runs to max_tokens
 FILLER = ("The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens with a small model "

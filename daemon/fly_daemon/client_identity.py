@@ -1,12 +1,12 @@
 """Who a request comes from: the client that the per-client caps and fairness count by (issue 45).
 
-The scheduler counts `max_requests_per_client` and `max_tokens_per_client` (fly_daemon.request_weight), and
+The scheduler counts `max_requests_per_client` and `max_tokens_per_client` (fly_daemon.scheduling.request_weight), and
 takes turns, by a *client* string. Each door names it here, one way for all its routes:
 
 - ZeroMQ (`zmq_client`): the CURVE public key when the door authenticates with CURVE (every socket of one
   key is one client), else None: the scheduler then counts the socket (its routing envelope).
 - HTTP (`HttpClients.identity`, for every route of every API): `<tenant>@<address>`. The tenant is the
-  credential the request carried (the front's API key, hashed: fly_daemon.http.request_tenant) or
+  credential the request carried (the front's API key, hashed: fly_daemon.http.app.request_tenant) or
   LOCAL_TENANT. A front has one key, so the credential tells the deployment apart, not its clients; the
   address does that:
   - the peer's address (the TCP connection's other end), grouped (`connection_client`): an IPv6 address
@@ -26,7 +26,7 @@ header is read), so a connection's client and its requests' client agree on the 
 
 Only the rightmost hops are read, because each proxy appends the address it saw: what a client wrote
 itself is on the left, past the first untrusted hop, and never reached. uvicorn's own proxy-header
-handling is off (fly_daemon.http.HttpFront), so the peer uvicorn gives is the TCP peer.
+handling is off (fly_daemon.http.app.HttpFront), so the peer uvicorn gives is the TCP peer.
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ from fly_llm.common.config import FLyConfig, ModelSpec
 from fly_llm.model.embedding_source import served_names
 
 from fly_daemon.embeddings import Embedder, EmbeddingService, EmbeddingSettings
-from fly_daemon.http import HttpFront, create_app, require_key_off_loopback, trusted_hosts
+from fly_daemon.http.app import HttpFront, create_app, require_key_off_loopback, trusted_hosts
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.metrics import Metrics
 from fly_daemon.runtime import host_port
-from fly_daemon.scheduler import LOCAL, Envelope, Limits, Scheduler
+from fly_daemon.scheduling.scheduler import LOCAL, Envelope, Limits, Scheduler
 from fly_daemon.settings import DaemonSettings
 
 if TYPE_CHECKING:

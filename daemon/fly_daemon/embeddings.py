@@ -9,7 +9,7 @@ requests (a request's inputs longest-first, so padding stays small), with its ow
 torch intra-op threads (torch's thread count is per thread: the model thread keeps its own) and a
 niceness of `embedding_nice` (on Linux a thread's own), so that when both want the cores, the model
 thread's get them. A request whose client leaves is dropped from the queue. The model is listed by its
-name (`listed`) before it loads, and no longer once its load failed. The HTTP routes are fly_daemon.embeddings_http.
+name (`listed`) before it loads, and no longer once its load failed. The HTTP routes are fly_daemon.http.embeddings_routes.
 """
 
 from __future__ import annotations

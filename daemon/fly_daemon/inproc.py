@@ -1,6 +1,6 @@
 """An asyncio client of the scheduler inside the daemon's process: no socket, no serialisation.
 
-The HTTP front (fly_daemon.http, fly_daemon.ollama_http) submits through it, and it is all the front
+The HTTP front (fly_daemon.http.app, fly_daemon.http.ollama_routes) submits through it, and it is all the front
 sees of the scheduler: its state, limits, metrics and the served model's `ModelInfo`
 (fly_daemon.model_info), never the engine. Requests go to `Scheduler.submit` (tokenize
 requests to `Scheduler.tokenize`) with the LOCAL envelope; the model thread's replies come back
@@ -28,7 +28,7 @@ from fly_llm.common.protocol import (
 from fly_daemon.client_identity import LOCAL_TENANT
 from fly_daemon.limits import Limits
 from fly_daemon.model_info import ModelInfo
-from fly_daemon.scheduler import LOCAL, Envelope, Scheduler
+from fly_daemon.scheduling.scheduler import LOCAL, Envelope, Scheduler
 
 _LOAD_POLL_S = 0.1
 

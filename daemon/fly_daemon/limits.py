@@ -33,7 +33,7 @@ class Limits(BaseModel):
                                          "a trusted proxy forwards; a loopback connection without a key).")
     max_tokens_per_client: int = Field(65_536, ge=1, description="Weight one client's queued and running "
                                        "requests may have: each max_tokens plus its echoed prompt tokens, so n "
-                                       "choices weigh n × max_tokens (fly_daemon.request_weight); more get BUSY.")
+                                       "choices weigh n × max_tokens (fly_daemon.scheduling.request_weight); more get BUSY.")
     max_reply_units: int = Field(524_288, ge=1, description="Token entries one request's reply may carry: choices × "
                                  "(echoed prompt tokens + max_tokens) × (1 + top logprobs); more get TOO_LONG.")
     share_prefix_cache: bool = Field(False, description="Let every client reuse every other's cached prompts and "

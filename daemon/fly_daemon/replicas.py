@@ -2,7 +2,7 @@
 
 Each replica is a Ray Serve deployment replica (its own process) holding what a daemon holds: a
 serving core (fly_daemon.core: a Scheduler running its engine in a model thread) and the HTTP
-front's FastAPI app (fly_daemon.http) over the core's in-process client. Ray Serve's ingress routes
+front's FastAPI app (fly_daemon.http.app) over the core's in-process client. Ray Serve's ingress routes
 each request to a replica; the response names it in an `x-fly-replica` header. Ray calls
 `check_health` on every replica: one whose models failed to load or whose model thread stopped
 reports unhealthy, and Ray replaces it.
@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from fly_llm.common.config import FLyConfig, ModelSpec
 
 from fly_daemon.core import build_core
-from fly_daemon.http import require_key_off_loopback
+from fly_daemon.http.app import require_key_off_loopback
 from fly_daemon.runtime import is_loopback_host
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 

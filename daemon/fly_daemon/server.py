@@ -40,7 +40,7 @@ from fly_llm.common.protocol import (
 
 from fly_daemon.client_identity import LOCAL_TENANT, zmq_client
 from fly_daemon.runtime import PidLock, check_endpoint, ipc_path, is_loopback
-from fly_daemon.scheduler import Envelope
+from fly_daemon.scheduling.scheduler import Envelope
 
 if TYPE_CHECKING:
     from fly_daemon.core import ServingCore

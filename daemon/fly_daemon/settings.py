@@ -34,8 +34,8 @@ from fly_llm.common.protocol import MAX_FRAME_BYTES
 
 from fly_daemon.client_identity import Network, trusted_networks
 from fly_daemon.embeddings import EmbeddingSettings
-from fly_daemon.runtime import host_port
 from fly_daemon.limits import Limits
+from fly_daemon.runtime import host_port
 
 M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "FLY_"
@@ -46,7 +46,7 @@ class SettingsError(ValueError):
 
 
 class HttpLimits(BaseModel):
-    """Timeouts and connection caps of the HTTP front (fly_daemon.http_connections); DaemonSettings extends
+    """Timeouts and connection caps of the HTTP front (fly_daemon.http.connections); DaemonSettings extends
     this model."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

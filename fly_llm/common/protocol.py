@@ -170,7 +170,7 @@ class GenerateRequest(_Message, StructureOptions):
     prompt_logprobs: bool = Field(False, description="With logprobs: report those of the prompt's tokens too.")
     choices: int = Field(1, ge=1, le=MAX_CHOICES, description=(
         "How many choices of one API request (OpenAI's `n`) this is one of: the daemon bounds the reply size of "
-        "all of them together (`fly_daemon.request_weight`)."))
+        "all of them together (`fly_daemon.scheduling.request_weight`)."))
 
     @model_validator(mode="after")
     def _one_input(self) -> "GenerateRequest":

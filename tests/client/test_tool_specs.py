@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import jsonschema
 import pytest
-from fly_daemon.openai_api import ChatCompletionRequest, CompletionRequest
+from fly_daemon.http.openai_api import ChatCompletionRequest, CompletionRequest
 from pydantic import ValidationError
 
 from fly_llm.client.core import call_options, generate_request

@@ -7,7 +7,7 @@ goes to the client with the fewest rows in the engine, then the one served longe
 batches and backlogs of one to three clients: a newcomer's prepared request joins before any other client
 is served twice (at the first slot that frees, beside one client's backlog).
 
-Fair share (fly_daemon.request_queue, `RequestQueue.fair_share`): while a client below its share of the batch
+Fair share (fly_daemon.scheduling.request_queue, `RequestQueue.fair_share`): while a client below its share of the batch
 has a request on its way (queued, preparing or prepared), a client at or above its share takes no slot, so
 one client's backlog cannot take every slot that frees while another client's request is still being prepared.
 A seeded random walk over submit, preparation, joins, ended rows and cancels checks each join against a
@@ -26,9 +26,9 @@ import pytest
 from fly_llm.common.config import SamplingParams
 from fly_llm.common.protocol import GenerateRequest
 
-from fly_daemon.preparation import PreparedInput
-from fly_daemon.request_queue import Entry, RequestQueue
-from fly_daemon.scheduler import Limits
+from fly_daemon.scheduling.preparation import PreparedInput
+from fly_daemon.scheduling.request_queue import Entry, RequestQueue
+from fly_daemon.scheduling.scheduler import Limits
 
 
 def _entry(seq: int, client: str) -> Entry:

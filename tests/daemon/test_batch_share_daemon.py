@@ -2,7 +2,7 @@
 the daemon: its HTTP front, scheduler, preparation pool and model thread on the engine double).
 
 One connection asks for 16 long choices while another's request waits for its grammar to compile (a compile
-that blocks until the test releases it). Before the fair share (fly_daemon.request_queue), the 16 choices took
+that blocks until the test releases it). Before the fair share (fly_daemon.scheduling.request_queue), the 16 choices took
 every slot of the 16-row batch while the newcomer's request was still being prepared, so it joined only when
 they had all ended; now the n=16 client stops at its share (half the batch, two clients) while the other's
 request is on its way, and the newcomer joins at once when its compile returns.

@@ -6,7 +6,7 @@ import pytest
 
 from fly_llm.common.tool_formats.hermes import ToolCallStream
 
-from fly_daemon.call_text import CallText
+from fly_daemon.scheduling.call_text import CallText
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
 

@@ -25,11 +25,11 @@ from fly_llm.client import FLyClient, build_options, default_endpoint
 from fly_llm.common.errors import Cancelled, FLyUnavailable, Internal, NotReady, TooLong
 from fly_llm.common.protocol import ErrorReply, GenerateResult, decode_reply
 
-from fly_daemon.metrics import Metrics
 from fly_daemon import runtime
 from fly_daemon.core import ServingCore
+from fly_daemon.metrics import Metrics
 from fly_daemon.runtime import AlreadyRunning, PidLock, daemon_files, is_loopback, running_pid, tcp_host
-from fly_daemon.scheduler import Limits
+from fly_daemon.scheduling.scheduler import Limits
 from fly_daemon.server import CurveKeys, Server
 
 

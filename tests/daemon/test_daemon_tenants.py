@@ -20,7 +20,7 @@ from fly_llm.decoding.engine import FLyEngine
 from support.engine_double import serving
 from support.tiny_models import make_pair
 
-from fly_daemon.scheduler import Limits
+from fly_daemon.scheduling.scheduler import Limits
 from fly_daemon.server import CurveKeys
 
 BLOCK = 4

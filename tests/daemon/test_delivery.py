@@ -15,9 +15,9 @@ from support.engine_double import CountingEngine, Replies, _Output
 from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk
 from fly_llm.common.tool_formats.hermes import HERMES, TOOL_CLOSE, TOOL_OPEN
 
-from fly_daemon.delivery import Delivery
 from fly_daemon.metrics import Metrics
 from fly_daemon.model_info import ModelInfo
+from fly_daemon.scheduling.delivery import Delivery
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 CALL = f'{TOOL_OPEN}\n{{"name": "lookup", "arguments": {{"q": 1}}}}\n{TOOL_CLOSE}'

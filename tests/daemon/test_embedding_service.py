@@ -22,7 +22,7 @@ from fly_llm.model.embedding_source import EmbeddingWheel, served_names, wheel_m
 
 from fly_daemon.cli import _parser
 from fly_daemon.embeddings import MAX_INPUTS, EmbeddingService, EmbeddingSettings
-from fly_daemon.http import create_app
+from fly_daemon.http.app import create_app
 from fly_daemon.settings import DaemonSettings, load_settings
 from support.http_double import double_front
 from support.tiny_embedder import MAX_SEQ_LENGTH, WORDS, reference, save_tiny_embedder

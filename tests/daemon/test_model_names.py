@@ -7,8 +7,8 @@ import copy
 
 import torch
 
+from fly_daemon.http.ollama_api import ollama_alias, same_model
 from fly_daemon.model_info import _weights, served_id
-from fly_daemon.ollama_api import ollama_alias, same_model
 from fly_llm.model.quantization import quantize
 from support.tiny_models import make_pair
 

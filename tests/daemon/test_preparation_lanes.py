@@ -25,9 +25,9 @@ from fly_llm.common.config import SamplingParams
 from fly_llm.common.errors import FLyError
 from fly_llm.common.protocol import GenerateRequest, TokenizeReply, TokenizeRequest
 
-from fly_daemon.preparation import PreparedInput
-from fly_daemon.request_queue import Entry, RequestQueue
-from fly_daemon.scheduler import PREPARE_WORKERS, Limits
+from fly_daemon.scheduling.preparation import PreparedInput
+from fly_daemon.scheduling.request_queue import Entry, RequestQueue
+from fly_daemon.scheduling.scheduler import PREPARE_WORKERS, Limits
 
 LIMITS = Limits(heartbeat_timeout=0)
 

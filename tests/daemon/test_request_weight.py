@@ -18,8 +18,8 @@ from fly_llm.common.config import SamplingParams
 from fly_llm.common.errors import Busy, TooLong
 from fly_llm.common.protocol import ErrorReply, GenerateRequest, GenerateResult
 
-from fly_daemon.request_weight import check_reply_size, reply_units, weight
 from fly_daemon.limits import Limits
+from fly_daemon.scheduling.request_weight import check_reply_size, reply_units, weight
 from fly_daemon.settings import DaemonSettings
 
 A, B = (b"a",), (b"b",)

@@ -18,7 +18,7 @@ from fly_llm.common.config import FLyConfig, SamplingParams
 from fly_llm.common.errors import Busy, NotReady
 from fly_llm.common.protocol import ErrorReply, GenerateRequest, GenerateResult, TokenizeReply, TokenizeRequest
 
-from fly_daemon.scheduler import Limits, Scheduler
+from fly_daemon.scheduling.scheduler import Limits, Scheduler
 
 CLIENT = (b"client",)
 NO_HEARTBEATS = Limits(heartbeat_timeout=0)  # these tests send none

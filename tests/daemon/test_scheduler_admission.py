@@ -24,7 +24,7 @@ from fly_llm.common.errors import BadRequest, Busy, FLyError, TooLong
 from fly_llm.common.protocol import ErrorReply, GenerateRequest, GenerateResult, TokenChunk, TokenizeRequest
 from fly_llm.common.tool_formats.hermes import ToolCallStream
 
-from fly_daemon.scheduler import ADMISSIONS_PER_TURN, Limits, Scheduler
+from fly_daemon.scheduling.scheduler import ADMISSIONS_PER_TURN, Limits, Scheduler
 
 A, B, C = (b"a",), (b"b",), (b"c",)
 NO_HEARTBEATS = Limits(heartbeat_timeout=0)

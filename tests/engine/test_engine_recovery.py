@@ -21,7 +21,7 @@ from fly_llm.decoding.engine import FLyEngine
 from fly_llm.common.errors import Internal
 
 from fly_daemon.core import ServingCore
-from fly_daemon.scheduler import Limits
+from fly_daemon.scheduling.scheduler import Limits
 from fly_daemon.server import Server
 from support.tiny_models import greedy_tokens, make_pair
 

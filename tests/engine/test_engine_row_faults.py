@@ -27,7 +27,7 @@ from support.structures import constraint_of, schema_structure
 from support.tiny_models import make_pair
 
 from fly_daemon.core import ServingCore
-from fly_daemon.scheduler import Limits
+from fly_daemon.scheduling.scheduler import Limits
 from fly_daemon.server import Server
 
 torch.set_num_threads(1)

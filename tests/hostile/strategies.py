@@ -33,7 +33,7 @@ from fly_llm.common.protocol import MAX_TOP_LOGPROBS
 
 from support.forwarded_headers import forwarded_headers
 
-from fly_daemon.openai_api import MAX_CHOICES
+from fly_daemon.http.openai_api import MAX_CHOICES
 
 Json = Any
 

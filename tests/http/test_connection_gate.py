@@ -1,4 +1,4 @@
-"""The HTTP front's connection books (fly_daemon.http_connections.ConnectionGate) against a brute-force reference.
+"""The HTTP front's connection books (fly_daemon.http.connections.ConnectionGate) against a brute-force reference.
 
 Random steps (connections from many peers, IPv4 and IPv6, some a trusted proxy, opening, completing a request's
 head and answering it, closing, and the clock moving on) drive the gate and `Reference`, a list of every open
@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from fly_llm.common.errors import Busy
 
-from fly_daemon.http_connections import Admitted, ConnectionGate
+from fly_daemon.http.connections import Admitted, ConnectionGate
 from fly_daemon.settings import HttpLimits
 
 PROXY = "10.0.0.9"

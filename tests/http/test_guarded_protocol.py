@@ -1,4 +1,4 @@
-"""The HTTP front's protocol tells its connection gate when a connection is idle (fly_daemon.http_connections):
+"""The HTTP front's protocol tells its connection gate when a connection is idle (fly_daemon.http.connections):
 from its start, or from a response's end, until a request's head is complete; a partial head (one byte of it)
 leaves it idle since its idle start, so an attacker cannot make its connections unreclaimable with a byte each.
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from fly_daemon.http_connections import ConnectionGate, guarded_protocol
+from fly_daemon.http.connections import ConnectionGate, guarded_protocol
 from fly_daemon.settings import HttpLimits
 
 LIMITS = HttpLimits(http_header_timeout=3600, http_body_timeout=3600, http_keep_alive_timeout=3600)

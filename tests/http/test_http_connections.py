@@ -2,7 +2,7 @@
 caps on open connections overall and per client, while other clients and the ZeroMQ door are served.
 
 In-process: a Server on the engine double and its HTTP front on a free loopback port, with short
-timeouts and small caps (fly_daemon.http_connections). A flood comes from another loopback address
+timeouts and small caps (fly_daemon.http.connections). A flood comes from another loopback address
 (127.0.0.2 is this machine too), so it is another client. Every wait is bounded.
 """
 
@@ -20,8 +20,8 @@ from fly_llm.client import FLyClient, build_options
 from support.daemon_process import free_port, start_daemon
 from support.engine_double import CountingEngine, serving
 
-from fly_daemon.http import HttpFront, create_app
-from fly_daemon.http_connections import Admitted, ConnectionGate
+from fly_daemon.http.app import HttpFront, create_app
+from fly_daemon.http.connections import Admitted, ConnectionGate
 from fly_daemon.settings import HttpLimits
 
 SHORT = HttpLimits(http_header_timeout=0.5, http_body_timeout=0.5, http_keep_alive_timeout=0.5)

@@ -31,7 +31,7 @@ from support.engine_double import serving
 from support.http_double import started
 from support.tiny_models import greedy_tokens, make_pair
 
-from fly_daemon.http import HttpFront, create_app
+from fly_daemon.http.app import HttpFront, create_app
 
 torch.set_num_threads(1)
 

@@ -20,8 +20,8 @@ from support.engine_double import CountingEngine, serving
 from support.http_double import started
 from fly_llm.common.protocol import MAX_PROMPT_CHARS
 
-from fly_daemon.http import HttpFront, create_app
-from fly_daemon.scheduler import Limits
+from fly_daemon.http.app import HttpFront, create_app
+from fly_daemon.scheduling.scheduler import Limits
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
 MODEL = CountingEngine.target_name
@@ -276,7 +276,7 @@ def test_answers_are_not_held_back_by_nagle(tmp_path):
 
 def test_parallel_tool_calls_reaches_the_request_structure():
     """OpenAI's parallel_tool_calls=False becomes the request's (the grammar allows one call: test_grammar)."""
-    from fly_daemon.openai_api import ChatCompletionRequest
+    from fly_daemon.http.openai_api import ChatCompletionRequest
 
     tools = [{"type": "function", "function": {"name": "f"}}]
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}

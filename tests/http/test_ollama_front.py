@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from support.engine_double import CountingEngine, serving
 from support.http_double import started
 
-from fly_daemon.http import HttpFront, create_app
+from fly_daemon.http.app import HttpFront, create_app
 
 GENERATE = {"model": CountingEngine.target_name, "prompt": "a b c", "options": {"num_predict": 3}}
 

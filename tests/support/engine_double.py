@@ -25,7 +25,7 @@ from fly_llm.common.stats import GrammarCacheStats, PromptStats, RequestStats
 
 from fly_daemon.core import ServingCore
 from fly_daemon.metrics import Metrics
-from fly_daemon.scheduler import Limits, Scheduler
+from fly_daemon.scheduling.scheduler import Limits, Scheduler
 from fly_daemon.server import Server
 
 

@@ -11,7 +11,7 @@ import httpx
 from support.engine_double import CountingEngine, serving
 
 from fly_daemon.embeddings import EmbeddingService
-from fly_daemon.http import HttpFront, create_app
+from fly_daemon.http.app import HttpFront, create_app
 from fly_daemon.server import Server
 
 

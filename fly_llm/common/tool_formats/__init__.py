@@ -4,7 +4,7 @@ the response_format mapping, and a cache of both.
 A tool-call format (`ToolFormat`) owns its tags, the grammar that constrains its calls and the
 parser that reads them back (`hermes.py`: Qwen's / Hermes'). A second format is one new module
 plus a line in `FORMATS`; `format_for` picks one by the model's chat template. Only these modules
-know a format's tags: the daemon's delivery (fly_daemon.delivery) parses calls, and clients and
+know a format's tags: the daemon's delivery (fly_daemon.scheduling.delivery) parses calls, and clients and
 adapters see parsed calls (`ToolCall`, `UnparsedCall`).
 """
 

@@ -7,9 +7,9 @@ client's disconnect cancelling its request. Each API writes errors in its own sh
 
 The door contract: an API answers a generation request as an `Answer` — the generate requests it submits,
 then its reply whole or as its stream's events, and how they are framed (`data_event`, `named_event`,
-`ndjson_line`); fly_daemon.http_door.serve runs every such route the same way. `Translated` and
-`EventShaper` are what an API served as one chat request (the Responses API, fly_daemon.responses_api;
-Anthropic's Messages API, fly_daemon.messages_api) gives: its wire request and its answer's shapes, which
+`ndjson_line`); fly_daemon.http.door.serve runs every such route the same way. `Translated` and
+`EventShaper` are what an API served as one chat request (the Responses API, fly_daemon.http.responses_api;
+Anthropic's Messages API, fly_daemon.http.messages_api) gives: its wire request and its answer's shapes, which
 `Translation` makes an Answer.
 """
 
@@ -165,7 +165,7 @@ def openai_error(error: FLyError, status: int, param: str | None = None) -> dict
 
 
 class Answer(ABC):
-    """One generation request's answer in its API's shape (the door contract, run by fly_daemon.http_door.serve):
+    """One generation request's answer in its API's shape (the door contract, run by fly_daemon.http.door.serve):
     the generate requests it submits (one per choice), then the reply whole, or as the events of a stream —
     opening events, each choice's chunks and its end, closing text, or the events of a failure after the stream
     began — each framed by `frame` and sent as `media_type`."""

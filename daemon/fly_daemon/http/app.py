@@ -3,12 +3,12 @@
 Requests go to the scheduler of a serving core (fly_daemon.core, which builds this front from the
 settings) through its `InProcessClient` (the engine knows nothing of HTTP). Routes: POST
 /v1/chat/completions, POST /v1/completions (server-sent events with `"stream": true`), GET
-/v1/models, GET /health; POST /v1/embeddings (the core's embedding worker, fly_daemon.embeddings_http);
+/v1/models, GET /health; POST /v1/embeddings (the core's embedding worker, fly_daemon.http.embeddings_routes);
 POST /completion, /infill, /tokenize and /detokenize (llama.cpp's shapes), GET /metrics
-(Prometheus); POST /v1/responses (OpenAI's Responses API, stateless: fly_daemon.responses_api) and POST
-/v1/messages, /v1/messages/count_tokens (Anthropic's Messages API: fly_daemon.messages_api), each served as
-one chat request; Ollama's API is mounted at /api (fly_daemon.ollama_http; what they all share, shape aside,
-is fly_daemon.http_common). Errors are OpenAI's error shape with our stable codes (fly_llm.common.errors) as
+(Prometheus); POST /v1/responses (OpenAI's Responses API, stateless: fly_daemon.http.responses_api) and POST
+/v1/messages, /v1/messages/count_tokens (Anthropic's Messages API: fly_daemon.http.messages_api), each served as
+one chat request; Ollama's API is mounted at /api (fly_daemon.http.ollama_routes; what they all share, shape aside,
+is fly_daemon.http.common). Errors are OpenAI's error shape with our stable codes (fly_llm.common.errors) as
 `code` (Anthropic's shape under /v1/messages); a client that disconnects, while waiting or mid-stream, cancels
 its request. A non-loopback bind needs an API key (`Authorization: Bearer` or `x-api-key`), as a non-loopback
 ZeroMQ bind needs CURVE. With a key, every route but /health needs it (/docs and /redoc are off,
@@ -16,7 +16,7 @@ ZeroMQ bind needs CURVE. With a key, every route but /health needs it (/docs and
 name, its bound host or an allowed host (a web page reaching it by DNS rebinding names its own host);
 others get 421, in the error shape of the API asked for. An unexpected failure answers INTERNAL
 with a request id that the log's traceback carries, never the exception's text. Connections are timed
-out and capped by fly_daemon.http_connections (the `http_*` settings). GET /v1/models lists the target, and
+out and capped by fly_daemon.http.connections (the `http_*` settings). GET /v1/models lists the target, and
 the embedding model where embeddings are served (before it loads: clients pick it from the list). One model
 generates, so a generation request's `model` may name any: it answers to every name, as llama-server does.
 """
@@ -48,27 +48,27 @@ from fly_llm.common.protocol import MAX_FRAME_BYTES
 
 from fly_daemon.client_identity import LOCAL_TENANT, HttpClients, Network
 from fly_daemon.embeddings import EmbeddingService
-from fly_daemon.embeddings_http import openai_embeddings
-from fly_daemon.http_connections import CloseWhenBodyUnread, HttpLimits, guarded_protocol
-from fly_daemon.http_common import (StrictJsonRoute, Translated, Translation, UnknownModel, error_headers, http_status,
+from fly_daemon.http.common import (StrictJsonRoute, Translated, Translation, UnknownModel, error_headers, http_status,
                                     internal, openai_error, refusal)
-from fly_daemon.http_door import serve
-from fly_daemon.inproc import InProcessClient
-from fly_daemon.llamacpp_api import CompletionBody, InfillBody, LlamaAnswer, LlamaBody
-from fly_daemon.messages_api import CountTokensRequest, MessagesRequest
-from fly_daemon.messages_stream import anthropic_error
-from fly_daemon.ollama_api import ollama_error
-from fly_daemon.ollama_http import ollama_app
-from fly_daemon.openai_api import (
+from fly_daemon.http.connections import CloseWhenBodyUnread, HttpLimits, guarded_protocol
+from fly_daemon.http.door import serve
+from fly_daemon.http.embeddings_routes import openai_embeddings
+from fly_daemon.http.llamacpp_api import CompletionBody, InfillBody, LlamaAnswer, LlamaBody
+from fly_daemon.http.messages_api import CountTokensRequest, MessagesRequest
+from fly_daemon.http.messages_stream import anthropic_error
+from fly_daemon.http.ollama_api import ollama_error
+from fly_daemon.http.ollama_routes import ollama_app
+from fly_daemon.http.openai_api import (
     ChatCompletionRequest, Choices, CompletionRequest, DetokenizeBody, GenerationBody, TokenizeBody,
 )
-from fly_daemon.responses_api import ResponsesRequest
+from fly_daemon.http.responses_api import ResponsesRequest
+from fly_daemon.inproc import InProcessClient
 from fly_daemon.runtime import host_port, is_loopback_host
 
 log = logging.getLogger("fly_daemon")
 
 OLLAMA_PREFIX = "/api"
-"""Where Ollama's API (fly_daemon.ollama_http) is mounted."""
+"""Where Ollama's API (fly_daemon.http.ollama_routes) is mounted."""
 MESSAGES_PREFIX = "/v1/messages"
 """Anthropic's Messages API: errors under it are in Anthropic's shape."""
 MISDIRECTED = 421
@@ -131,12 +131,12 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
 
     @app.post("/infill", dependencies=guard)
     async def infill(body: InfillBody, request: Request) -> Response:
-        """llama.cpp's fill-in-the-middle (fly_daemon.llamacpp_api)."""
+        """llama.cpp's fill-in-the-middle (fly_daemon.http.llamacpp_api)."""
         return await serve(client, request, clients, lambda: _llama(client, body))
 
     @app.post("/completion", dependencies=guard)
     async def completion(body: CompletionBody, request: Request) -> Response:
-        """llama.cpp's raw-text completion (fly_daemon.llamacpp_api)."""
+        """llama.cpp's raw-text completion (fly_daemon.http.llamacpp_api)."""
         return await serve(client, request, clients, lambda: _llama(client, body))
 
     @app.post("/tokenize", dependencies=guard)
@@ -336,7 +336,7 @@ class _TrustedHosts:
 
 class HttpFront:
     """uvicorn serving an app on HOST:PORT in a background thread; the port is bound at construction.
-    Connections are timed out and capped by `limits` (fly_daemon.http_connections)."""
+    Connections are timed out and capped by `limits` (fly_daemon.http.connections)."""
 
     def __init__(self, app: FastAPI, address: str, *, api_key: str | None = None,
                  limits: HttpLimits = HttpLimits()) -> None:

@@ -1,6 +1,6 @@
 """OpenAI's Responses API (POST /v1/responses) as one chat request: the body we serve and its translation into a
 `fly_llm.common.protocol.GenerateRequest`, so the chat route's grammar, tools, size caps and error codes apply.
-The answer's shape and its stream's events: fly_daemon.responses_stream.
+The answer's shape and its stream's events: fly_daemon.http.responses_stream.
 
 Stateless: nothing is stored, so `store: true`, `previous_response_id`, `conversation`, `prompt` and
 `background: true` are refused (400 BAD_REQUEST saying so); the client sends the whole conversation as `input`.
@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 from fly_llm.common.options import build_options, checked
 from fly_llm.common.protocol import GenerateRequest
 
-from fly_daemon.responses_stream import ResponseShaper
-from fly_daemon.shared_fields import FLyFields, Strict
+from fly_daemon.http.responses_stream import ResponseShaper
+from fly_daemon.http.shared_fields import FLyFields, Strict
 
 STATELESS = ("previous_response_id", "conversation", "prompt", "background")
 """Fields that need a stored response, conversation or prompt (or a stored run): refused unless empty."""
@@ -351,4 +351,17 @@ class ResponsesRequest(FLyFields):
 
     def shaper(self, model: str) -> ResponseShaper:
         """A new answer of `model` to this request."""
-        return ResponseShaper(self, model)
+        return ResponseShaper(self.echo(), self.namespaced, model)
+
+    def echo(self) -> dict[str, Any]:
+        """The settings of this request that its `response` object repeats."""
+        choice = self.tool_choice if isinstance(self.tool_choice, str) or self.tool_choice is None else \
+            self.tool_choice.model_dump()
+        text_format = self.text.format if self.text is not None and self.text.format is not None else None
+        return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "parallel_tool_calls": self.parallel_tool_calls is not False,
+                "temperature": self.temperature, "top_p": self.top_p,
+                "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
+                         else {"type": "text"}},
+                "tool_choice": choice or "auto", "tools": [t.model_dump() for t in self.tools or ()],
+                "metadata": self.metadata or {}, "user": self.user}

@@ -4,7 +4,7 @@ what each client holds, and the tokenize requests waiting — the first room's d
 Fair preparation: queued requests wait in a lane per client, and the preparation pool takes them
 clients in turn (round-robin), so one client's backlog delays another client's next request by at
 most one preparation per worker. Compiling a grammar new to its scope is the one slow part of a
-preparation (fly_daemon.preparation), so each client compiles at most one grammar at a time and all
+preparation (fly_daemon.scheduling.preparation), so each client compiles at most one grammar at a time and all
 clients together at most GRAMMAR_COMPILES: a request that finds its grammar must compile while its
 client's compile slot is taken goes back to its lane (its prompt already tokenized) without holding a
 thread, and the client's requests that need no compile (free output, a grammar already compiled in
@@ -20,7 +20,7 @@ its way (queued, preparing or prepared), no client at or above its share takes a
 for that request, so one client's backlog cannot take every slot that frees while another's request is
 still being prepared (its grammar compiling). Alone, a client may fill the batch; no row is preempted.
 
-Not thread-safe on its own: the scheduler (fly_daemon.scheduler) holds its lock around every call.
+Not thread-safe on its own: the scheduler (fly_daemon.scheduling.scheduler) holds its lock around every call.
 """
 
 from __future__ import annotations
@@ -29,27 +29,16 @@ from bisect import insort
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-from pydantic import BaseModel
+from typing import Literal
 
 from fly_llm.common.errors import BadRequest, Busy, Cancelled, FLyError, Timeout
 from fly_llm.common.protocol import GenerateRequest, TokenizeRequest
 
 from fly_daemon.limits import Limits
-from fly_daemon.preparation import PreparedInput
-from fly_daemon.request_weight import check_admission, weight
+from fly_daemon.scheduling.delivery import LOCAL, Emit, Envelope, OutputState
+from fly_daemon.scheduling.preparation import PreparedInput
+from fly_daemon.scheduling.request_weight import check_admission, weight
 
-if TYPE_CHECKING:
-    from fly_daemon.delivery import OutputState
-
-Envelope = tuple[bytes, ...]
-"""The ROUTER routing frames of one client socket."""
-LOCAL: Envelope = ()
-"""The envelope of requests submitted from inside the process (fly_daemon.inproc): no routing frames, so it
-is never a socket's, and no heartbeats (their owner cancels them when it stops waiting)."""
-Emit = Callable[[Envelope, BaseModel], None]
-"""Sends a reply to the client behind an envelope (thread-safe)."""
 Place = Literal["queued", "preparing", "prepared", "engine", "ended"]
 
 GRAMMAR_COMPILES = 2

@@ -4,7 +4,7 @@ output processor does).
 One `OutputState` per request in the engine turns each step's `RequestOutput` into its streamed
 `TokenChunk` and, at the end, its `GenerateResult`: the text, its tokens' log-probabilities with each
 token's text, the tool calls split from the text (the model's tool format's parser,
-`fly_llm.common.tool_formats`, wrapped in fly_daemon.call_text) and the timings. `Delivery` owns what
+`fly_llm.common.tool_formats`, wrapped in fly_daemon.scheduling.call_text) and the timings. `Delivery` owns what
 all requests share: the replies' sender, the metrics and counters, and the failures' replies.
 """
 
@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
 
 from fly_llm.common.errors import FLyError
 from fly_llm.common.protocol import (
@@ -22,13 +25,19 @@ from fly_llm.common.stats import PromptStats, RequestStats
 from fly_llm.common.tool_formats import ToolFormat
 from fly_llm.common.tools import ToolCall
 
-from fly_daemon.call_text import CallText
 from fly_daemon.metrics import Metrics
+from fly_daemon.scheduling.call_text import CallText
 
 if TYPE_CHECKING:
     from fly_llm.decoding.engine import FLyEngine, RequestOutput
 
-    from fly_daemon.request_queue import Emit, Envelope
+Envelope = tuple[bytes, ...]
+"""The ROUTER routing frames of one client socket."""
+LOCAL: Envelope = ()
+"""The envelope of requests submitted from inside the process (fly_daemon.inproc): no routing frames, so it
+is never a socket's, and no heartbeats (their owner cancels them when it stops waiting)."""
+Emit = Callable[[Envelope, BaseModel], None]
+"""Sends a reply to the client behind an envelope (thread-safe)."""
 
 
 @dataclass(eq=False)

@@ -1,6 +1,6 @@
 """Ollama's API shapes (docs/daemon.md, "Ollama API"): the bodies of /api/chat and /api/generate, their
 translation into one `fly_llm.common.protocol.GenerateRequest`, and answers, stream lines and model cards in
-Ollama's shape. The routes are fly_daemon.ollama_http.
+Ollama's shape. The routes are fly_daemon.http.ollama_routes.
 
 `options` carry Ollama's sampling options that FLy has (num_predict, temperature, top_p, top_k, min_p,
 repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop, num_ctx checked against the
@@ -31,9 +31,9 @@ from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk
 from fly_llm.common.stats import FinishReason
 from fly_llm.common.tools import STRUCTURE_OPTIONS, ToolCall, closed_tool, schema_format
 
-from fly_daemon.http_common import Answer, Event, ndjson_line
+from fly_daemon.http.common import Answer, Event, ndjson_line
+from fly_daemon.http.shared_fields import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers, Strict, check_sampler_off
 from fly_daemon.model_info import ModelInfo, served_id
-from fly_daemon.shared_fields import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers, Strict, check_sampler_off
 
 OLLAMA_VERSION = "0.9.0"
 """The Ollama release whose API these routes follow (GET /api/version): streamed tool calls (0.8), `think` (0.9)."""

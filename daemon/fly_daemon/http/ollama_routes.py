@@ -1,15 +1,15 @@
-"""Ollama's API on the HTTP front: the /api routes, a FastAPI app that `fly_daemon.http.create_app` mounts
+"""Ollama's API on the HTTP front: the /api routes, a FastAPI app that `fly_daemon.http.app.create_app` mounts
 at /api, so `fly-daemon start --http 127.0.0.1:11434` (and fly-serve) answer Ollama's clients unchanged.
 
 POST /api/chat and /api/generate stream newline-delimited JSON (one object with `"stream": false`)
 through the same scheduler as /v1 (fly_daemon.inproc); GET /api/tags, /api/ps, /api/version and
 POST /api/show describe the served target; POST /api/embed and /api/embeddings embed
-(fly_daemon.embeddings_http); the model-management routes (pull, push, create, copy, delete) are
+(fly_daemon.http.embeddings_routes); the model-management routes (pull, push, create, copy, delete) are
 refused. The front's API key, Host check and body limit apply as on /v1 (a misdirected Host gets the
 front's 421 in this shape), and so do the clients the per-client caps count (fly_daemon.client_identity).
-What both APIs share: fly_daemon.http_common.
+What both APIs share: fly_daemon.http.common.
 Errors are Ollama's shape, `{"error": message}`, with our stable code (fly_llm.common.errors) as `code`; a
-failure after a stream began is its last line. Shapes and translation: fly_daemon.ollama_api.
+failure after a stream began is its last line. Shapes and translation: fly_daemon.http.ollama_api.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from fly_llm.common.errors import BadRequest, FLyError
 
 from fly_daemon.client_identity import HttpClients
 from fly_daemon.embeddings import EmbeddingService
-from fly_daemon.embeddings_http import ollama_embeddings
-from fly_daemon.http_common import (StrictJsonRoute, UnknownModel, error_headers, http_status, internal, parsed_body,
+from fly_daemon.http.common import (StrictJsonRoute, UnknownModel, error_headers, http_status, internal, parsed_body,
                                     refusal)
-from fly_daemon.http_door import serve
+from fly_daemon.http.door import serve
+from fly_daemon.http.embeddings_routes import ollama_embeddings
+from fly_daemon.http.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaAnswer, OllamaBody, Served, ShowBody,
+                                   capabilities, embedding_card, model_card, ollama_error, same_model, show_template)
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.model_info import ModelInfo
-from fly_daemon.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaAnswer, OllamaBody, Served, ShowBody,
-                                   capabilities, embedding_card, model_card, ollama_error, same_model, show_template)
 
 MANAGEMENT = ("/pull", "/push", "/create", "/copy", "/delete")
 """Ollama routes fly-daemon refuses: it serves the models it loaded from local files at start."""

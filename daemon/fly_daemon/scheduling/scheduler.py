@@ -2,13 +2,13 @@
 
 The scheduler has three rooms, as vLLM's v1 engine separates its core, input processing and output
 processing:
-- the queue and the loop (this module; its books in fly_daemon.request_queue, the model thread's
-  turns in fly_daemon.engine_loop): admission, per-client caps, deadlines, heartbeats, cancels;
-- preparation (fly_daemon.preparation): chat template, tokenizer, limits, constraint and grammar, in a
+- the queue and the loop (this module; its books in fly_daemon.scheduling.request_queue, the model thread's
+  turns in fly_daemon.scheduling.engine_loop): admission, per-client caps, deadlines, heartbeats, cancels;
+- preparation (fly_daemon.scheduling.preparation): chat template, tokenizer, limits, constraint and grammar, in a
   small pool of worker threads so no preparation holds up a running stream, taking the queued requests
-  clients in turn with at most one grammar compile per client (fly_daemon.request_queue); the tokenize
+  clients in turn with at most one grammar compile per client (fly_daemon.scheduling.request_queue); the tokenize
   and detokenize answers in a lane of their own (one thread), so no compile ever delays them;
-- delivery (fly_daemon.delivery): one output state per request turning engine outputs into chunks and
+- delivery (fly_daemon.scheduling.delivery): one output state per request turning engine outputs into chunks and
   results (text, logprobs, tool calls, timings), the metrics, and the failures' replies.
 
 The socket thread calls `submit`, `cancel`, `touch`, `client_gone`, `tokenize` and `drain` (all
@@ -39,13 +39,13 @@ from fly_llm.common.stats import GrammarCacheStats
 from fly_llm.common.tool_formats import Constraints
 
 from fly_daemon.client_identity import LOCAL_TENANT
-from fly_daemon.delivery import Delivery
-from fly_daemon.engine_loop import ADMISSIONS_PER_TURN, EngineLoop, Lifecycle, error_of
 from fly_daemon.limits import Limits
 from fly_daemon.metrics import Metrics
 from fly_daemon.model_info import ModelInfo
-from fly_daemon.preparation import CHARS_PER_TOKEN, Preparation
-from fly_daemon.request_queue import GRAMMAR_COMPILES, LOCAL, Emit, Entry, Envelope, RequestQueue
+from fly_daemon.scheduling.delivery import LOCAL, Delivery, Emit, Envelope
+from fly_daemon.scheduling.engine_loop import ADMISSIONS_PER_TURN, EngineLoop, Lifecycle, error_of
+from fly_daemon.scheduling.preparation import CHARS_PER_TOKEN, Preparation
+from fly_daemon.scheduling.request_queue import GRAMMAR_COMPILES, Entry, RequestQueue
 
 if TYPE_CHECKING:
     from fly_llm.decoding.engine import FLyEngine

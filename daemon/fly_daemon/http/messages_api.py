@@ -1,7 +1,7 @@
 """Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens) as one chat request: the bodies we
 serve, their translation into a `fly_llm.common.protocol.GenerateRequest` (so the chat route's grammar, tools,
 size caps and error codes apply). The answer, its stream's events and Anthropic's error shape:
-fly_daemon.messages_stream.
+fly_daemon.http.messages_stream.
 
 `system` (a string or text blocks) is a system turn; `messages` alternate user and assistant turns whose
 content is a string or blocks: `text`, `tool_use` (an assistant's calls) and `tool_result` (a user turn's
@@ -24,8 +24,8 @@ from pydantic import ConfigDict, Field, model_validator
 from fly_llm.common.options import build_options, checked
 from fly_llm.common.protocol import GenerateRequest
 
-from fly_daemon.messages_stream import MessageShaper
-from fly_daemon.shared_fields import FLyFields, Strict
+from fly_daemon.http.messages_stream import MessageShaper
+from fly_daemon.http.shared_fields import FLyFields, Strict
 
 
 class TextBlock(Strict):

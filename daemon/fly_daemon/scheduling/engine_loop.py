@@ -1,6 +1,6 @@
-"""The model thread's turns over a loaded engine (the scheduler's first room, with fly_daemon.scheduler):
+"""The model thread's turns over a loaded engine (the scheduler's first room, with fly_daemon.scheduling.scheduler):
 reap what must end, admit prepared requests while the batch has room, run one engine step, and hand
-each output to delivery (fly_daemon.delivery).
+each output to delivery (fly_daemon.scheduling.delivery).
 
 `Lifecycle` is the scheduler's state (loading, ready, draining, failed) and drain deadline, which
 both the socket thread (submit, drain) and the model thread (reap, admit) read.
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 from fly_llm.common.errors import Cancelled, FLyError, Internal, NotReady, contained, error_from_code
 from fly_llm.common.protocol import HealthState
 
-from fly_daemon.delivery import Delivery
 from fly_daemon.limits import Limits
 from fly_daemon.metrics import Metrics
-from fly_daemon.request_queue import Entry, RequestQueue
+from fly_daemon.scheduling.delivery import Delivery
+from fly_daemon.scheduling.request_queue import Entry, RequestQueue
 
 if TYPE_CHECKING:
     from fly_llm.decoding.engine import FLyEngine, RequestOutput

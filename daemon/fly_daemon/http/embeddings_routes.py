@@ -1,7 +1,7 @@
 """The embedding routes of the HTTP front: OpenAI's POST /v1/embeddings, Ollama's POST /api/embed and its
 older POST /api/embeddings, all served by the core's EmbeddingService (fly_daemon.embeddings).
 
-fly_daemon.http includes `openai_embeddings` in its /v1 router and fly_daemon.ollama_http includes
+fly_daemon.http.app includes `openai_embeddings` in its /v1 router and fly_daemon.http.ollama_routes includes
 `ollama_embeddings` in the /api app, so the front's API key, Host check, body limit, connection caps
 and each API's error shape apply as on its other routes. A request names the embedding model (its
 name or an alias, case-insensitive, Ollama's ':latest' tag allowed); another name is 404. Over-long
@@ -24,9 +24,9 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 from fly_llm.common.errors import BadRequest
 
 from fly_daemon.embeddings import Embedded, Embedder, EmbeddingService
-from fly_daemon.http_common import (CLIENT_CLOSED, ClientGone, StrictJsonRoute, UnknownModel, parsed_body,
+from fly_daemon.http.common import (CLIENT_CLOSED, ClientGone, StrictJsonRoute, UnknownModel, parsed_body,
                                     unless_disconnected)
-from fly_daemon.shared_fields import Strict
+from fly_daemon.http.shared_fields import Strict
 
 TokenIds = Annotated[list[StrictInt], Field(max_length=1 << 16)]
 """One input as token ids of the embedding model's vocabulary (no special tokens: they are added)."""

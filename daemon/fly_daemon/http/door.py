@@ -1,5 +1,5 @@
 """The one door every generation route of the HTTP front goes through: `serve` runs an API's `Answer`
-(fly_daemon.http_common, the door contract) the same way whatever the API.
+(fly_daemon.http.common, the door contract) the same way whatever the API.
 
 Its requests are submitted together for the tenant and client the front names; an error before the
 first reply is a plain HTTP error (the other requests cancelled), in the route's own error shape; a
@@ -22,7 +22,7 @@ from fly_llm.common.errors import FLyError
 from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk
 
 from fly_daemon.client_identity import HttpClients
-from fly_daemon.http_common import (CLIENT_CLOSED, Answer, ClientGone, Replies, http_status, internal,
+from fly_daemon.http.common import (CLIENT_CLOSED, Answer, ClientGone, Replies, http_status, internal,
                                     unless_disconnected)
 from fly_daemon.inproc import InProcessClient
 

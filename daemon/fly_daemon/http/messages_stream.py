@@ -1,4 +1,4 @@
-"""Anthropic's Messages API answer (fly_daemon.messages_api): the `message` object, its stream's events and
+"""Anthropic's Messages API answer (fly_daemon.http.messages_api): the `message` object, its stream's events and
 Anthropic's error shape, as the anthropic SDK reads them.
 
 Content blocks are built as the replies come: the text in a `text` block, each completed tool call a
@@ -22,7 +22,7 @@ from fly_llm.common.errors import FLyError
 from fly_llm.common.protocol import GenerateResult, Usage
 from fly_llm.common.tools import ToolCall
 
-from fly_daemon.http_common import Event, EventShaper
+from fly_daemon.http.common import Event, EventShaper
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}

@@ -1,4 +1,4 @@
-"""The Responses API's answer (fly_daemon.responses_api): the `response` object and its stream's events, in the
+"""The Responses API's answer (fly_daemon.http.responses_api): the `response` object and its stream's events, in the
 openai SDK's shapes.
 
 Output items are built as the replies come: the text in a `message` item (one `output_text` part), each
@@ -17,24 +17,25 @@ import copy
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from fly_llm.common.errors import FLyError
 from fly_llm.common.protocol import GenerateResult
 from fly_llm.common.tools import ToolCall
 
-from fly_daemon.http_common import Event, EventShaper
-
-if TYPE_CHECKING:
-    from fly_daemon.responses_api import ResponsesRequest
+from fly_daemon.http.common import Event, EventShaper
 
 
 class ResponseShaper(EventShaper):
-    """One answer to a ResponsesRequest: its output items so far, and the events that built them."""
+    """One answer to a Responses request: its output items so far, and the events that built them."""
 
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
+    def __init__(self, echo: dict[str, Any], namespaced: Callable[[str], tuple[str | None, str]], model: str) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
-        self.body = body
+        self.echo = echo
+        """The request's settings that the `response` object repeats (instructions, tools, sampling…)."""
+        self.namespaced = namespaced
+        """(namespace, tool name) of a called tool's name as the model saw it."""
         self.model = model
         self.created_at = int(time.time())
         self.output: list[dict[str, Any]] = []
@@ -64,23 +65,13 @@ class ResponseShaper(EventShaper):
 
     def response(self, status: str, result: GenerateResult | None = None) -> dict[str, Any]:
         """The `response` object as it stands, with `status` (and the result's usage and FLy's counters)."""
-        body = self.body
-        choice = body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None else \
-            body.tool_choice.model_dump()
-        text_format = body.text.format if body.text is not None and body.text.format is not None else None
         answer: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "background": False, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": self.model,
-            "output": copy.deepcopy(self.output), "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
-            "temperature": body.temperature, "top_p": body.top_p,
-            "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
-                     else {"type": "text"}},
-            "tool_choice": choice or "auto",
-            "tools": [t.model_dump() for t in body.tools or ()], "truncation": "disabled",
-            "metadata": body.metadata or {}, "user": body.user, "usage": None}
+            "model": self.model, "output": copy.deepcopy(self.output), "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "store": False, "truncation": "disabled",
+            **copy.deepcopy(self.echo), "usage": None}
         if result is not None:
             usage = result.usage
             answer["usage"] = {"input_tokens": usage.prompt_tokens,
@@ -125,7 +116,7 @@ class ResponseShaper(EventShaper):
         """Events of one completed call: a function_call item, its arguments in one delta."""
         events = self._close_message()
         arguments = json.dumps(call.arguments)
-        namespace, name = self.body.namespaced(call.name)
+        namespace, name = self.namespaced(call.name)
         item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed", "call_id": call.id,
                 "name": name, "arguments": arguments, **({} if namespace is None else {"namespace": namespace})}
         self.output.append(item)

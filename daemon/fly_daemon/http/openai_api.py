@@ -1,4 +1,4 @@
-"""The OpenAI API's request and response shapes for the HTTP front (fly_daemon.http).
+"""The OpenAI API's request and response shapes for the HTTP front (fly_daemon.http.app).
 
 Requests are pydantic models of the fields we serve; unknown fields are errors (a typo, or an
 OpenAI feature we do not have, is answered 400 with the field named, never ignored). Each request
@@ -10,7 +10,7 @@ with it: chat completions take them all, completions those of `FormatOptions`.
 
 Responses are built as plain dicts in OpenAI's shape, with `usage` and, as an extra field,
 `fly_stats` (the request's speculation counters: MAT, loose accepts, …); `Choices` is a completion's answer
-as the front's door serves it (fly_daemon.http_door).
+as the front's door serves it (fly_daemon.http.door).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from fly_llm.common.protocol import (
 from fly_llm.common.stats import FinishReason, RequestStats
 from fly_llm.common.tools import FormatOptions, StructureOptions, ToolCall, structure_options
 
-from fly_daemon.http_common import Answer, Event, data_event, openai_error
-from fly_daemon.shared_fields import FLyFields, Strict
+from fly_daemon.http.common import Answer, Event, data_event, openai_error
+from fly_daemon.http.shared_fields import FLyFields, Strict
 
 
 class TextPart(Strict):

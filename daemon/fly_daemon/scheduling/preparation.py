@@ -5,9 +5,9 @@ limit (before anything is read), the chat template and tokenizer, the token limi
 request's structure (the model's tool format, `fly_llm.common.tool_formats`) and, when its scope has
 compiled that grammar already, its matcher; bounded work (the limits). `compile`: a grammar new to its
 scope, compiled (in the sandbox first: up to its time limit), the part the queue lets each client do
-once at a time (fly_daemon.request_queue). Tokenize requests are answered here too (the same limits and
-template, in the scheduler's tokenize lane). The queue and the loop: fly_daemon.scheduler; what comes
-out of the engine: fly_daemon.delivery.
+once at a time (fly_daemon.scheduling.request_queue). Tokenize requests are answered here too (the same limits and
+template, in the scheduler's tokenize lane). The queue and the loop: fly_daemon.scheduling.scheduler; what comes
+out of the engine: fly_daemon.scheduling.delivery.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fly_llm.common.protocol import GenerateRequest, TokenizeReply, TokenizeRequ
 from fly_llm.common.tool_formats import Constraints
 
 from fly_daemon.limits import Limits
-from fly_daemon.request_weight import check_reply_size
+from fly_daemon.scheduling.request_weight import check_reply_size
 
 if TYPE_CHECKING:
     from fly_llm.decoding.engine import FLyEngine

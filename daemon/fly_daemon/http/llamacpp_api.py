@@ -1,4 +1,4 @@
-"""llama.cpp server's POST /infill and POST /completion on the HTTP front (fly_daemon.http): their bodies,
+"""llama.cpp server's POST /infill and POST /completion on the HTTP front (fly_daemon.http.app): their bodies,
 each translated into one `fly_llm.common.protocol.GenerateRequest` (/infill's fills in the middle:
 fly_llm.common.fim), and their answers in the shape of llama.cpp's /completion (`content`, `stop`,
 `tokens_predicted`, `timings`, ...), served through the front's door (`LlamaAnswer`).
@@ -10,7 +10,7 @@ generated, as the editors' warm-up requests ask), `stream`, `temperature`, `top_
 samplers (`top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`, `presence_penalty`, `frequency_penalty`:
 docs/daemon.md, "Samplers"), FLy's options (`k`, `window`, `entropy_threshold`, `loose`) and `response_fields`
 (the answer holds only these, nested ones as "timings/prompt_n" keys, as llama-server answers). A sampler FLy
-does not have is accepted only at the value that turns it off (fly_daemon.shared_fields.SAMPLERS_OFF:
+does not have is accepted only at the value that turns it off (fly_daemon.http.shared_fields.SAMPLERS_OFF:
 llama.cpp's names are Ollama's); llama.cpp's slot, cache and time settings and its sampler order (`samplers`)
 are accepted and ignored (the prefix cache is always on); any other field is refused (400), so a typo never
 passes silently.
@@ -29,8 +29,8 @@ from fly_llm.common.fim import Infill
 from fly_llm.common.errors import FLyError
 from fly_llm.common.protocol import GenerateRequest, GenerateResult, TokenChunk
 
-from fly_daemon.http_common import Answer, Event, data_event, openai_error
-from fly_daemon.shared_fields import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers, check_sampler_off
+from fly_daemon.http.common import Answer, Event, data_event, openai_error
+from fly_daemon.http.shared_fields import SAMPLER_SETTINGS, SAMPLERS_OFF, LlamaSamplers, check_sampler_off
 
 IGNORED = frozenset({"cache_prompt", "id_slot", "n_keep", "min_keep", "penalize_nl", "t_max_predict_ms",
                      "t_max_prompt_ms", "samplers", *SAMPLER_SETTINGS})

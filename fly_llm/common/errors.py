@@ -11,9 +11,11 @@ class FLyError(Exception):
 
     code = "INTERNAL"
 
-    def __init__(self, message: str = "") -> None:
+    def __init__(self, message: str = "", param: str | None = None) -> None:
         super().__init__(message or self.__class__.__doc__ or self.code)
         self.message = message or (self.__class__.__doc__ or self.code)
+        self.param = param
+        """The request's field at fault, where one is (the `param` of an HTTP error body)."""
 
     def __str__(self) -> str:
         return f"[{self.code}] {self.message}"

@@ -17,6 +17,13 @@ from pydantic_core import from_json
 MAX_DEPTH = 200
 """Deepest nesting of arrays and objects that parses (jiter's recursion limit; deeper is a ValueError)."""
 
+MAX_BODY_VALUES = 32_768
+"""Most JSON values (objects, arrays, strings, numbers, booleans, nulls; an object's keys count too) that a
+request body may hold: as many as a 32,768-token context has tokens (every message, content part, token id or
+schema key of a prompt costs at least one), and few enough that refusing the worst body allowed takes about
+0.1 s (benchmarks/results/attacks/invalid-arrays). Validation holds the interpreter (pydantic's native code keeps
+the GIL), and a 3 MB body of a million wrong-typed array items held the HTTP front for up to 16 s."""
+
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*+"?|[\[{]|[\]}]', re.DOTALL)
 """A string (possessive, unterminated ones to the end: linear time on any text) or a bracket."""
 
@@ -24,6 +31,26 @@ _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*+"?|[\[{]|[\]}]', re.DOTALL)
 def loads(text: str | bytes) -> Any:
     """The JSON value in `text`; ValueError for anything else (invalid, too deep, trailing text, lone surrogates)."""
     return from_json(text.encode() if isinstance(text, str) else text, allow_inf_nan=False)
+
+
+def count_values(value: Any, limit: int) -> int:
+    """How many JSON values `value` holds (itself included, an object's keys counted), up to `limit + 1`: the
+    count stops as soon as it passes `limit`, so the work is bounded by the limit, not by the value's size."""
+    seen, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        seen += 1
+        if isinstance(item, dict):
+            seen += len(item)
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if seen + len(children) > limit:
+            return limit + 1
+        stack.extend(children)
+    return seen
 
 
 def loads_objects(text: str) -> list[Any]:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from fly_llm.common.errors import BadRequest
-from fly_llm.common.json_text import MAX_DEPTH, loads, loads_objects
+from fly_llm.common.json_text import MAX_DEPTH, count_values, loads, loads_objects
 from fly_llm.common.protocol import MessageToolCall, decode_request
 
 
@@ -68,3 +68,42 @@ def test_tool_arguments_nested_within_the_limit_are_read():
     with pytest.raises(BadRequest, match="arguments are not JSON"):  # a lone surrogate
         decode_request(_with_arguments('{"x": "\\ud800"}'))
     assert MessageToolCall.model_validate({"id": "c", "name": "f", "arguments": ' {"a": 1}'}).function.arguments == {"a": 1}
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=3),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=4),
+                    max_leaves=30), st.integers(0, 60))
+def test_count_values_counts_every_value_and_key_up_to_the_limit(value, limit):
+    def every(v) -> int:
+        if isinstance(v, dict):
+            return 1 + len(v) + sum(every(x) for x in v.values())
+        if isinstance(v, list):
+            return 1 + sum(every(x) for x in v)
+        return 1
+
+    assert count_values(value, limit) == (every(value) if every(value) <= limit else limit + 1)
+
+
+def test_count_values_stops_at_the_limit():
+    assert count_values([[0] * 10] * 10**6, 100) == 101  # the outer list alone passes it: nothing inside is visited
+
+
+def test_a_refusal_names_the_first_few_problems_and_the_first_field():
+    from pydantic import BaseModel, ConfigDict, ValidationError
+
+    from fly_llm.common.errors import TooLong
+    from fly_llm.common.protocol import invalid
+
+    class Body(BaseModel):
+        model_config = ConfigDict(strict=True)
+        items: list[int]
+        name: str = ""
+
+    with pytest.raises(ValidationError) as many:
+        Body.model_validate({"items": ["x"] * 100_000})
+    error = invalid(many.value)
+    assert error.param == "items.0" and error.message.count(": ") == 5 and "items.4:" in error.message
+    with pytest.raises(ValidationError) as long_name:
+        type("Short", (BaseModel,), {"__annotations__": {"name": str},
+                                     "model_config": ConfigDict(str_max_length=3)}).model_validate({"name": "abcd"})
+    assert isinstance(invalid(long_name.value), TooLong) and invalid(long_name.value).param == "name"

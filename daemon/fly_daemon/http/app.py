@@ -48,8 +48,8 @@ from fly_llm.common.protocol import MAX_FRAME_BYTES
 
 from fly_daemon.client_identity import LOCAL_TENANT, HttpClients, Network
 from fly_daemon.embeddings import EmbeddingService
-from fly_daemon.http.common import (StrictJsonRoute, Translated, Translation, UnknownModel, error_headers, http_status,
-                                    internal, openai_error, refusal)
+from fly_daemon.http.common import (JsonBody, Translated, Translation, UnknownModel, error_headers, http_status, internal,
+                                    openai_error, refusal)
 from fly_daemon.http.connections import CloseWhenBodyUnread, HttpLimits, guarded_protocol
 from fly_daemon.http.door import serve
 from fly_daemon.http.embeddings_routes import openai_embeddings
@@ -92,32 +92,31 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     docs: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if api_key else {}
     app = FastAPI(title="fly-llm", version=fly_llm.__version__,
                   description="OpenAI-compatible HTTP front of fly-daemon (FLy speculative decoding).", **docs)
-    app.router.route_class = StrictJsonRoute
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if allowed_hosts is not None:
         app.add_middleware(_TrustedHosts, hosts=allowed_hosts)
     app.add_middleware(CloseWhenBodyUnread)  # outermost: it sees every answer
-    v1 = APIRouter(prefix="/v1", dependencies=guard, route_class=StrictJsonRoute)
+    v1 = APIRouter(prefix="/v1", dependencies=guard)
     clients = HttpClients(request_tenant(api_key), tuple(trusted_proxies))
 
     @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(body: JsonBody[ChatCompletionRequest], request: Request) -> Response:
         return await serve(client, request, clients, lambda: _choices(client, body))
 
     @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(body: JsonBody[CompletionRequest], request: Request) -> Response:
         return await serve(client, request, clients, lambda: _choices(client, body))
 
     @v1.post("/responses")
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
+    async def responses(body: JsonBody[ResponsesRequest], request: Request) -> Response:
         return await serve(client, request, clients, lambda: _translation(client, body))
 
     @v1.post("/messages")
-    async def messages(body: MessagesRequest, request: Request) -> Response:
+    async def messages(body: JsonBody[MessagesRequest], request: Request) -> Response:
         return await serve(client, request, clients, lambda: _translation(client, body))
 
     @v1.post("/messages/count_tokens")
-    async def count_tokens(body: CountTokensRequest) -> dict[str, Any]:
+    async def count_tokens(body: JsonBody[CountTokensRequest]) -> dict[str, Any]:
         await client.loaded_model()
         reply = await client.tokenize(messages=body.chat_messages(), tools=body.tool_specs())
         return {"input_tokens": reply.count}
@@ -130,22 +129,22 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
                                             "owned_by": "fly-llm"} for name in names]}
 
     @app.post("/infill", dependencies=guard)
-    async def infill(body: InfillBody, request: Request) -> Response:
+    async def infill(body: JsonBody[InfillBody], request: Request) -> Response:
         """llama.cpp's fill-in-the-middle (fly_daemon.http.llamacpp_api)."""
         return await serve(client, request, clients, lambda: _llama(client, body))
 
     @app.post("/completion", dependencies=guard)
-    async def completion(body: CompletionBody, request: Request) -> Response:
+    async def completion(body: JsonBody[CompletionBody], request: Request) -> Response:
         """llama.cpp's raw-text completion (fly_daemon.http.llamacpp_api)."""
         return await serve(client, request, clients, lambda: _llama(client, body))
 
     @app.post("/tokenize", dependencies=guard)
-    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
+    async def tokenize(body: JsonBody[TokenizeBody]) -> dict[str, Any]:
         reply = await client.tokenize(text=body.content, add_special=body.add_special)
         return {"tokens": reply.token_ids}
 
     @app.post("/detokenize", dependencies=guard)
-    async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
+    async def detokenize(body: JsonBody[DetokenizeBody]) -> dict[str, Any]:
         return {"content": (await client.tokenize(token_ids=body.tokens)).text}
 
     @app.get("/metrics", dependencies=guard)
@@ -248,7 +247,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(FLyError)
     async def fly_error(request: Request, exc: FLyError) -> JSONResponse:
         status = http_status(exc)
-        return _error(request.url.path, exc, status, "model" if isinstance(exc, UnknownModel) else None,
+        return _error(request.url.path, exc, status, "model" if isinstance(exc, UnknownModel) else exc.param,
                       error_headers(status))
 
     @app.exception_handler(RequestValidationError)
@@ -256,8 +255,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         if errors[0]["type"] == "json_invalid":
             return _error(request.url.path, BadRequest(f"the body is not valid JSON: {errors[0]['ctx']['error']}"), 400)
-        fields = [".".join(str(part) for part in e["loc"][1:]) for e in errors]  # loc[0] is "body"
-        problems = "; ".join(f"{field or 'body'}: {e['msg']}" for field, e in zip(fields, errors[:5]))
+        fields = [".".join(str(part) for part in e["loc"][1:]) for e in errors[:5]]  # loc[0] is "body"
+        problems = "; ".join(f"{field or 'body'}: {e['msg']}" for field, e in zip(fields, errors))
         return _error(request.url.path, BadRequest(problems), 400, fields[0] or None)
 
     @app.exception_handler(HTTPException)

@@ -24,7 +24,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 from fly_llm.common.errors import BadRequest
 
 from fly_daemon.embeddings import Embedded, Embedder, EmbeddingService
-from fly_daemon.http.common import (CLIENT_CLOSED, ClientGone, StrictJsonRoute, UnknownModel, parsed_body,
+from fly_daemon.http.common import (CLIENT_CLOSED, ClientGone, JsonBody, UnknownModel, parsed_body,
                                     unless_disconnected)
 from fly_daemon.http.shared_fields import Strict
 
@@ -76,10 +76,10 @@ class OllamaEmbeddingsBody(Strict):
 
 def openai_embeddings(service: EmbeddingService) -> APIRouter:
     """POST /embeddings in OpenAI's shape, for the /v1 router."""
-    router = APIRouter(route_class=StrictJsonRoute)
+    router = APIRouter()
 
     @router.post("/embeddings")
-    async def embeddings(body: OpenAIEmbeddingBody, request: Request) -> Any:
+    async def embeddings(body: JsonBody[OpenAIEmbeddingBody], request: Request) -> Any:
         async def work() -> tuple[Embedder, Embedded]:
             embedder = await _served(service, body.model, body.dimensions)
             return embedder, await service.embed(body.inputs(), truncate=False)
@@ -98,7 +98,7 @@ def openai_embeddings(service: EmbeddingService) -> APIRouter:
 
 def ollama_embeddings(service: EmbeddingService) -> APIRouter:
     """POST /embed and /embeddings in Ollama's shape, for the /api app."""
-    router = APIRouter(route_class=StrictJsonRoute)
+    router = APIRouter()
 
     @router.post("/embed")
     async def embed(request: Request) -> Any:

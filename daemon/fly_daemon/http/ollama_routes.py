@@ -25,8 +25,7 @@ from fly_llm.common.errors import BadRequest, FLyError
 
 from fly_daemon.client_identity import HttpClients
 from fly_daemon.embeddings import EmbeddingService
-from fly_daemon.http.common import (StrictJsonRoute, UnknownModel, error_headers, http_status, internal, parsed_body,
-                                    refusal)
+from fly_daemon.http.common import (UnknownModel, error_headers, http_status, internal, parsed_body, refusal)
 from fly_daemon.http.door import serve
 from fly_daemon.http.embeddings_routes import ollama_embeddings
 from fly_daemon.http.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaAnswer, OllamaBody, Served, ShowBody,
@@ -45,7 +44,6 @@ def ollama_app(client: InProcessClient, guard: list[Depends], clients: HttpClien
     """The /api app serving `client`'s scheduler, each request for the tenant and client `clients` names, and
     `embeddings`; `guard`: the front's API-key dependency, if any."""
     app = FastAPI(dependencies=guard, docs_url=None, redoc_url=None, openapi_url=None)
-    app.router.route_class = StrictJsonRoute
     app.include_router(ollama_embeddings(embeddings))
 
     @app.post("/chat")

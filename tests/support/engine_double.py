@@ -134,6 +134,30 @@ class CountingEngine:
         return outputs
 
 
+class ShortAnswers(CountingEngine):
+    """The double with a long context whose every answer ends (finish reason stop) after `words` tokens, as a
+    model's short reply does: what an agent CLI's first request meets (tests/http/test_agent_clis.py)."""
+
+    context_window = 1 << 17
+
+    def __init__(self, words: int = 6) -> None:
+        super().__init__()
+        self.words = words
+        self.prompts: list[int] = []  # each request's prompt length, in the order they came
+
+    def add_request(self, request_id, prompt_ids, sampling, *args, **kwargs) -> None:
+        super().add_request(request_id, prompt_ids, sampling, *args, **kwargs)
+        self.rows[request_id][0] = min(self.rows[request_id][0], self.words)
+        self.prompts.append(len(prompt_ids))
+
+    def step(self) -> list[_Output]:
+        outputs = super().step()
+        for output in outputs:
+            if output.finished and output.finish_reason == "length":
+                output.finish_reason = "stop"
+        return outputs
+
+
 class Replies:
     """The `emit` of a test Scheduler: every reply, by request id (and every (envelope, reply) in order)."""
 

@@ -78,7 +78,7 @@ class AnthropicMessage(Strict):
             raise ValueError("a system turn carries text blocks only")
         misplaced, name = (ToolResultBlock, "tool_result") if self.role == "assistant" else (ToolUseBlock, "tool_use")
         if any(isinstance(b, misplaced) for b in self.content):
-            raise ValueError(f"a {self.role} turn cannot carry {name} blocks")
+            raise ValueError(f"the {self.role} turn cannot carry {name} blocks")
         return self
 
     def turns(self) -> list[dict[str, Any]]:

@@ -23,11 +23,13 @@ import time
 from pathlib import Path
 
 from fly_llm.client import FLyClient, build_options, default_endpoint
-from fly_llm.common.config import DRAFT_STAGES, DRAFT_WEIGHTS, QUANTIZATIONS, FLyConfig, ModelSpec
+from fly_llm.common.config import DRAFT_STAGES, FLyConfig, ModelSpec
 from fly_llm.common.errors import BadRequest, FLyError, FLyUnavailable
 from fly_llm.common.protocol import GenerateResult
 from fly_llm.common.tools import offer_tools
 
+from fly_daemon.embeddings import EmbeddingSettings
+from fly_daemon.flags import add_flags
 from fly_daemon.runtime import AlreadyRunning, check_endpoint, daemon_files, open_private, running_pid
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
@@ -53,69 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="start the daemon (detached unless --foreground)")
     _endpoint_arg(start)
     add_model_arguments(start)
-    serve = start.add_argument_group("serving (defaults: fly_daemon.settings.DaemonSettings)")
-    serve.add_argument("--queue-size", type=int, help="requests waiting beyond the batch; more get BUSY")
-    serve.add_argument("--max-batch-size", type=int, help="requests in one engine step")
-    serve.add_argument("--max-batch-tokens", type=int,
-                       help="cap on the sum of prompt + max_tokens over the running batch")
-    serve.add_argument("--newcomer-rows", type=int,
-                       help="rows a client with none running may add to a full batch, so it starts at once (0: none)")
-    serve.add_argument("--max-tokens-limit", type=int,
-                       help="most tokens one request generates (a larger max_tokens is capped)")
-    serve.add_argument("--max-prompt-tokens", type=int, help="default: the context window - 1")
-    serve.add_argument("--max-prompt-chars", type=int,
-                       help="characters a prompt may have before it is tokenized (default: 16 x the token limit)")
-    serve.add_argument("--max-requests-per-client", type=int,
-                       help="queued + running requests of one client (socket or HTTP connection); more get BUSY")
-    serve.add_argument("--max-tokens-per-client", type=int,
-                       help="weight (max_tokens + echoed prompt tokens) of one client's requests; more get BUSY")
-    serve.add_argument("--max-reply-units", type=int,
-                       help="n x (echoed prompt tokens + max_tokens) x (1 + top logprobs) per request; more: TOO_LONG")
-    serve.add_argument("--share-prefix-cache", action="store_true", default=None,
-                       help="one prefix cache for all clients (single tenant); default: one per credential")
-    serve.add_argument("--max-frame-bytes", type=int)
-    serve.add_argument("--heartbeat-timeout", type=float,
-                       help="cancel a request whose client sent no heartbeat for this long (0: never)")
-    serve.add_argument("--drain-timeout", type=float, help="on stop, running requests get this long to finish")
-    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
-    serve.add_argument("--prefix-cache-mb", type=int, help="MiB of KV kept of recent prompts for reuse (0: off)")
-    serve.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled per step (0: whole prompts)")
-    serve.add_argument("--grammar-cache-mb", type=int, help="MiB of compiled grammars kept for reuse")
-    serve.add_argument("--max-grammar-mb", type=int, help="MiB one grammar may compile to; more get BAD_REQUEST")
-    serve.add_argument("--grammar-workers", type=int, help="sandbox processes judging new grammars at once")
-    serve.add_argument("--curve-secret-key", type=Path, help="server certificate (zmq.auth) for a tcp bind")
-    serve.add_argument("--curve-clients", type=Path, help="directory of allowed client public certificates")
-    serve.add_argument("--http", metavar="HOST:PORT",
-                       help="also serve the OpenAI-compatible HTTP API here, e.g. 127.0.0.1:8000")
-    serve.add_argument("--api-key", help="Bearer key the HTTP API requires (needed for a non-loopback --http; "
-                                         "prefer FLY_API_KEY: flags show in the process list)")
-    serve.add_argument("--allowed-host", dest="allowed_hosts", action="append", metavar="HOST",
-                       help="also answer HTTP requests whose Host is HOST (repeatable; '*': any); else a "
-                            "loopback --http answers only localhost, 127.0.0.1, [::1] and its own host")
-    serve.add_argument("--http-header-timeout", type=float,
-                       help="seconds a request's head may take (from the connection or the previous response)")
-    serve.add_argument("--http-body-timeout", type=float, help="seconds a request's body may take after its head")
-    serve.add_argument("--http-keep-alive-timeout", type=float, help="seconds an idle kept-alive connection stays")
-    serve.add_argument("--http-max-connections", type=int, help="open HTTP connections in all; more get 503 BUSY")
-    serve.add_argument("--http-max-connections-per-client", type=int,
-                       help="open HTTP connections from one client address (IPv6: its /64); more get 503 BUSY")
-    serve.add_argument("--http-idle-reclaim", type=float,
-                       help="seconds a connection must idle before a newcomer to a full front may replace it")
-    serve.add_argument("--trusted-proxies", metavar="CIDR[,CIDR...]",
-                       help="reverse proxies whose X-Forwarded-For (else Forwarded) names the client that the "
-                            "per-client caps count (e.g. 127.0.0.1,10.0.0.0/8); default none: the peer counts")
-    embed = start.add_argument_group("embeddings (/v1/embeddings, /api/embed; the model loads on first use)")
-    embed.add_argument("--embedding-model", metavar="PATH_OR_ID",
-                       help="local directory or Hugging Face id (in the local cache) of a sentence-transformers "
-                            "or BERT-like model (default: the embedded all-MiniLM-L6-v2)")
-    embed.add_argument("--no-embeddings", dest="embeddings", action="store_const", const=False,
-                       help="refuse the embedding routes")
-    embed.add_argument("--embedding-batch-size", type=int, help="sequences per encoder forward")
-    embed.add_argument("--embedding-queue-size", type=int, help="inputs waiting to be embedded; more get BUSY")
-    embed.add_argument("--embedding-threads", type=int,
-                       help="torch threads of the embedding worker (default 1: generation keeps the other cores)")
-    embed.add_argument("--embedding-nice", type=int,
-                       help="niceness of the embedding worker thread, 0-19 (default 10: generation comes first)")
+    serve = start.add_argument_group("serving ([daemon] settings: fly_daemon.settings.DaemonSettings)")
+    add_flags(serve, DaemonSettings, [name for name in DaemonSettings.model_fields
+                                      if name not in EmbeddingSettings.model_fields and name != "endpoint"])
+    add_flags(start.add_argument_group("embeddings (/v1/embeddings, /api/embed; the model loads on first use)"),
+              EmbeddingSettings)
     start.add_argument("--foreground", action="store_true", help="stay attached; log to the terminal")
     start.add_argument("--wait", type=float, default=900.0, help="detached: seconds to wait for 'ready'")
     start.add_argument("-v", "--verbose", action="store_true")
@@ -157,36 +101,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model and FLy options of `fly-daemon start` (fly-serve takes the same)."""
-    models = parser.add_argument_group("models")
-    models.add_argument("--target", help="HF id, local directory or .gguf (default: the embedded pair)")
-    models.add_argument("--draft", help="HF id, local directory, .gguf, or 'none' for n-gram drafting only")
-    models.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"])
-    models.add_argument("--device", help="'auto', 'cpu', 'cuda', 'cuda:1', …")
-    models.add_argument("--device-map", help="passed to accelerate, e.g. 'auto' to spread over GPUs")
-    models.add_argument("--target-quantization", choices=list(QUANTIZATIONS),
-                        help="quantized target weights ('auto': int8 on CPU, float on GPU; docs/models.md)")
-    models.add_argument("--draft-quantization", choices=list(QUANTIZATIONS),
-                        help="quantized draft weights ('auto': int8 on CPU; the draft only proposes)")
-    models.add_argument("--draft-weights", choices=list(DRAFT_WEIGHTS),
-                        help="the draft's weights as 'published' (default) or 'rounded' to 4 bits for a cheaper step")
-    models.add_argument("--draft-vocabulary", type=int,
-                        help="tokens the draft's output head scores: the special and most frequent ones "
-                             "(0: all; the draft only proposes)")
-    fly = parser.add_argument_group("FLy (defaults for every request; requests may override k, window, θ, loose)")
-    fly.add_argument("--k", type=int, help="upper bound on draft tokens per round")
-    fly.add_argument("--window", type=int, help="deferred window W (0: accept any gated mismatch)")
-    fly.add_argument("--entropy-threshold", type=float, help="entropy gate θ in nats (<= 0.01: off)")
-    fly.add_argument("--no-loose", dest="loose", action="store_const", const=False,
-                     help="exact speculative decoding (lossless)")
-    fly.add_argument("--stages", type=lambda names: tuple(n.strip() for n in names.split(",") if n.strip()),
-                     help=f"draft stages to run, comma-separated (default: {','.join(DRAFT_STAGES)}; '': none)")
+    add_flags(parser.add_argument_group("models ([model] settings)"), ModelSpec)
+    fly = parser.add_argument_group("FLy ([fly] settings: defaults for every request; requests may override k, "
+                                    "window, θ, loose)")
+    add_flags(fly, FLyConfig)
     fly.add_argument("--no-ngram", dest="stages", action="store_const",
                      const=tuple(s for s in DRAFT_STAGES if s != "ngram"), help="no n-gram prompt-lookup stage")
 
 
 def _endpoint_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--endpoint", help="ipc:///path.sock or tcp://127.0.0.1:PORT (default: $FLY_ENDPOINT, "
-                                           "[daemon] endpoint, or an ipc socket in the private runtime dir)")
+    add_flags(parser, DaemonSettings, ["endpoint"])
     parser.add_argument("--config", type=Path, help="TOML config file (default: $FLY_CONFIG or "
                                                     "~/.config/fly-llm/config.toml)")
 

@@ -4,7 +4,8 @@ Precedence: CLI flag > FLY_<NAME> environment variable > config file > built-in 
 per setting everywhere: ModelSpec's `device_map` is `device_map = ...` in the file's `[model]`
 table, `FLY_DEVICE_MAP` in the environment and `--device-map` on the command line; FLyConfig's
 `window` is `[fly] window`, `FLY_WINDOW`, `--window`; DaemonSettings' `queue_size` is
-`[daemon] queue_size`, `FLY_QUEUE_SIZE`, `--queue-size`.
+`[daemon] queue_size`, `FLY_QUEUE_SIZE`, `--queue-size`. The flags are made from these declarations
+(fly_daemon.flags): a new field is a new key, variable and flag at once.
 
     # ~/.config/fly-llm/config.toml   (or --config PATH, or $FLY_CONFIG)
     [model]
@@ -86,9 +87,12 @@ class DaemonSettings(Limits, HttpLimits, EmbeddingSettings):
     """Where the daemon listens and what it admits (the scheduler's Limits, the HTTP front's HttpLimits and
     the embedding worker's EmbeddingSettings are fields here too)."""
 
-    endpoint: str | None = Field(None, description="ipc:///path.sock or tcp://127.0.0.1:PORT; None = default.")
-    max_frame_bytes: int = Field(MAX_FRAME_BYTES, ge=1024, le=256 * 2**20)
-    metrics_port: int | None = Field(None, ge=1, le=65535)
+    endpoint: str | None = Field(None, description="ipc:///path.sock or tcp://127.0.0.1:PORT; None = an "
+                                    "ipc socket in the private runtime directory.")
+    max_frame_bytes: int = Field(MAX_FRAME_BYTES, ge=1024, le=256 * 2**20, description="Largest ZeroMQ frame or "
+                                 "HTTP body, in bytes; a larger one is refused unread.")
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="Serve Prometheus metrics on "
+                                     "127.0.0.1:PORT; None = off (GET /metrics on the HTTP front has them too).")
     prefix_cache_mb: int = Field(1024, ge=0, le=1 << 20, description="MiB of KV the prefix cache keeps of recent "
                                  "prompts and conversations (both models); 0 = off.")
     grammar_cache_mb: int = Field(256, ge=1, le=1 << 20, description="MiB of compiled grammars (JSON schemas, "
@@ -100,8 +104,8 @@ class DaemonSettings(Limits, HttpLimits, EmbeddingSettings):
                                  "(each holds a tokenizer view); a slow grammar holds up only its own compile.")
     prefill_chunk: int = Field(128, ge=0, description="Prompt tokens prefilled per engine step, so running streams "
                                "keep going while a long prompt enters; 0 = a whole prompt at once.")
-    curve_secret_key: Path | None = None
-    curve_clients: Path | None = None
+    curve_secret_key: Path | None = Field(None, description="Server certificate (zmq.auth) for a tcp bind.")
+    curve_clients: Path | None = Field(None, description="Directory of allowed client public certificates.")
     http: str | None = Field(None, description="HOST:PORT of the OpenAI-compatible HTTP front; None = off.")
     api_key: SecretStr | None = Field(None, description="Bearer key the HTTP front requires (needed to bind a "
                                       "non-loopback address); empty or blank = no key.")

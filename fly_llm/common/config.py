@@ -36,12 +36,12 @@ class FLyConfig(_Settings):
     entropy_measure: Literal["topk", "full"] = Field(
         "topk", description="'topk': -Σ p log p over the top-k of the full softmax; 'full': full-vocab entropy / log V."
     )
-    entropy_top_k: int = Field(3, ge=1, le=1000)
+    entropy_top_k: int = Field(3, ge=1, le=1000, description="Probabilities the 'topk' entropy sums over.")
     loose: bool = Field(True, description="FLy's loose acceptance on; off = exact speculative decoding.")
     stages: tuple[str, ...] = Field(
         DRAFT_STAGES, description="The draft stages to run, of DRAFT_STAGES ('draft_model' when one is loaded); "
                                   "the cascade runs them in its own order; () is target-only decoding.")
-    max_ngram: int = Field(4, ge=1, le=16)
+    max_ngram: int = Field(4, ge=1, le=16, description="Longest n-gram the lookup stage matches in the context.")
     ngram_tokens: int = Field(6, ge=1, le=64, description="Tokens one n-gram proposal copies.")
     recent_answers: int = Field(
         8192, ge=0, le=1 << 20, description="Tokens of recent answers (each request's own cache scope's) the "
@@ -144,7 +144,8 @@ class ModelSpec(_Settings):
     draft: str | None = Field(
         None, description="HF id, local dir or .gguf; None = the default pair's draft; 'none' = n-gram only."
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
+        "auto", description="The models' float type ('auto': bfloat16 where the GPU or CPU has it natively, else float16 on a GPU, float32 on a CPU).")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', …")
     device_map: str | None = Field(None, description="Passed to accelerate, e.g. 'auto' to spread over GPUs.")
     target_quantization: Quantization = Field(

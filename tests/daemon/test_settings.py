@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+from typing import Literal, get_args, get_origin
 
 import pytest
 
 from fly_llm.common.config import FLyConfig, ModelSpec
+
+from fly_daemon.cli import _parser
+from fly_daemon.flags import flag_for, without_none
 from fly_daemon.settings import DaemonSettings, SettingsError, load_settings
 
 TOML = """
@@ -108,3 +112,38 @@ def test_invalid_values_are_clear_errors(config_file, tmp_path, monkeypatch):
         load_settings(DaemonSettings, typo)
     with pytest.raises(SettingsError, match="not found"):
         load_settings(ModelSpec, tmp_path / "missing.toml")
+
+
+# ---- the command line's flags are made from the settings (fly_daemon.flags) ----
+
+FLAG_VALUES = {"endpoint": "ipc:///tmp/fly-flag.sock", "http": "127.0.0.1:8123", "trusted_proxies": "10.0.0.0/8",
+               "allowed_hosts": "fly.example", "stages": "ngram", "api_key": "k"}
+"""A value to give where the field's type alone does not say one that is valid."""
+
+
+def _flag_value(name: str, field) -> str | None:
+    """Text for the flag of field `name` that the field accepts and that differs from its default (None: a switch)."""
+    kind, default = without_none(field.annotation), field.default
+    if name in FLAG_VALUES:
+        return FLAG_VALUES[name]
+    if kind is bool:
+        return None
+    if get_origin(kind) is Literal:
+        return next(str(value) for value in get_args(kind) if value != default)
+    if kind is int:
+        return str(default + 1 if isinstance(default, int) else 1)
+    if kind is float:
+        return str(default + 0.5)
+    return "/tmp/fly-flag" if "Path" in str(kind) else "x"
+
+
+@pytest.mark.parametrize("model", [ModelSpec, FLyConfig, DaemonSettings])
+def test_every_setting_has_a_flag_that_reaches_it(model):
+    for name, field in model.model_fields.items():
+        flag_text = _flag_value(name, field)
+        flag, _ = flag_for(name, field)
+        argv = ["start", flag] if flag_text is None else ["start", flag, flag_text]
+        loaded = load_settings(model, None, vars(_parser().parse_args(argv)))
+        assert getattr(loaded, name) != getattr(model(), name), (name, argv)
+        unset = load_settings(model, None, vars(_parser().parse_args(["start"])))
+        assert getattr(unset, name) == getattr(model(), name), name  # an absent flag leaves the default

@@ -9,6 +9,7 @@ Infinity and lone surrogates (text that could not be sent on as UTF-8 JSON).
 
 from __future__ import annotations
 
+import gc
 import re
 from typing import Any
 
@@ -29,8 +30,17 @@ _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*+"?|[\[{]|[\]}]', re.DOTALL)
 
 
 def loads(text: str | bytes) -> Any:
-    """The JSON value in `text`; ValueError for anything else (invalid, too deep, trailing text, lone surrogates)."""
-    return from_json(text.encode() if isinstance(text, str) else text, allow_inf_nan=False)
+    """The JSON value in `text`; ValueError for anything else (invalid, too deep, trailing text, lone surrogates).
+
+    The cyclic garbage collector is paused meanwhile: parsed JSON holds no cycles, and a body of a million small
+    arrays set off full collections over the daemon's whole heap, 0.5 s of a 0.07 s parse with the GIL held."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return from_json(text.encode() if isinstance(text, str) else text, allow_inf_nan=False)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def count_values(value: Any, limit: int) -> int:

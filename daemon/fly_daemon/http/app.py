@@ -35,7 +35,6 @@ from typing import Any
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from starlette.datastructures import Headers
@@ -43,13 +42,13 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import fly_llm
-from fly_llm.common.errors import BadRequest, FLyError, Unauthorized
+from fly_llm.common.errors import BadRequest, Unauthorized
 from fly_llm.common.protocol import MAX_FRAME_BYTES
 
 from fly_daemon.client_identity import LOCAL_TENANT, HttpClients, Network
 from fly_daemon.embeddings import EmbeddingService
-from fly_daemon.http.common import (JsonBody, Translated, Translation, UnknownModel, error_headers, http_status, internal,
-                                    openai_error, refusal)
+from fly_daemon.http.common import (JsonBody, Translated, Translation, add_error_handlers, openai_error,
+                                    shaped_route)
 from fly_daemon.http.connections import CloseWhenBodyUnread, HttpLimits, guarded_protocol
 from fly_daemon.http.door import serve
 from fly_daemon.http.embeddings_routes import openai_embeddings
@@ -70,7 +69,7 @@ log = logging.getLogger("fly_daemon")
 OLLAMA_PREFIX = "/api"
 """Where Ollama's API (fly_daemon.http.ollama_routes) is mounted."""
 MESSAGES_PREFIX = "/v1/messages"
-"""Anthropic's Messages API: errors under it are in Anthropic's shape."""
+"""Where Anthropic's Messages API is served (its routes answer errors in its shape)."""
 MISDIRECTED = 421
 """The status of a request whose Host header names a host this front does not serve."""
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -111,15 +110,22 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
     async def responses(body: JsonBody[ResponsesRequest], request: Request) -> Response:
         return await serve(client, request, clients, lambda: _translation(client, body))
 
-    @v1.post("/messages")
+    anthropic = APIRouter(prefix="/messages", dependencies=guard, route_class=shaped_route(anthropic_error))
+
+    @anthropic.post("")
     async def messages(body: JsonBody[MessagesRequest], request: Request) -> Response:
         return await serve(client, request, clients, lambda: _translation(client, body))
 
-    @v1.post("/messages/count_tokens")
+    @anthropic.post("/count_tokens")
     async def count_tokens(body: JsonBody[CountTokensRequest]) -> dict[str, Any]:
         await client.loaded_model()
         reply = await client.tokenize(messages=body.chat_messages(), tools=body.tool_specs())
         return {"input_tokens": reply.count}
+
+    @anthropic.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    async def anthropic_unknown(rest: str) -> Response:
+        """Another path under /v1/messages (its batches, say): 404 in Anthropic's shape."""
+        raise HTTPException(404, f"/v1/messages/{rest[:100]} is not served (POST /v1/messages, /v1/messages/count_tokens)")
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
@@ -164,9 +170,10 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
             return app.openapi()
 
     v1.include_router(openai_embeddings(embeddings))
+    v1.include_router(anthropic)
     app.include_router(v1)
     app.mount(OLLAMA_PREFIX, ollama_app(client, guard, clients, embeddings))  # docs/daemon.md, "Ollama API"
-    _add_error_handlers(app)
+    add_error_handlers(app, openai_error)  # Anthropic's routes answer their own (shaped_route), Ollama's app its own
     return app
 
 
@@ -241,40 +248,6 @@ async def _llama(client: InProcessClient, body: LlamaBody) -> LlamaAnswer:
     return LlamaAnswer(body, await client.loaded_model(), client.limits.max_tokens_limit)
 
 
-# ---- errors in OpenAI's shape (Anthropic's under MESSAGES_PREFIX) ----
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(FLyError)
-    async def fly_error(request: Request, exc: FLyError) -> JSONResponse:
-        status = http_status(exc)
-        return _error(request.url.path, exc, status, "model" if isinstance(exc, UnknownModel) else exc.param,
-                      error_headers(status))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        if errors[0]["type"] == "json_invalid":
-            return _error(request.url.path, BadRequest(f"the body is not valid JSON: {errors[0]['ctx']['error']}"), 400)
-        fields = [".".join(str(part) for part in e["loc"][1:]) for e in errors[:5]]  # loc[0] is "body"
-        problems = "; ".join(f"{field or 'body'}: {e['msg']}" for field, e in zip(fields, errors))
-        return _error(request.url.path, BadRequest(problems), 400, fields[0] or None)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method, size
-        return _error(request.url.path, refusal(exc), exc.status_code, None, exc.headers)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return _error(request.url.path, internal(exc), 500)
-
-
-def _error(path: str, error: FLyError, status: int, param: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    """The error answer to a request for `path`: Anthropic's shape under MESSAGES_PREFIX, else OpenAI's."""
-    body = anthropic_error(error, status) if _under(path, MESSAGES_PREFIX) else openai_error(error, status, param)
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 def _under(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + "/")
 
@@ -323,12 +296,10 @@ class _TrustedHosts:
             return
         error = BadRequest(f"Host {host[:100]!r} is not served here (allowed: {', '.join(sorted(self.hosts))}; "
                            "add one with --allowed-host or FLY_ALLOWED_HOSTS)")
-        path = scope["path"]
-        if _under(path, OLLAMA_PREFIX):
-            answer = JSONResponse(ollama_error(error), status_code=MISDIRECTED)
-        else:
-            answer = _error(path, error, MISDIRECTED)
-        await answer(scope, receive, send)
+        path = scope["path"]  # before routing: the shape of the API the path names
+        shape = ollama_error if _under(path, OLLAMA_PREFIX) else anthropic_error if _under(path, MESSAGES_PREFIX) \
+            else openai_error
+        await JSONResponse(shape(error, MISDIRECTED), status_code=MISDIRECTED)(scope, receive, send)
 
 
 # ---- serving ----

@@ -23,7 +23,10 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from typing import Annotated, Any, ClassVar, Protocol, TypeVar
 
-from fastapi import Depends, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
@@ -46,7 +49,10 @@ CLIENT_CLOSED = 499
 
 
 class UnknownModel(BadRequest):
-    """The request names a model this daemon does not serve (HTTP 404, code BAD_REQUEST)."""
+    """The request names a model this daemon does not serve (HTTP 404, code BAD_REQUEST, param `model`)."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message, "model")
 
 
 def http_status(error: FLyError) -> int:
@@ -152,10 +158,61 @@ def ndjson_line(data: Event) -> str:
     return json.dumps(data, separators=(",", ":")) + "\n"
 
 
-def openai_error(error: FLyError, status: int, param: str | None = None) -> dict[str, Any]:
+def openai_error(error: FLyError, status: int) -> dict[str, Any]:
     """OpenAI's error shape for an error answered with `status`, our stable code (fly_llm.common.errors) as `code`."""
     kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": error.message, "type": kind, "param": param, "code": error.code}}
+    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
+
+
+ErrorShape = Callable[[FLyError, int], dict[str, Any]]
+"""An API's error body for an error answered with an HTTP status (`openai_error`, Anthropic's, Ollama's)."""
+
+
+def error_answer(exc: Exception, shape: ErrorShape) -> JSONResponse:
+    """The answer to a request that failed before its answer began, in an API's error `shape`: our errors with
+    their status (and headers), an HTTP-level refusal (unknown route, wrong method, body size) with its own, a
+    parameter FastAPI refused as BAD_REQUEST, anything else as INTERNAL (`internal`)."""
+    headers = None
+    if isinstance(exc, HTTPException):
+        error, status, headers = refusal(exc), exc.status_code, exc.headers
+    elif isinstance(exc, RequestValidationError):
+        first = exc.errors()[0]
+        error, status = BadRequest(f"{'.'.join(map(str, first['loc']))}: {first['msg']}"), 400
+    elif isinstance(exc, FLyError):
+        error, status = exc, http_status(exc)
+        headers = error_headers(status)
+    else:
+        error, status = internal(exc), 500
+    return JSONResponse(shape(error, status), status_code=status, headers=headers)
+
+
+def shaped_route(shape: ErrorShape) -> type[APIRoute]:
+    """A route class whose routes answer their errors in `shape`: each API's router is built with its own, so the
+    shape follows the route, not the path."""
+
+    class ShapedRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def shaped(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except Exception as exc:  # noqa: BLE001 - every failure gets an answer in the API's shape
+                    return error_answer(exc, shape)
+
+            return shaped
+
+    return ShapedRoute
+
+
+def add_error_handlers(app: FastAPI, shape: ErrorShape) -> None:
+    """Answer in `shape` what fails outside any route (an unknown route, a wrong method) on `app`."""
+
+    async def handle(_: Request, exc: Exception) -> Response:
+        return error_answer(exc, shape)
+
+    for kind in (FLyError, HTTPException, RequestValidationError, Exception):
+        app.add_exception_handler(kind, handle)
 
 
 class Answer(ABC):

@@ -304,14 +304,15 @@ class OllamaAnswer(Answer):
         return [self.body.final(self.head, result, self.started)]
 
     def failure(self, error: FLyError, status: int) -> list[Event]:
-        return [ollama_error(error)]
+        return [ollama_error(error, status)]
 
     def frame(self, event: Event) -> str:
         return ndjson_line(event)
 
 
-def ollama_error(error: FLyError) -> dict[str, str]:
-    """Ollama's error shape, with our stable code (fly_llm.common.errors) as `code`."""
+def ollama_error(error: FLyError, status: int) -> dict[str, str]:
+    """Ollama's error shape, with our stable code (fly_llm.common.errors) as `code` (the status is the answer's
+    alone: an `ErrorShape` takes it)."""
     return {"error": error.message, "code": error.code}
 
 

@@ -18,18 +18,17 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.params import Depends
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
+from fastapi.responses import Response
 
-from fly_llm.common.errors import BadRequest, FLyError
+from fly_llm.common.errors import BadRequest
 
 from fly_daemon.client_identity import HttpClients
 from fly_daemon.embeddings import EmbeddingService
-from fly_daemon.http.common import (UnknownModel, error_headers, http_status, internal, parsed_body, refusal)
+from fly_daemon.http.common import UnknownModel, add_error_handlers, parsed_body
 from fly_daemon.http.door import serve
 from fly_daemon.http.embeddings_routes import ollama_embeddings
 from fly_daemon.http.ollama_api import (OLLAMA_VERSION, ChatBody, GenerateBody, OllamaAnswer, OllamaBody, Served, ShowBody,
-                                   capabilities, embedding_card, model_card, ollama_error, same_model, show_template)
+                                        capabilities, embedding_card, model_card, ollama_error, same_model, show_template)
 from fly_daemon.inproc import InProcessClient
 from fly_daemon.model_info import ModelInfo
 
@@ -98,7 +97,7 @@ def ollama_app(client: InProcessClient, guard: list[Depends], clients: HttpClien
 
     for path in MANAGEMENT:
         app.add_api_route(path, managed, methods=["POST", "DELETE"], include_in_schema=False)
-    _add_error_handlers(app)
+    add_error_handlers(app, ollama_error)
     return app
 
 
@@ -117,19 +116,3 @@ async def _answer(client: InProcessClient, body: OllamaBody) -> OllamaAnswer:
                                      no_limit_tokens=min(client.limits.max_tokens_limit, model.context_window),
                                      chat_template=bool(model.chat_template)))
 
-
-# ---- errors in Ollama's shape ----
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(FLyError)
-    async def fly_error(_: Request, exc: FLyError) -> JSONResponse:
-        status = http_status(exc)
-        return JSONResponse(ollama_error(exc), status_code=status, headers=error_headers(status))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method, body size
-        return JSONResponse(ollama_error(refusal(exc)), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(ollama_error(internal(exc)), status_code=500)

@@ -3,9 +3,11 @@
 One `EmbeddingService` per serving core. Nothing happens until the first embeddings request: then a
 worker thread of its own (`fly-embed`) loads the embedding model (fly_llm.model.embedding, through the
 loader the core hands in) and serves a bounded FIFO of requests. Inputs are tokenized off the event
-loop, then queued (at most `embedding_queue_size` inputs wait, all requests together; more get BUSY);
-the worker runs the encoder on at most `embedding_batch_size` sequences at a time, drawn across
-requests (a request's inputs longest-first, so padding stays small), with its own `embedding_threads`
+loop (a chunk at a time, so an over-length input is refused before the rest are tokenized), then queued in
+a lane of their client's (at most `embedding_queue_size` inputs wait, all requests together, and a client's
+share of them, `CLIENT_SHARE`; more get BUSY); the worker runs the encoder on at most `embedding_batch_size`
+sequences at a time, taken from the clients' lanes in turn, one input each (so one client's 2,048 long
+inputs do not keep another's one waiting; a request's inputs longest-first), with its own `embedding_threads`
 torch intra-op threads (torch's thread count is per thread: the model thread keeps its own) and a
 niceness of `embedding_nice` (on Linux a thread's own), so that when both want the cores, the model
 thread's get them. A request whose client leaves is dropped from the queue. The model is listed by its
@@ -18,7 +20,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -33,6 +35,11 @@ log = logging.getLogger("fly_daemon")
 
 MAX_INPUTS = 2048
 """Inputs one request may carry (OpenAI's limit)."""
+CLIENT_SHARE = 4
+"""A client's inputs may fill 1/CLIENT_SHARE of the queue (at least one request's MAX_INPUTS): four connections of
+one client no longer fill it for everyone."""
+TOKENIZE_CHUNK = 64
+"""Inputs tokenized at a time: an over-length one is refused before the rest are tokenized."""
 
 
 class EmbeddingSettings(BaseModel):
@@ -107,8 +114,8 @@ class EmbeddingService:
         self._name = name
         self._loaded: Future = Future()
         self._lock = threading.Condition()
-        self._jobs: deque[_Job] = deque()
-        self._queued = 0
+        self._lanes: OrderedDict[str, deque[_Job]] = OrderedDict()  # per client, in turn order; never empty
+        self._queued: Counter[str] = Counter()  # inputs waiting, per client
         self._worker: threading.Thread | None = None
 
     def listed(self) -> str | None:
@@ -132,43 +139,62 @@ class EmbeddingService:
                 self._worker.start()
         return await asyncio.shield(asyncio.wrap_future(self._loaded))  # one caller leaving cancels no load
 
-    async def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]], *, truncate: bool) -> Embedded:
-        """Unit vectors of `inputs` (texts, or token-id lists in the model's vocabulary without special tokens).
+    async def embed(self, inputs: Sequence[str] | Sequence[Sequence[int]], *, truncate: bool,
+                    client: str = "") -> Embedded:
+        """Unit vectors of `inputs` (texts, or token-id lists in the model's vocabulary without special tokens),
+        queued in `client`'s lane.
 
         An input over the model's max length is cut to it if `truncate`, else TooLong; TooLong for over
-        MAX_INPUTS inputs; BadRequest for a token id outside the vocabulary; BUSY when the queue has no room
-        for them. Cancelling the caller drops them.
+        MAX_INPUTS inputs; BadRequest for a token id outside the vocabulary; BUSY when the queue, or the
+        client's share of it, has no room for them. Cancelling the caller drops them.
         """
         embedder = await self.embedder()
         if len(inputs) > MAX_INPUTS:
             raise TooLong(f"{len(inputs)} inputs in one request; at most {MAX_INPUTS}")
         if not inputs:
             return Embedded([], 0)
-        self._room(len(inputs))
+        self._room(client, len(inputs))
         sequences = await asyncio.get_running_loop().run_in_executor(None, _sequences, embedder, inputs, truncate)
         job = _Job(sequences)
         with self._lock:
-            self._room(len(sequences))
-            self._jobs.append(job)
-            self._queued += len(sequences)
+            self._room(client, len(sequences))
+            self._lanes.setdefault(client, deque()).append(job)
+            self._queued[client] += len(sequences)
             self._lock.notify()
         await asyncio.wrap_future(job.done)
         return Embedded(job.rows, sum(map(len, sequences)))
 
     def check(self) -> None:
-        """Raise AssertionError unless the queue is consistent: the inputs counted as waiting are those its
-        requests have not yet had taken, within the bound, and every queued request still has some."""
+        """Raise AssertionError unless the queue is consistent: per client, the inputs counted as waiting are
+        those its requests have not yet had taken, within its share; in all, within the bound; no lane is
+        empty and every queued request still has some."""
         with self._lock:
-            left = [len(job.order) - job.taken for job in self._jobs]
-            assert self._queued == sum(left), (self._queued, left)
-            assert self._queued <= self.settings.embedding_queue_size
-            assert all(left), left
+            for client, lane in self._lanes.items():
+                left = [len(job.order) - job.taken for job in lane]
+                assert lane and all(left), (client, left)
+                assert self._queued[client] == sum(left), (client, self._queued[client], left)
+                assert self._queued[client] <= self._client_share(), (client, self._queued[client])
+            assert all(client in self._lanes for client, n in self._queued.items() if n), self._queued
+            assert sum(self._queued.values()) <= self.settings.embedding_queue_size
 
-    def _room(self, inputs: int) -> None:
-        """BUSY unless `inputs` more fit in the queue."""
-        if self._queued + inputs > self.settings.embedding_queue_size:
-            raise Busy(f"the embedding queue is full ({self._queued} inputs waiting, "
+    def waiting(self) -> int:
+        """Inputs waiting, all clients together."""
+        with self._lock:
+            return sum(self._queued.values())
+
+    def _client_share(self) -> int:
+        """The inputs one client may have waiting."""
+        return max(MAX_INPUTS, self.settings.embedding_queue_size // CLIENT_SHARE)
+
+    def _room(self, client: str, inputs: int) -> None:
+        """BUSY unless `inputs` more fit in the queue and in `client`'s share of it."""
+        total = sum(self._queued.values())
+        if total + inputs > self.settings.embedding_queue_size:
+            raise Busy(f"the embedding queue is full ({total} inputs waiting, "
                        f"room for {self.settings.embedding_queue_size}); retry later")
+        if self._queued[client] + inputs > self._client_share():
+            raise Busy(f"this client has {self._queued[client]} inputs waiting to be embedded, its share of the "
+                       f"queue is {self._client_share()}; retry when they are done")
 
     # ---- the worker thread ----
 
@@ -202,38 +228,53 @@ class EmbeddingService:
                     _settle(job.done, None)
 
     def _take(self) -> list[tuple[_Job, int]]:
-        """The next batch, (job, input index) pairs: up to embedding_batch_size from the head of the queue,
-        skipping requests already settled (cancelled or failed); waits while there are none."""
+        """The next batch, (job, input index) pairs: up to embedding_batch_size inputs, one from each client's lane
+        in turn (the head request of each, skipping requests already settled: cancelled or failed); waits while
+        there are none."""
         size = self.settings.embedding_batch_size
         with self._lock:
             batch: list[tuple[_Job, int]] = []
             while not batch:
-                while not self._jobs:
+                while not self._lanes:
                     self._lock.wait()
-                while self._jobs and len(batch) < size:
-                    job = self._jobs[0]
-                    count = 0 if job.done.done() else min(size - len(batch), len(job.order) - job.taken)
-                    batch += [(job, i) for i in job.order[job.taken:job.taken + count]]
-                    self._queued -= len(job.order) - job.taken if job.done.done() else count
-                    job.taken += count
-                    if job.done.done() or job.taken == len(job.order):
-                        self._jobs.popleft()
+                while self._lanes and len(batch) < size:
+                    client, lane = next(iter(self._lanes.items()))
+                    job = lane[0]
+                    if job.done.done():  # settled while queued: its inputs are dropped
+                        self._queued[client] -= len(job.order) - job.taken
+                        job.taken = len(job.order)
+                    else:
+                        batch.append((job, job.order[job.taken]))
+                        job.taken += 1
+                        self._queued[client] -= 1
+                    if job.taken == len(job.order):
+                        lane.popleft()
+                    if lane:
+                        self._lanes.move_to_end(client)
+                    else:
+                        del self._lanes[client], self._queued[client]
             return batch
 
 
 def _sequences(embedder: Embedder, inputs: Sequence[str] | Sequence[Sequence[int]],
                truncate: bool) -> list[list[int]]:
-    """Each input as a sequence the model takes (its special tokens added, cut or refused when too long)."""
-    if isinstance(inputs[0], str):
-        ids = embedder.tokenize(inputs)  # type: ignore[arg-type]
-    else:
-        ids = [list(s) for s in inputs]  # type: ignore[union-attr]
-        bad = next((t for s in ids for t in s if not 0 <= t < embedder.vocab_size), None)
-        if bad is not None:
-            raise BadRequest(f"token id {bad} is outside the embedding model's vocabulary "
-                             f"(0..{embedder.vocab_size - 1}): ids of another tokenizer? LangChain's OpenAIEmbeddings "
-                             "sends OpenAI's (tiktoken) ids unless check_embedding_ctx_length=False; send text")
-    return [embedder.sequence(s, truncate) for s in ids]
+    """Each input as a sequence the model takes (its special tokens added, cut or refused when too long), a chunk
+    of TOKENIZE_CHUNK at a time: the first over-length input is refused before the rest are tokenized."""
+    sequences: list[list[int]] = []
+    for start in range(0, len(inputs), TOKENIZE_CHUNK):
+        chunk = inputs[start:start + TOKENIZE_CHUNK]
+        if isinstance(chunk[0], str):
+            ids = embedder.tokenize(chunk)  # type: ignore[arg-type]
+        else:
+            ids = [list(s) for s in chunk]  # type: ignore[union-attr]
+            bad = next((t for s in ids for t in s if not 0 <= t < embedder.vocab_size), None)
+            if bad is not None:
+                raise BadRequest(f"token id {bad} is outside the embedding model's vocabulary "
+                                 f"(0..{embedder.vocab_size - 1}): ids of another tokenizer? LangChain's "
+                                 "OpenAIEmbeddings sends OpenAI's (tiktoken) ids unless "
+                                 "check_embedding_ctx_length=False; send text")
+        sequences += [embedder.sequence(s, truncate) for s in ids]
+    return sequences
 
 
 def _settle(done: Future, error: BaseException | None) -> None:

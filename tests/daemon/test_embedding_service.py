@@ -75,7 +75,7 @@ def test_random_concurrent_traffic_matches_the_reference(encoder, loaded):
             service.check()
 
         asyncio.run(traffic())
-        assert service._queued == 0 and not service._jobs
+        assert service.waiting() == 0 and not service._lanes
 
 
 class _Blocking:
@@ -225,3 +225,118 @@ def test_a_tampered_or_missing_wheel_is_refused_naming_the_fix(tmp_path, monkeyp
         SentenceEmbedder.load(tmp_path / "no-such-model")
     with pytest.raises(BadRequest):
         asyncio.run(EmbeddingService().embedder())
+
+
+class _Gated:
+    """An embedder that embeds one batch per permit and records each batch's inputs (a text's number is its id)."""
+
+    name, aliases, dimensions, max_length, vocab_size = "g", (), 2, 8, 1000
+
+    def __init__(self) -> None:
+        self.permits = threading.Semaphore(0)
+        self.formed: list[list[int]] = []  # every batch the worker took, as it took it
+        self.batches: list[list[int]] = []  # those embedded
+
+    def tokenize(self, texts):
+        return [[int(t)] for t in texts]
+
+    def sequence(self, ids, truncate):
+        return list(ids)
+
+    def embed(self, sequences):
+        self.formed.append([s[0] for s in sequences])
+        self.permits.acquire(timeout=30)
+        self.batches.append(self.formed[-1])
+        return np.ones((len(sequences), 2), dtype=np.float32)
+
+
+async def _until(condition, seconds: float = 10.0) -> None:
+    """Wait (polling) until `condition()` holds; fail after `seconds`."""
+    for _ in range(int(seconds / 0.002)):
+        if condition():
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("timed out waiting")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_small_request_waits_at_most_one_batch_behind_other_clients(seed):
+    """Seeded traffic: one or two clients queue hundreds of inputs, then other clients (fewer than a batch holds)
+    send one or two at a time while the worker embeds one batch per permit; each small request is done within
+    two batches of being queued (the one already formed, then its own): clients take turns in every batch. A FIFO
+    kept it behind all the big clients' inputs. The queue's invariant holds throughout; cancelled requests are
+    dropped and the queue ends empty."""
+    rng = random.Random(seed)
+    gated = _Gated()
+    size = rng.choice([4, 8, 16])
+    service = EmbeddingService(lambda: gated, EmbeddingSettings(embedding_batch_size=size, embedding_queue_size=8192))
+
+    async def traffic() -> None:
+        big = [asyncio.ensure_future(service.embed(["0"] * rng.randint(100, 400), truncate=True, client=f"big{i}"))
+               for i in range(rng.randint(1, 2))]
+        await _until(lambda: len(service._lanes) == len(big))
+        for _ in range(rng.randint(3, 8)):
+            lane = f"small{rng.randrange(size - 2)}"
+            small = asyncio.ensure_future(service.embed(["1"] * rng.randint(1, 2), truncate=True, client=lane))
+            queued_or_taken = lambda: lane in service._lanes or small.done() or (gated.formed and 1 in gated.formed[-1])  # noqa: E731,B023
+            await _until(queued_or_taken)
+            service.check()
+            before = len(gated.batches)
+            while not small.done():
+                assert len(gated.batches) - before < 2, (size, len(gated.batches) - before)
+                gated.permits.release()
+                await _until(lambda: len(gated.batches) > before or small.done())
+                await asyncio.sleep(0.01)  # the answer's callback runs on this loop
+            if rng.random() < 0.3:
+                big[0].cancel()
+        for _ in range(2000):
+            if all(task.done() for task in big):
+                break
+            gated.permits.release()
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        service.check()
+        assert service.waiting() == 0 and not service._lanes
+
+    asyncio.run(traffic())
+
+
+def test_a_clients_share_of_the_queue_is_bounded():
+    blocking = _Blocking()
+    service = EmbeddingService(lambda: blocking, EmbeddingSettings(embedding_batch_size=1, embedding_queue_size=8192))
+
+    async def run() -> None:
+        first = asyncio.ensure_future(service.embed(["x"], truncate=True, client="a"))
+        await asyncio.sleep(0.2)
+        held = asyncio.ensure_future(service.embed(["x"] * MAX_INPUTS, truncate=True, client="a"))
+        await asyncio.sleep(0.2)
+        with pytest.raises(Busy, match="its share of the queue"):
+            await service.embed(["x"], truncate=True, client="a")
+        other = asyncio.ensure_future(service.embed(["x"], truncate=True, client="b"))
+        await asyncio.sleep(0.1)
+        service.check()
+        blocking.release.set()
+        assert len((await other).vectors) == 1 and len((await held).vectors) == MAX_INPUTS
+        await first
+
+    asyncio.run(run())
+
+
+def test_an_over_long_input_is_refused_before_the_rest_are_tokenized():
+    class Counting(_Blocking):
+        tokenized = 0
+
+        def tokenize(self, texts):
+            type(self).tokenized += len(texts)
+            return [[1] * (9 if t == "long" else 1) for t in texts]
+
+        def sequence(self, ids, truncate):
+            if len(ids) > self.max_length and not truncate:
+                raise TooLong("over the model's length")
+            return list(ids)
+
+    counting = Counting()
+    service = EmbeddingService(lambda: counting, EmbeddingSettings())
+    with pytest.raises(TooLong):
+        asyncio.run(service.embed(["long"] + ["x"] * (MAX_INPUTS - 1), truncate=False))
+    assert Counting.tokenized < MAX_INPUTS

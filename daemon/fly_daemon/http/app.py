@@ -169,7 +169,7 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
         async def openapi() -> dict[str, Any]:
             return app.openapi()
 
-    v1.include_router(openai_embeddings(embeddings))
+    v1.include_router(openai_embeddings(embeddings, clients))
     v1.include_router(anthropic)
     app.include_router(v1)
     app.mount(OLLAMA_PREFIX, ollama_app(client, guard, clients, embeddings))  # docs/daemon.md, "Ollama API"

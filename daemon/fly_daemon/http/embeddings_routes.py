@@ -23,6 +23,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from fly_llm.common.errors import BadRequest
 
+from fly_daemon.client_identity import HttpClients
 from fly_daemon.embeddings import Embedded, Embedder, EmbeddingService
 from fly_daemon.http.common import (CLIENT_CLOSED, ClientGone, JsonBody, UnknownModel, parsed_body,
                                     unless_disconnected)
@@ -74,15 +75,15 @@ class OllamaEmbeddingsBody(Strict):
     keep_alive: StrictStr | float | None = None
 
 
-def openai_embeddings(service: EmbeddingService) -> APIRouter:
-    """POST /embeddings in OpenAI's shape, for the /v1 router."""
+def openai_embeddings(service: EmbeddingService, clients: HttpClients) -> APIRouter:
+    """POST /embeddings in OpenAI's shape, for the /v1 router; each request in its client's lane (`clients`)."""
     router = APIRouter()
 
     @router.post("/embeddings")
     async def embeddings(body: JsonBody[OpenAIEmbeddingBody], request: Request) -> Any:
         async def work() -> tuple[Embedder, Embedded]:
             embedder = await _served(service, body.model, body.dimensions)
-            return embedder, await service.embed(body.inputs(), truncate=False)
+            return embedder, await service.embed(body.inputs(), truncate=False, client=_client(clients, request))
 
         try:
             embedder, done = await unless_disconnected(request, work())
@@ -96,8 +97,8 @@ def openai_embeddings(service: EmbeddingService) -> APIRouter:
     return router
 
 
-def ollama_embeddings(service: EmbeddingService) -> APIRouter:
-    """POST /embed and /embeddings in Ollama's shape, for the /api app."""
+def ollama_embeddings(service: EmbeddingService, clients: HttpClients) -> APIRouter:
+    """POST /embed and /embeddings in Ollama's shape, for the /api app; each request in its client's lane."""
     router = APIRouter()
 
     @router.post("/embed")
@@ -111,7 +112,7 @@ def ollama_embeddings(service: EmbeddingService) -> APIRouter:
                     "load_duration": 0, "prompt_eval_count": 0}
         try:
             _, done = await unless_disconnected(request, _embedded(service, body.model, inputs, body.truncate,
-                                                                    body.dimensions))
+                                                                    body.dimensions, _client(clients, request)))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         return {"model": body.model, "embeddings": [_floats(v) for v in done.vectors],
@@ -122,7 +123,8 @@ def ollama_embeddings(service: EmbeddingService) -> APIRouter:
     async def embeddings(request: Request) -> Any:
         body = await parsed_body(request, OllamaEmbeddingsBody)
         try:
-            _, done = await unless_disconnected(request, _embedded(service, body.model, [body.prompt], True, None))
+            _, done = await unless_disconnected(request, _embedded(service, body.model, [body.prompt], True, None,
+                                                                    _client(clients, request)))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         return {"embedding": _floats(done.vectors[0])}
@@ -131,9 +133,14 @@ def ollama_embeddings(service: EmbeddingService) -> APIRouter:
 
 
 async def _embedded(service: EmbeddingService, model: str, inputs: Sequence[str], truncate: bool,
-                    dimensions: int | None) -> tuple[Embedder, Embedded]:
+                    dimensions: int | None, client: str) -> tuple[Embedder, Embedded]:
     embedder = await _served(service, model, dimensions)
-    return embedder, await service.embed(inputs, truncate=truncate)
+    return embedder, await service.embed(inputs, truncate=truncate, client=client)
+
+
+def _client(clients: HttpClients, request: Request) -> str:
+    """The lane of the embedding queue `request` waits in: its tenant's and client's (fly_daemon.client_identity)."""
+    return f"{clients.tenant}/{clients.identity(request)}"
 
 
 async def _served(service: EmbeddingService, asked: str, dimensions: int | None) -> Embedder:

@@ -43,7 +43,7 @@ def ollama_app(client: InProcessClient, guard: list[Depends], clients: HttpClien
     """The /api app serving `client`'s scheduler, each request for the tenant and client `clients` names, and
     `embeddings`; `guard`: the front's API-key dependency, if any."""
     app = FastAPI(dependencies=guard, docs_url=None, redoc_url=None, openapi_url=None)
-    app.include_router(ollama_embeddings(embeddings))
+    app.include_router(ollama_embeddings(embeddings, clients))
 
     @app.post("/chat")
     async def chat(request: Request) -> Response:

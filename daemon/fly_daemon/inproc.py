@@ -94,15 +94,16 @@ class InProcessClient:
         except RuntimeError:  # the loop has closed: nobody waits any more
             pass
 
-    async def tokenize(self, **fields: object) -> TokenizeReply:
+    async def tokenize(self, client: str | None = None, **fields: object) -> TokenizeReply:
         """A tokenize request of `fields` (fly_llm.common.protocol.TokenizeRequest's: text or token_ids, ...),
-        answered in the scheduler's tokenize lane; its error (BAD_REQUEST, TOO_LONG, BUSY, ...) is raised."""
+        answered in `client`'s lane of the scheduler's tokenize lanes (default: the in-process one); its error
+        (BAD_REQUEST, TOO_LONG, BUSY, ...) is raised."""
         with checked():
             request = TokenizeRequest(id=f"tokenize-{uuid.uuid4().hex}", **fields)
         queue: asyncio.Queue = asyncio.Queue()
         self._waiting[request.id] = (asyncio.get_running_loop(), queue)
         try:
-            self._scheduler.tokenize(LOCAL, request)
+            self._scheduler.tokenize(LOCAL, request, client)
             reply = await queue.get()
         finally:
             del self._waiting[request.id]

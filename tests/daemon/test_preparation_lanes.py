@@ -211,3 +211,49 @@ def test_blocked_compiles_never_hold_up_tokenize_plain_or_compiled_requests(seed
             assert set(finals) == set(accepted) | must_end and set(finals.values()) == {1}
     finally:
         engine.release(set(schemas.values()))  # no preparation thread stays blocked after a failure
+
+
+# ---- the tokenize lanes ----
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tokenize_requests_are_answered_in_turn_per_client(seed):
+    """Seeded adds (one client sometimes sending dozens at once) and takes against the books: a client with a
+    request waiting is served before any other client is served twice — it is never owed more turns than there are
+    clients (one lane for all made it wait behind every request ahead of it) — and nothing is lost or answered
+    twice; the per-client and total caps answer BUSY."""
+    rng = random.Random(seed)
+    limits = Limits(heartbeat_timeout=0, max_requests_per_client=40, queue_size=120)
+    books = RequestQueue(limits)
+    names = [f"c{i}" for i in range(rng.randint(2, 6))]
+    waiting: Counter[str] = Counter()
+    owed: Counter[str] = Counter()  # takes of other clients since this one was last served while it waited
+    sent, answered, counter = set(), [], iter(range(100_000))
+    for _ in range(400):
+        if rng.random() < 0.55:
+            name = rng.choice(names)
+            for _ in range(rng.choice([1, 1, 1, 30])):
+                rid = f"{name}-{next(counter)}"
+                try:
+                    books.add_tokenize((name.encode(),), TokenizeRequest(id=rid, text="a"), name)
+                except FLyError as exc:
+                    assert exc.code == "BUSY" and (waiting[name] >= 40 or books.tokenize_pending >= 120)
+                    break
+                sent.add(rid)
+                waiting[name] += 1
+        else:
+            taken = books.next_tokenize()
+            assert (taken is None) == (not +waiting)
+            if taken is not None:
+                envelope, request = taken
+                name = envelope[0].decode()
+                books.tokenize_done()
+                answered.append(request.id)
+                waiting[name] -= 1
+                owed[name] = 0
+                for other in names:
+                    if other != name and waiting[other]:
+                        owed[other] += 1
+                        assert owed[other] < len(names), (other, owed)
+        books.check()
+    rest = books.take_tokenize_waiting()
+    assert sorted(answered + [r.id for _, r in rest]) == sorted(sent) and books.tokenize_pending == 0

@@ -117,15 +117,16 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
         return await serve(client, request, clients, lambda: _translation(client, body))
 
     @anthropic.post("/count_tokens")
-    async def count_tokens(body: JsonBody[CountTokensRequest]) -> dict[str, Any]:
+    async def count_tokens(body: JsonBody[CountTokensRequest], request: Request) -> dict[str, Any]:
         await client.loaded_model()
-        reply = await client.tokenize(messages=body.chat_messages(), tools=body.tool_specs())
+        reply = await client.tokenize(clients.identity(request), messages=body.chat_messages(), tools=body.tool_specs())
         return {"input_tokens": reply.count}
 
     @anthropic.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     async def anthropic_unknown(rest: str) -> Response:
         """Another path under /v1/messages (its batches, say): 404 in Anthropic's shape."""
-        raise HTTPException(404, f"/v1/messages/{rest[:100]} is not served (POST /v1/messages, /v1/messages/count_tokens)")
+        raise HTTPException(404, f"/v1/messages/{rest[:100]} is not served "
+                                 "(POST /v1/messages, /v1/messages/count_tokens)")
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
@@ -145,13 +146,13 @@ def create_app(client: InProcessClient, *, api_key: str | None = None, max_body_
         return await serve(client, request, clients, lambda: _llama(client, body))
 
     @app.post("/tokenize", dependencies=guard)
-    async def tokenize(body: JsonBody[TokenizeBody]) -> dict[str, Any]:
-        reply = await client.tokenize(text=body.content, add_special=body.add_special)
+    async def tokenize(body: JsonBody[TokenizeBody], request: Request) -> dict[str, Any]:
+        reply = await client.tokenize(clients.identity(request), text=body.content, add_special=body.add_special)
         return {"tokens": reply.token_ids}
 
     @app.post("/detokenize", dependencies=guard)
-    async def detokenize(body: JsonBody[DetokenizeBody]) -> dict[str, Any]:
-        return {"content": (await client.tokenize(token_ids=body.tokens)).text}
+    async def detokenize(body: JsonBody[DetokenizeBody], request: Request) -> dict[str, Any]:
+        return {"content": (await client.tokenize(clients.identity(request), token_ids=body.tokens)).text}
 
     @app.get("/metrics", dependencies=guard)
     async def metrics() -> Response:

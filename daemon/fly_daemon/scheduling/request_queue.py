@@ -35,7 +35,7 @@ from fly_llm.common.errors import BadRequest, Busy, Cancelled, FLyError, Timeout
 from fly_llm.common.protocol import GenerateRequest, TokenizeRequest
 
 from fly_daemon.limits import Limits
-from fly_daemon.scheduling.delivery import LOCAL, Emit, Envelope, OutputState
+from fly_daemon.scheduling.delivery import LOCAL, Envelope, OutputState
 from fly_daemon.scheduling.preparation import PreparedInput
 from fly_daemon.scheduling.request_weight import check_admission, weight
 
@@ -110,8 +110,9 @@ class RequestQueue:
         self._per_client: dict[str, int] = {}
         self._joins = 0  # requests that joined the engine
         self._last_joined: dict[str, int] = {}  # client (with entries) -> when its last request joined (`_joins`)
-        self.tokenize_waiting: deque[tuple[Envelope, TokenizeRequest]] = deque()  # for the models to load
-        self.tokenize_pending = 0  # waiting for the models or the pool
+        self._tokenize: OrderedDict[str, deque[tuple[Envelope, TokenizeRequest]]] = OrderedDict()  # client ->
+        # its tokenize requests not yet taken (waiting for the models or the lane's thread), next in turn first
+        self.tokenize_pending = 0  # in a lane or being answered
 
     # ---- generate requests ----
 
@@ -287,18 +288,43 @@ class RequestQueue:
 
     # ---- tokenize requests ----
 
-    def add_tokenize(self, envelope: Envelope, request: TokenizeRequest, waits: bool) -> None:
-        """Count a tokenize request (keep it while the models load if it `waits`); Busy over the cap."""
+    def add_tokenize(self, envelope: Envelope, request: TokenizeRequest, client: str) -> None:
+        """Queue a tokenize request in `client`'s lane; Busy over the queue's cap, or the client's."""
         if self.tokenize_pending >= self.limits.queue_size:
             raise Busy("too many tokenize requests waiting")
+        lane = self._tokenize.get(client, ())
+        if len(lane) >= self.limits.max_requests_per_client:
+            raise Busy(f"this client has {len(lane)} tokenize requests waiting (at most "
+                       f"{self.limits.max_requests_per_client})")
         self.tokenize_pending += 1
-        if waits:
-            self.tokenize_waiting.append((envelope, request))
+        self._tokenize.setdefault(client, deque()).append((envelope, request))
+
+    def next_tokenize(self) -> tuple[Envelope, TokenizeRequest] | None:
+        """The tokenize request to answer next: the head of the next client's lane in turn (None: none waits). It
+        stays counted as pending until `tokenize_done`."""
+        if not self._tokenize:
+            return None
+        client, lane = next(iter(self._tokenize.items()))
+        taken = lane.popleft()
+        if lane:
+            self._tokenize.move_to_end(client)
+        else:
+            del self._tokenize[client]
+        return taken
+
+    def tokenize_done(self) -> None:
+        """A tokenize request taken by `next_tokenize` was answered."""
+        self.tokenize_pending -= 1
+
+    def tokenize_waiting(self) -> int:
+        """Tokenize requests not yet taken."""
+        return sum(map(len, self._tokenize.values()))
 
     def take_tokenize_waiting(self) -> list[tuple[Envelope, TokenizeRequest]]:
-        """The tokenize requests that waited for the models (still counted as pending)."""
-        waiting = list(self.tokenize_waiting)
-        self.tokenize_waiting.clear()
+        """Every tokenize request not yet taken (no longer pending: its caller answers it)."""
+        waiting = [item for lane in self._tokenize.values() for item in lane]
+        self._tokenize.clear()
+        self.tokenize_pending -= len(waiting)
         return waiting
 
     def check(self) -> None:
@@ -329,4 +355,6 @@ class RequestQueue:
         assert max(clients.values(), default=0) <= self.limits.max_requests_per_client
         assert len(held) - len(places["engine"]) <= self.limits.queue_size
         assert len(places["engine"]) <= self.limits.max_batch_size + self.limits.newcomer_rows
-        assert len(self.tokenize_waiting) <= self.tokenize_pending <= self.limits.queue_size
+        assert self.tokenize_waiting() <= self.tokenize_pending <= self.limits.queue_size
+        assert all(self._tokenize.values()), "an empty tokenize lane keeps its turn"
+        assert max(map(len, self._tokenize.values()), default=0) <= self.limits.max_requests_per_client

@@ -7,7 +7,8 @@ processing:
 - preparation (fly_daemon.scheduling.preparation): chat template, tokenizer, limits, constraint and grammar, in a
   small pool of worker threads so no preparation holds up a running stream, taking the queued requests
   clients in turn with at most one grammar compile per client (fly_daemon.scheduling.request_queue); the tokenize
-  and detokenize answers in a lane of their own (one thread), so no compile ever delays them;
+  and detokenize answers on a thread of their own, so no compile ever delays them, taking the clients' requests
+  in turn (a client looping on /tokenize no longer queues everyone else's behind its own);
 - delivery (fly_daemon.scheduling.delivery): one output state per request turning engine outputs into chunks and
   results (text, logprobs, tool calls, timings), the metrics, and the failures' replies.
 
@@ -152,14 +153,15 @@ class Scheduler:
                 if entry.request.id in wanted and (entry.envelope == envelope or entry.tenant == tenant):
                     entry.last_seen = now
 
-    def tokenize(self, envelope: Envelope, request: TokenizeRequest) -> None:
-        """Queue a tokenize request (answered in the tokenize lane; waits while models load)."""
+    def tokenize(self, envelope: Envelope, request: TokenizeRequest, client: str | None = None) -> None:
+        """Queue a tokenize request in its client's lane (`client`, default: its socket); the lane's thread answers
+        the clients' requests in turn, once the models have loaded."""
         with self._lock:
             self._life.check_open()
+            self._books.add_tokenize(envelope, request, client or _client_of(envelope))
             loaded = self._loop is not None
-            self._books.add_tokenize(envelope, request, waits=not loaded)
         if loaded:
-            self._tokenize_executor.submit(self._answer_tokenize, envelope, request)
+            self._tokenize_executor.submit(self._answer_tokenize)
 
     def expire_queued(self) -> None:
         """While models load, end queued requests that were cancelled, passed their deadline or lost their client.
@@ -246,7 +248,13 @@ class Scheduler:
                 return  # it ended (cancelled, timed out) while it was prepared
         self._wake.set()
 
-    def _answer_tokenize(self, envelope: Envelope, request: TokenizeRequest) -> None:
+    def _answer_tokenize(self) -> None:
+        """Answer the tokenize request next in turn (one job is submitted per request, so none is left over)."""
+        with self._lock:
+            taken = self._books.next_tokenize()
+        if taken is None:  # answered already (every waiting request failed at once)
+            return
+        envelope, request = taken
         try:
             reply: TokenizeReply | ErrorReply = self._preparation.tokenize(request)
         except Exception as exc:  # noqa: BLE001 - a failed tokenize request fails only itself
@@ -254,7 +262,7 @@ class Scheduler:
             reply = ErrorReply(id=request.id, code=error.code, message=error.message)
         finally:
             with self._lock:
-                self._books.tokenize_pending -= 1
+                self._books.tokenize_done()
         self._delivery.emit(envelope, reply)
 
     # ---- the model thread ----
@@ -293,9 +301,9 @@ class Scheduler:
         with self._lock:
             self._preparation, self.model, self._loop = preparation, model, loop
             self._life.loaded()
-            tokenize, queued = self._books.take_tokenize_waiting(), self._books.queued()
-        for envelope, request in tokenize:
-            self._tokenize_executor.submit(self._answer_tokenize, envelope, request)
+            tokenize, queued = self._books.tokenize_waiting(), self._books.queued()
+        for _ in range(tokenize):
+            self._tokenize_executor.submit(self._answer_tokenize)
         for _ in range(queued):
             self._executor.submit(self._prepare_queued)
 
@@ -326,7 +334,6 @@ class Scheduler:
                 return
             ended = self._books.sweep(lambda _: error)
             tokenize = self._books.take_tokenize_waiting()
-            self._books.tokenize_pending -= len(tokenize)
         for entry, _ in ended:
             self._delivery.fail(entry.envelope, entry.request.id, error)
         for envelope, request in tokenize:

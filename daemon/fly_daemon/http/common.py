@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from fly_llm.common.errors import BadRequest, FLyError, Internal, TooLong
 from fly_llm.common.json_text import MAX_BODY_VALUES, count_values, loads
@@ -168,11 +169,14 @@ ErrorShape = Callable[[FLyError, int], dict[str, Any]]
 """An API's error body for an error answered with an HTTP status (`openai_error`, Anthropic's, Ollama's)."""
 
 
-def error_answer(exc: Exception, shape: ErrorShape) -> JSONResponse:
+def error_answer(exc: Exception, shape: ErrorShape) -> Response:
     """The answer to a request that failed before its answer began, in an API's error `shape`: our errors with
     their status (and headers), an HTTP-level refusal (unknown route, wrong method, body size) with its own, a
-    parameter FastAPI refused as BAD_REQUEST, anything else as INTERNAL (`internal`)."""
+    parameter FastAPI refused as BAD_REQUEST, anything else as INTERNAL (`internal`); a client that left while
+    its body was read gets CLIENT_CLOSED and no body (nobody reads it)."""
     headers = None
+    if isinstance(exc, ClientDisconnect | ClientGone):
+        return Response(status_code=CLIENT_CLOSED)
     if isinstance(exc, HTTPException):
         error, status, headers = refusal(exc), exc.status_code, exc.headers
     elif isinstance(exc, RequestValidationError):
@@ -211,7 +215,7 @@ def add_error_handlers(app: FastAPI, shape: ErrorShape) -> None:
     async def handle(_: Request, exc: Exception) -> Response:
         return error_answer(exc, shape)
 
-    for kind in (FLyError, HTTPException, RequestValidationError, Exception):
+    for kind in (FLyError, HTTPException, RequestValidationError, ClientDisconnect, ClientGone, Exception):
         app.add_exception_handler(kind, handle)
 
 

@@ -18,8 +18,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+import traceback
 import uuid
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from typing import Annotated, Any, ClassVar, Protocol, TypeVar
 
@@ -72,10 +75,31 @@ def refusal(exc: HTTPException) -> FLyError:
     return (TooLong if exc.status_code == 413 else BadRequest)(str(exc.detail))
 
 
+TRACEBACK_EVERY = 60.0
+"""Seconds between two tracebacks of one cause in the log (an unexpected failure's kind and the line it was raised
+at); meanwhile each failure of that cause is one line. One client repeating a request that fails logged a
+~12 KB traceback each time (1.4 GB an hour)."""
+_CAUSES_KEPT = 1024
+"""Causes whose last traceback time is remembered (the oldest forgotten first)."""
+_tracebacks: OrderedDict[tuple[str, str, int], float] = OrderedDict()  # cause -> when its traceback was logged
+
+
 def internal(exc: BaseException) -> Internal:
-    """INTERNAL naming a new request id, never `exc`'s text (it may hold a prompt); the log gets the traceback."""
+    """INTERNAL naming a new request id, never `exc`'s text (it may hold a prompt); the log gets the traceback, once
+    per cause every TRACEBACK_EVERY seconds, else a line naming the cause."""
     request_id = uuid.uuid4().hex[:12]
-    log.error("the HTTP front failed on a request (request id %s)", request_id, exc_info=exc)
+    frames = traceback.extract_tb(exc.__traceback__)
+    cause = (type(exc).__qualname__, *((frames[-1].filename, frames[-1].lineno or 0) if frames else ("?", 0)))
+    now = time.monotonic()
+    if now - _tracebacks.get(cause, -TRACEBACK_EVERY) >= TRACEBACK_EVERY:
+        _tracebacks[cause] = now
+        _tracebacks.move_to_end(cause)
+        while len(_tracebacks) > _CAUSES_KEPT:
+            _tracebacks.popitem(last=False)
+        log.error("the HTTP front failed on a request (request id %s)", request_id, exc_info=exc)
+    else:
+        log.error("the HTTP front failed on a request (request id %s): %s at %s:%d again (its traceback is in the "
+                  "log within the last %d s)", request_id, *cause, TRACEBACK_EVERY)
     return Internal(f"internal error (request id {request_id}); the server's log has the details")
 
 

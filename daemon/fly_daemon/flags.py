@@ -20,6 +20,8 @@ from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from fly_daemon.settings import comma_separated
+
 SPELLINGS: dict[str, dict[str, Any]] = {
     "allowed_hosts": {"flag": "--allowed-host", "action": "append", "metavar": "HOST",
                       "help": "also answer HTTP requests whose Host is HOST (repeatable; '*': any); else a loopback "
@@ -65,11 +67,6 @@ def flag_for(name: str, field: FieldInfo) -> tuple[str, dict[str, Any]]:
     if options.get("action") == "append":
         options.pop("type", None)
     return flag, options
-
-
-def comma_separated(text: str) -> tuple[str, ...]:
-    """'a, b,,c' as ('a', 'b', 'c'); '' as () (an empty list)."""
-    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 def without_none(annotation: Any) -> Any:

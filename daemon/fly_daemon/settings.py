@@ -42,6 +42,11 @@ M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "FLY_"
 
 
+def comma_separated(text: str) -> list[str]:
+    """'a, b,,c' as ['a', 'b', 'c']; '' as [] (how a list setting is written in FLY_* variables and flags)."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 class SettingsError(ValueError):
     """A config file that cannot be read, or a setting with an invalid value."""
 
@@ -77,7 +82,7 @@ class HttpLimits(BaseModel):
     def _networks(cls, entries: Any) -> Any:
         """Comma-separated text or a list of addresses and networks (host bits allowed), as networks."""
         if isinstance(entries, str):
-            entries = entries.split(",")
+            entries = comma_separated(entries)
         if isinstance(entries, list | tuple) and all(isinstance(e, str) for e in entries):
             return list(trusted_networks(e for e in entries if e.strip()))
         return entries
@@ -135,7 +140,7 @@ class DaemonSettings(Limits, HttpLimits, EmbeddingSettings):
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _comma_separated(cls, hosts: Any) -> Any:
-        return [h.strip() for h in hosts.split(",") if h.strip()] if isinstance(hosts, str) else hosts
+        return comma_separated(hosts) if isinstance(hosts, str) else hosts
 
 
 TABLES: dict[type[BaseModel], str] = {ModelSpec: "model", FLyConfig: "fly", DaemonSettings: "daemon"}

@@ -203,9 +203,11 @@ def error_answer(exc: Exception, shape: ErrorShape) -> Response:
         return Response(status_code=CLIENT_CLOSED)
     if isinstance(exc, HTTPException):
         error, status, headers = refusal(exc), exc.status_code, exc.headers
-    elif isinstance(exc, RequestValidationError):
-        first = exc.errors()[0]
-        error, status = BadRequest(f"{'.'.join(map(str, first['loc']))}: {first['msg']}"), 400
+    elif isinstance(exc, RequestValidationError):  # a parameter of the route's (bodies are read by JsonBody)
+        first = exc.errors()[:5]
+        fields = [".".join(map(str, e["loc"][1:])) for e in first]  # loc[0] is where: "query", "path", ...
+        problems = "; ".join(f"{field or e['loc'][0]}: {e['msg']}" for field, e in zip(fields, first))
+        error, status = BadRequest(problems, fields[0] or None), 400
     elif isinstance(exc, FLyError):
         error, status = exc, http_status(exc)
         headers = error_headers(status)

@@ -83,7 +83,7 @@ def openai_embeddings(service: EmbeddingService, clients: HttpClients) -> APIRou
     async def embeddings(body: JsonBody[OpenAIEmbeddingBody], request: Request) -> Any:
         async def work() -> tuple[Embedder, Embedded]:
             embedder = await _served(service, body.model, body.dimensions)
-            return embedder, await service.embed(body.inputs(), truncate=False, client=_client(clients, request))
+            return embedder, await service.embed(body.inputs(), truncate=False, client=clients.identity(request))
 
         try:
             embedder, done = await unless_disconnected(request, work())
@@ -112,7 +112,7 @@ def ollama_embeddings(service: EmbeddingService, clients: HttpClients) -> APIRou
                     "load_duration": 0, "prompt_eval_count": 0}
         try:
             _, done = await unless_disconnected(request, _embedded(service, body.model, inputs, body.truncate,
-                                                                    body.dimensions, _client(clients, request)))
+                                                                    body.dimensions, clients.identity(request)))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         return {"model": body.model, "embeddings": [_floats(v) for v in done.vectors],
@@ -124,7 +124,7 @@ def ollama_embeddings(service: EmbeddingService, clients: HttpClients) -> APIRou
         body = await parsed_body(request, OllamaEmbeddingsBody)
         try:
             _, done = await unless_disconnected(request, _embedded(service, body.model, [body.prompt], True, None,
-                                                                    _client(clients, request)))
+                                                                    clients.identity(request)))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         return {"embedding": _floats(done.vectors[0])}
@@ -136,11 +136,6 @@ async def _embedded(service: EmbeddingService, model: str, inputs: Sequence[str]
                     dimensions: int | None, client: str) -> tuple[Embedder, Embedded]:
     embedder = await _served(service, model, dimensions)
     return embedder, await service.embed(inputs, truncate=truncate, client=client)
-
-
-def _client(clients: HttpClients, request: Request) -> str:
-    """The lane of the embedding queue `request` waits in: its tenant's and client's (fly_daemon.client_identity)."""
-    return f"{clients.tenant}/{clients.identity(request)}"
 
 
 async def _served(service: EmbeddingService, asked: str, dimensions: int | None) -> Embedder:
